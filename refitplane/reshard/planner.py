@@ -1,0 +1,219 @@
+"""The planner: who sends which box of which tensor to whom.
+
+For every box a destination rank needs, the planner cuts it into pieces that each lie
+inside one source holding and together cover it exactly once. Where several source
+ranks hold the same box (data-parallel replicas, `Replicate()` placements), each piece
+goes to the candidate with the fewest bytes to send so far (same host first when hosts
+are known), so no sender becomes a hot spot.
+
+Geometry is cached: tensors of the same shape held and needed through the same boxes
+(every layer of a model, every expert) are cut once, whatever ranks hold them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from refitplane.errors import CoverageError, LayoutError
+from refitplane.reshard.boxes import (
+    Box,
+    box_numel,
+    format_box,
+    intersect,
+    pairwise_disjoint,
+    subtract,
+)
+from refitplane.reshard.layout import Layout, TensorLayout, TensorSpec
+from refitplane.reshard.plan import Link, Piece, Plan, plan_digest
+
+# (piece box, index of the distinct source box it comes from)
+Cut = tuple[Box, int]
+
+
+class _Uncovered(Exception):
+    def __init__(self, box: Box) -> None:
+        super().__init__(box)
+        self.box = box
+
+
+@dataclass
+class _Cutter:
+    """Cuts needed boxes against a tuple of distinct holder boxes, with caching."""
+
+    disjoint: dict[tuple[Box, ...], bool]
+    cuts: dict[tuple[tuple[Box, ...], Box], tuple[Cut, ...]]
+
+    def cut(self, holders: tuple[Box, ...], need: Box) -> tuple[Cut, ...]:
+        """The cuts covering `need`; raises `_Uncovered` with the first uncovered sub-box."""
+        key = (holders, need)
+        hit = self.cuts.get(key)
+        if hit is None:
+            hit = self._cut(holders, need)
+            self.cuts[key] = hit
+        return hit
+
+    def _cut(self, holders: tuple[Box, ...], need: Box) -> tuple[Cut, ...]:
+        disjoint = self.disjoint.get(holders)
+        if disjoint is None:
+            disjoint = pairwise_disjoint(holders)
+            self.disjoint[holders] = disjoint
+        if disjoint:
+            cuts: list[Cut] = []
+            covered = 0
+            for i, h in enumerate(holders):
+                common = intersect(need, h)
+                if common is not None:
+                    cuts.append((common, i))
+                    covered += box_numel(common)
+            if covered == box_numel(need):
+                return tuple(cuts)
+            raise _Uncovered(_first_uncovered(need, [c for c, _ in cuts]))
+        # Overlapping holdings: repeatedly take the holder covering most of what is left.
+        remaining = [need]
+        out: list[Cut] = []
+        while remaining:
+            part = remaining.pop()
+            best: tuple[int, int, Box] | None = None
+            for i, h in enumerate(holders):
+                common = intersect(part, h)
+                if common is not None:
+                    n = box_numel(common)
+                    if best is None or n > best[0]:
+                        best = (n, i, common)
+            if best is None:
+                raise _Uncovered(part)
+            out.append((best[2], best[1]))
+            remaining.extend(subtract(part, best[2]))
+        out.sort()
+        return tuple(out)
+
+
+def _first_uncovered(need: Box, covered: list[Box]) -> Box:
+    remaining = [need]
+    for c in covered:
+        remaining = [r for part in remaining for r in subtract(part, c)]
+    return remaining[0]
+
+
+def _check_spec(name: str, source: TensorSpec, target: TensorSpec) -> None:
+    if source.shape != target.shape:
+        raise LayoutError(
+            f"source has shape {list(source.shape)}, destination expects {list(target.shape)}",
+            tensor=name,
+            field="shape",
+        )
+    if source.dtype != target.dtype:
+        raise LayoutError(
+            f"source has dtype {source.dtype}, destination expects {target.dtype}",
+            tensor=name,
+            field="dtype",
+        )
+
+
+def validate_compatible(source: Layout, target: Layout) -> None:
+    """Every tensor the destination needs exists on the source with the same spec."""
+    for t in target:
+        held = source.tensors.get(t.spec.name)
+        if held is None:
+            needers = t.ranks()
+            raise LayoutError(
+                f"needed by destination rank(s) {needers[:8]} but no source rank holds it",
+                tensor=t.spec.name,
+                rank=needers[0] if needers else None,
+            )
+        _check_spec(t.spec.name, held.spec, t.spec)
+
+
+def build_plan(
+    source: Layout,
+    target: Layout,
+    *,
+    hosts: Mapping[int, str] | None = None,
+) -> Plan:
+    """Plan the transfer of everything `target` needs from what `source` holds.
+
+    Source and target ranks must already be distinct group ranks. `hosts` (rank → host
+    name) makes the balancer prefer senders on the destination's host.
+    """
+    validate_compatible(source, target)
+    overlap = set(source.ranks()) & set(target.ranks())
+    if overlap:
+        raise LayoutError(
+            f"rank(s) {sorted(overlap)[:8]} appear on both sides; relabel to group ranks first",
+            field="rank",
+        )
+    cutter = _Cutter({}, {})
+    send_load: dict[int, int] = dict.fromkeys(source.ranks(), 0)
+    link_pieces: dict[tuple[int, int], list[Piece]] = {}
+    link_load: dict[tuple[int, int], int] = {}
+    specs: dict[str, TensorSpec] = {}
+    host_of = hosts or {}
+
+    for t in target:
+        held = source.tensors[t.spec.name]
+        holders, owners = _distinct_holders(held)
+        size = t.spec.itemsize
+        specs[t.spec.name] = t.spec
+        for dst in sorted(t.boxes):
+            dst_host = host_of.get(dst)
+            for need in t.boxes[dst]:
+                try:
+                    cuts = cutter.cut(holders, need)
+                except _Uncovered as gap:
+                    raise CoverageError(
+                        f"no source rank holds this part of the needed box {format_box(need)}",
+                        tensor=t.spec.name,
+                        rank=dst,
+                        box=format_box(gap.box),
+                    ) from None
+                for box, idx in cuts:
+                    nbytes = box_numel(box) * size
+                    src = _pick_sender(owners[idx], dst, dst_host, host_of, send_load, link_load)
+                    send_load[src] += nbytes
+                    key = (src, dst)
+                    link_load[key] = link_load.get(key, 0) + nbytes
+                    link_pieces.setdefault(key, []).append(Piece(t.spec.name, box))
+
+    links = tuple(
+        Link(src=s, dst=d, pieces=tuple(link_pieces[(s, d)]), nbytes=link_load[(s, d)])
+        for s, d in sorted(link_pieces)
+    )
+    host_key = ",".join(f"{r}={h}" for r, h in sorted(host_of.items()))
+    return Plan(
+        specs=specs,
+        links=links,
+        digest=plan_digest(source.digest, target.digest, host_key),
+        source_ranks=tuple(source.ranks()),
+        target_ranks=tuple(target.ranks()),
+    )
+
+
+def _distinct_holders(held: TensorLayout) -> tuple[tuple[Box, ...], list[list[int]]]:
+    """Distinct boxes held (sorted) and, for each, the ranks holding exactly that box."""
+    by_box: dict[Box, list[int]] = {}
+    for rank, boxes in held.boxes.items():
+        for box in boxes:
+            by_box.setdefault(box, []).append(rank)
+    holders = tuple(sorted(by_box))
+    return holders, [sorted(by_box[b]) for b in holders]
+
+
+def _pick_sender(
+    candidates: list[int],
+    dst: int,
+    dst_host: str | None,
+    host_of: Mapping[int, str],
+    send_load: Mapping[int, int],
+    link_load: Mapping[tuple[int, int], int],
+) -> int:
+    if len(candidates) == 1:
+        return candidates[0]
+    best = candidates[0]
+    best_key: tuple[bool, int, int] | None = None
+    for c in candidates:
+        remote = dst_host is not None and host_of.get(c) != dst_host
+        key = (remote, send_load[c], link_load.get((c, dst), 0))
+        if best_key is None or key < best_key:
+            best, best_key = c, key
+    return best
