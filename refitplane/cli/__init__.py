@@ -1,0 +1,1 @@
+"""Command-line entry points: `refitctl` (operators) and the service launchers."""
