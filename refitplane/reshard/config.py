@@ -1,0 +1,38 @@
+"""How the data plane runs. Identical on every rank of a refit: both ends of a link must cut
+the same buckets from the same plan, so the coordinator hands one config to everyone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refitplane.errors import InvalidArgument
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    # Largest message; pieces are cut to fit, small pieces are packed together up to it.
+    bucket_bytes: int = 64 * MiB
+    # Independent channels (a communicator + CUDA stream each on GPU).
+    num_channels: int = 2
+    # Staging memory a rank may use at once (packing / unpacking buffers).
+    max_inflight_bytes: int = 256 * MiB
+    # Bound on every wait of one refit's transfer.
+    timeout_s: float = 300.0
+    # Compare per-chunk checksums of sender and receiver before reporting success.
+    verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < 1:
+            raise InvalidArgument("bucket_bytes must be positive", field="bucket_bytes")
+        if self.num_channels < 1 or self.num_channels > 64:
+            raise InvalidArgument("num_channels must be 1..64", field="num_channels")
+        if self.max_inflight_bytes < self.bucket_bytes:
+            raise InvalidArgument(
+                f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least "
+                f"bucket_bytes ({self.bucket_bytes})",
+                field="max_inflight_bytes",
+            )
+        if not self.timeout_s > 0:
+            raise InvalidArgument("timeout_s must be positive", field="timeout_s")
