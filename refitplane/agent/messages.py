@@ -1,0 +1,172 @@
+"""The agent protocol as frozen dataclasses: who a member is, the commands it receives and the
+reports it sends. Shared by the agent session and the coordinator; `convert` maps them to and
+from `refit.v1` protobuf at the edge."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from refitplane.protocol import Backend, Role
+from refitplane.reshard.config import TransferConfig
+from refitplane.reshard.plan import RankPlan
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """Who a member is. Members are keyed by (job, role, replica_id, rank)."""
+
+    job: str
+    role: Role
+    rank: int = 0
+    world_size: int = 1
+    # Generators and sidecars: which replica. Trainers: empty.
+    replica_id: str = ""
+    host: str = ""
+    # "cpu", "cuda" or "cuda:N"; sidecars may leave it empty.
+    device: str = "cpu"
+    labels: Mapping[str, str] = field(default_factory=dict)
+    # Generators/sidecars coming back after a restart: the version they fully hold.
+    version: int = 0
+
+
+# --- commands (coordinator → member) -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CreateRendezvousCmd:
+    """To group rank 0: create the rendezvous of a new group epoch, then report it."""
+
+    epoch: int
+    backend: Backend
+    group_size: int
+    num_channels: int
+
+
+@dataclass(frozen=True)
+class JoinGroupCmd:
+    """To every data-plane member of the group: build the communicator(s) of `epoch`."""
+
+    epoch: int
+    backend: Backend
+    group_rank: int
+    group_size: int
+    num_channels: int
+    rendezvous: bytes
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class LeaveGroupCmd:
+    """Tear down the communicator(s) of `epoch` (`abort`: do not wait for peers)."""
+
+    epoch: int
+    abort: bool
+
+
+@dataclass(frozen=True)
+class PrepareRefitCmd:
+    """Get ready for a refit. Data-plane ranks get their plan and the transfer config;
+    sidecars get the pause mode instead. Answer with a Prepared report."""
+
+    refit_id: str
+    version: int
+    epoch: int
+    plan: RankPlan | None = None
+    config: TransferConfig | None = None
+    pause_mode: str = ""
+
+
+@dataclass(frozen=True)
+class StartTransferCmd:
+    refit_id: str
+    version: int
+
+
+@dataclass(frozen=True)
+class AbortRefitCmd:
+    refit_id: str
+    reason: str
+    message: str
+
+
+CommandBody = (
+    CreateRendezvousCmd
+    | JoinGroupCmd
+    | LeaveGroupCmd
+    | PrepareRefitCmd
+    | StartTransferCmd
+    | AbortRefitCmd
+)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command on a member's stream; `seq` increases by one per member stream."""
+
+    seq: int
+    body: CommandBody
+
+
+# --- reports (member → coordinator) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RendezvousReady:
+    epoch: int
+    rendezvous: bytes
+
+
+@dataclass(frozen=True)
+class GroupJoined:
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Prepared:
+    pass
+
+
+@dataclass(frozen=True)
+class Progress:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_total: int = 0
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    # Receivers: tensors whose every piece matched the sender's checksum.
+    tensors_verified: int = 0
+    tensors_total: int = 0
+
+
+@dataclass(frozen=True)
+class ReplicaUpdated:
+    version: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    # Machine-readable (TIMEOUT, PEER_FAILED, CHECKSUM_MISMATCH, INVALID_LAYOUT, ...).
+    reason: str
+    message: str
+    # True when some destination bytes were already overwritten: the replica must not serve.
+    weights_modified: bool = False
+    # Set for failures of group commands (rendezvous, join), which belong to no refit.
+    epoch: int = 0
+
+
+ReportBody = (
+    RendezvousReady | GroupJoined | Prepared | Progress | TransferDone | ReplicaUpdated | Failure
+)
+
+
+@dataclass(frozen=True)
+class Report:
+    member_id: str
+    refit_id: str
+    body: ReportBody

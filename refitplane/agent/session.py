@@ -1,0 +1,384 @@
+"""`AgentSession`: one member's connection to the coordinator, for synchronous code
+(training loops, vLLM workers).
+
+Three daemon threads, every wait bounded:
+  * lease — renews every `renew_interval` (ttl/3); a lost lease (NOT_FOUND) re-registers,
+    re-publishes the layout and moves the command stream to the new member id;
+  * stream — holds StreamCommands open, reconnecting with backoff; AbortRefit and
+    LeaveGroup also go to `handler.on_abort_now` at once;
+  * worker — runs commands in order; a handler exception becomes a Failure report.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from refitplane._generated.refit.v1 import agent_pb2 as apb
+from refitplane._generated.refit.v1 import agent_pb2_grpc
+from refitplane.agent import convert
+from refitplane.agent import messages as m
+from refitplane.agent.handler import CommandHandler
+from refitplane.client.transport import auth_metadata, from_rpc_error, status_code, sync_channel
+from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
+from refitplane.reshard.layout import Layout
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+_BACKOFF_MIN_S = 0.05
+_BACKOFF_MAX_S = 2.0
+_GROUP_COMMANDS = (m.CreateRendezvousCmd, m.JoinGroupCmd, m.LeaveGroupCmd)
+
+
+class AgentSession:
+    def __init__(
+        self,
+        coordinator: str,
+        info: m.MemberInfo,
+        handler: CommandHandler,
+        *,
+        token: str | None = None,
+        tls_ca: str | Path | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        """`coordinator`: gRPC host:port. `timeout_s` bounds every call (and, in `start`,
+        how long to wait for the coordinator to answer at all)."""
+        self.info = info
+        self._handler = handler
+        self._timeout = timeout_s
+        self._metadata = auth_metadata(token)
+        self._channel = sync_channel(coordinator, tls_ca=tls_ca)
+        self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
+        self._lock = threading.RLock()
+        self._member_id = ""
+        self._ttl = 0.0
+        self._renew_interval = 1.0
+        self._layout: Layout | None = None
+        self._published = ""  # digest published for the current member id
+        self._stop = threading.Event()
+        self._reconnect = threading.Event()
+        self._commands: queue.Queue[m.Command] = queue.Queue()
+        self._call: Any = None
+        self._threads: list[threading.Thread] = []
+        self.registrations = 0
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def member_id(self) -> str:
+        return self._member_id
+
+    @property
+    def lease_ttl_s(self) -> float:
+        return self._ttl
+
+    def start(self) -> None:
+        """Register (retrying while the coordinator is unreachable, up to `timeout_s`) and
+        start the lease, stream and worker threads."""
+        deadline = time.monotonic() + self._timeout
+        delay = _BACKOFF_MIN_S
+        while True:
+            try:
+                self._register()
+                break
+            except Unavailable:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(_BACKOFF_MAX_S, delay * 2)
+        for name, target in (
+            ("lease", self._lease_loop),
+            ("stream", self._stream_loop),
+            ("worker", self._worker_loop),
+        ):
+            t = threading.Thread(target=target, name=f"refit-agent-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def close(self, *, deregister: bool = True) -> None:
+        """Stop the threads and (by default) deregister. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._cancel_stream()
+        for t in self._threads:
+            t.join(timeout=self._timeout)
+        if deregister and self._member_id:
+            try:
+                self._stub.Deregister(
+                    apb.DeregisterRequest(member_id=self._member_id),
+                    timeout=self._timeout,
+                    metadata=self._metadata,
+                )
+            except grpc.RpcError as exc:
+                log.debug("deregister failed: %s", status_code(exc))
+        self._channel.close()
+
+    def __enter__(self) -> AgentSession:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- calls ---------------------------------------------------------------------------
+
+    def _call_unary(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=self._timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def _register(self) -> None:
+        with self._lock:
+            resp = self._call_unary("Register", convert.register_to_proto(self.info))
+            self._member_id = resp.member_id
+            self._ttl = resp.lease_ttl_s
+            self._renew_interval = max(0.01, resp.renew_interval_s)
+            self._published = ""
+            self.registrations += 1
+            log.info("registered as member %s (ttl %.1f s)", self._member_id, self._ttl)
+            if self._layout is not None:
+                self._publish(self._layout)
+        self._reconnect.set()
+        self._cancel_stream()
+
+    def _reregister(self, stale_id: str) -> None:
+        """The coordinator no longer knows `stale_id`: register again (once per stale id)."""
+        with self._lock:
+            if self._member_id != stale_id or self._stop.is_set():
+                return
+            log.warning("member %s is not known any more: registering again", stale_id)
+            self._register()
+
+    def publish_layout(self, layout: Layout) -> str:
+        """Publish what this rank holds (trainer) or needs (generator); returns the digest.
+        A no-op when the same layout was already published for this registration."""
+        ranks = layout.ranks()
+        if ranks and ranks != [self.info.rank]:
+            raise InvalidArgument(
+                f"the layout lists rank(s) {ranks[:8]}, but this member is rank {self.info.rank}",
+                field="layout",
+            )
+        with self._lock:
+            self._layout = layout
+            if self._published == layout.digest:
+                return layout.digest
+            return self._publish(layout)
+
+    def _publish(self, layout: Layout) -> str:
+        member_id = self._member_id
+        request = apb.PublishLayoutRequest(
+            member_id=member_id, layout=convert.layout_to_proto(layout, self.info.rank)
+        )
+        try:
+            resp = self._call_unary("PublishLayout", request)
+        except NotFound:
+            self._reregister(member_id)
+            return self._published
+        self._published = resp.layout_digest
+        return str(resp.layout_digest)
+
+    # --- reports -------------------------------------------------------------------------
+
+    def _report(self, refit_id: str, body: m.ReportBody) -> bool:
+        """Send a report, retrying transient errors within `timeout_s`. Returns whether the
+        coordinator accepted it (False: the refit or epoch is no longer current)."""
+        deadline = time.monotonic() + self._timeout
+        delay = _BACKOFF_MIN_S
+        while True:
+            member_id = self._member_id
+            request = convert.report_to_proto(m.Report(member_id, refit_id, body))
+            try:
+                return bool(self._call_unary("Report", request).accepted)
+            except NotFound:
+                self._reregister(member_id)
+                return False
+            except Unavailable:
+                if time.monotonic() + delay > deadline or self._stop.is_set():
+                    raise
+                time.sleep(delay)
+                delay = min(_BACKOFF_MAX_S, delay * 2)
+
+    def report_rendezvous_ready(self, epoch: int, rendezvous: bytes) -> bool:
+        return self._report("", m.RendezvousReady(epoch=epoch, rendezvous=rendezvous))
+
+    def report_group_joined(self, epoch: int) -> bool:
+        return self._report("", m.GroupJoined(epoch=epoch))
+
+    def report_prepared(self, refit_id: str) -> bool:
+        return self._report(refit_id, m.Prepared())
+
+    def report_progress(
+        self, refit_id: str, *, bytes_sent: int = 0, bytes_received: int = 0, bytes_total: int = 0
+    ) -> bool:
+        return self._report(
+            refit_id,
+            m.Progress(
+                bytes_sent=bytes_sent, bytes_received=bytes_received, bytes_total=bytes_total
+            ),
+        )
+
+    def report_transfer_done(
+        self,
+        refit_id: str,
+        *,
+        bytes_sent: int = 0,
+        bytes_received: int = 0,
+        seconds: float = 0.0,
+        tensors_verified: int = 0,
+        tensors_total: int = 0,
+    ) -> bool:
+        return self._report(
+            refit_id,
+            m.TransferDone(
+                bytes_sent=bytes_sent,
+                bytes_received=bytes_received,
+                seconds=seconds,
+                tensors_verified=tensors_verified,
+                tensors_total=tensors_total,
+            ),
+        )
+
+    def report_replica_updated(self, refit_id: str, version: int) -> bool:
+        return self._report(refit_id, m.ReplicaUpdated(version=version))
+
+    def report_failure(
+        self,
+        refit_id: str,
+        reason: str,
+        message: str,
+        *,
+        weights_modified: bool = False,
+        epoch: int = 0,
+    ) -> bool:
+        return self._report(
+            refit_id,
+            m.Failure(
+                reason=reason, message=message, weights_modified=weights_modified, epoch=epoch
+            ),
+        )
+
+    # --- threads -------------------------------------------------------------------------
+
+    def _lease_loop(self) -> None:
+        while not self._stop.wait(self._renew_interval):
+            member_id = self._member_id
+            try:
+                self._call_unary("RenewLease", apb.RenewLeaseRequest(member_id=member_id))
+            except NotFound:
+                self._safe(self._reregister, member_id)
+            except RefitError as exc:
+                log.warning("lease renewal failed: %s", exc.message)
+
+    def _safe(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except RefitError as exc:
+            log.warning("%s failed: %s", getattr(fn, "__name__", fn), exc.message)
+
+    def _cancel_stream(self) -> None:
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _stream_loop(self) -> None:
+        delay = _BACKOFF_MIN_S
+        while not self._stop.is_set():
+            self._reconnect.clear()
+            member_id = self._member_id
+            try:
+                call = self._stub.StreamCommands(
+                    apb.StreamCommandsRequest(member_id=member_id), metadata=self._metadata
+                )
+                self._call = call
+                for raw in call:
+                    delay = _BACKOFF_MIN_S
+                    self._dispatch(convert.command_from_proto(raw))
+            except grpc.RpcError as exc:
+                code = status_code(exc)
+                if code == grpc.StatusCode.NOT_FOUND:
+                    self._safe(self._reregister, member_id)
+                    if self._member_id != member_id:
+                        continue
+                if code == grpc.StatusCode.CANCELLED and (
+                    self._stop.is_set() or self._reconnect.is_set()
+                ):
+                    continue
+                if code not in _RETRYABLE:
+                    log.warning("command stream failed: %s", from_rpc_error(exc).message)
+            except RefitError as exc:
+                log.exception("undecodable command: %s", exc.message)
+            finally:
+                self._call = None
+            # The server ended the stream (coordinator restarting) or it broke: back off.
+            if self._stop.wait(delay):
+                return
+            delay = min(_BACKOFF_MAX_S, delay * 2)
+
+    def _dispatch(self, command: m.Command) -> None:
+        body = command.body
+        if isinstance(body, m.AbortRefitCmd | m.LeaveGroupCmd):
+            try:
+                self._handler.on_abort_now(body)
+            except Exception:
+                log.exception("on_abort_now failed")
+        self._commands.put(command)
+
+    def _worker_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                command = self._commands.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            body = command.body
+            try:
+                self._run(body)
+            except Exception as exc:
+                log.exception("command %s failed", type(body).__name__)
+                self._report_exception(body, exc)
+
+    def _run(self, body: m.CommandBody) -> None:
+        h = self._handler
+        match body:
+            case m.CreateRendezvousCmd():
+                h.on_create_rendezvous(body)
+            case m.JoinGroupCmd():
+                h.on_join_group(body)
+            case m.LeaveGroupCmd():
+                h.on_leave_group(body)
+            case m.PrepareRefitCmd():
+                h.on_prepare_refit(body)
+            case m.StartTransferCmd():
+                h.on_start_transfer(body)
+            case m.AbortRefitCmd():
+                h.on_abort_refit(body)
+
+    def _report_exception(self, body: m.CommandBody, exc: Exception) -> None:
+        reason = exc.reason if isinstance(exc, RefitError) else "AGENT_ERROR"
+        message = exc.message if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
+        if isinstance(body, m.AbortRefitCmd | m.LeaveGroupCmd):
+            return  # nothing to report against: the refit/epoch is already over
+        refit_id = "" if isinstance(body, _GROUP_COMMANDS) else getattr(body, "refit_id", "")
+        epoch = getattr(body, "epoch", 0) if isinstance(body, _GROUP_COMMANDS) else 0
+        try:
+            self.report_failure(
+                refit_id,
+                reason,
+                message,
+                weights_modified=bool(getattr(exc, "weights_modified", False)),
+                epoch=epoch,
+            )
+        except RefitError as report_exc:
+            log.warning("could not report the failure: %s", report_exc.message)

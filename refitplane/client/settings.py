@@ -1,0 +1,30 @@
+"""Where clients and agents find the coordinator: REFIT_* environment variables (and .env)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ClientSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="REFIT_", env_file=".env", extra="ignore")
+
+    # gRPC host:port of the coordinator
+    coordinator: str = "localhost:50051"
+    # REST base URL (e.g. http://refit-coordinator:8080)
+    coordinator_http: str = "http://localhost:8080"
+    auth_token: SecretStr | None = None
+    # A mounted secret; wins over auth_token.
+    auth_token_file: Path | None = None
+    # CA bundle for a TLS coordinator (unset: plaintext)
+    tls_ca_file: Path | None = None
+    job: str = ""
+
+    def token(self) -> str | None:
+        if self.auth_token_file is not None:
+            return self.auth_token_file.read_text().strip() or None
+        if self.auth_token is not None:
+            return self.auth_token.get_secret_value() or None
+        return None

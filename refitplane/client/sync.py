@@ -1,0 +1,117 @@
+"""`RefitClient`: the blocking orchestrator client (RL frameworks, scripts, refitctl)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from refitplane._generated.refit.v1 import orchestrator_pb2 as opb
+from refitplane._generated.refit.v1 import orchestrator_pb2_grpc
+from refitplane.client.convert import refit_from_proto, topology_from_proto
+from refitplane.client.models import Refit, Topology
+from refitplane.client.settings import ClientSettings
+from refitplane.client.transport import auth_metadata, from_rpc_error, sync_channel
+from refitplane.errors import TransferTimeout
+
+
+class RefitClient:
+    """Trigger, inspect, cancel and watch refits. No protobuf in or out: results are the
+    pydantic models of `refitplane.client.models`; failures are `refitplane.errors`."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls_ca: str | Path | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._channel = sync_channel(target, tls_ca=tls_ca)
+        self._stub = orchestrator_pb2_grpc.RefitServiceStub(self._channel)
+        self._metadata = auth_metadata(token)
+        self._timeout = timeout_s
+
+    @classmethod
+    def from_env(cls, settings: ClientSettings | None = None, **kwargs: Any) -> RefitClient:
+        """From REFIT_COORDINATOR, REFIT_AUTH_TOKEN(_FILE), REFIT_TLS_CA_FILE."""
+        s = settings or ClientSettings()
+        return cls(s.coordinator, token=s.token(), tls_ca=s.tls_ca_file, **kwargs)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> RefitClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=self._timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def trigger(
+        self,
+        job: str,
+        *,
+        target_replicas: Sequence[str] = (),
+        idempotency_key: str = "",
+        version: int = 0,
+    ) -> Refit:
+        request = opb.TriggerRefitRequest(
+            job=job,
+            target_replicas=list(target_replicas),
+            idempotency_key=idempotency_key,
+            version=version,
+        )
+        return refit_from_proto(self._call("TriggerRefit", request))
+
+    def get(self, refit_id: str) -> Refit:
+        return refit_from_proto(self._call("GetRefit", opb.GetRefitRequest(refit_id=refit_id)))
+
+    def list(self, job: str, *, limit: int = 50) -> list[Refit]:
+        resp = self._call("ListRefits", opb.ListRefitsRequest(job=job, limit=limit))
+        return [refit_from_proto(r) for r in resp.refits]
+
+    def cancel(self, refit_id: str) -> Refit:
+        return refit_from_proto(
+            self._call("CancelRefit", opb.CancelRefitRequest(refit_id=refit_id))
+        )
+
+    def topology(self, job: str) -> Topology:
+        return topology_from_proto(self._call("GetTopology", opb.GetTopologyRequest(job=job)))
+
+    def watch(self, refit_id: str, *, timeout_s: float | None = None) -> Iterator[Refit]:
+        """The refit now and on every change until it is terminal (or `timeout_s` passes:
+        TransferTimeout)."""
+        call = self._stub.WatchRefit(
+            opb.WatchRefitRequest(refit_id=refit_id), timeout=timeout_s, metadata=self._metadata
+        )
+        try:
+            for msg in call:
+                yield refit_from_proto(msg)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TransferTimeout(
+                    f"refit {refit_id} did not finish within {timeout_s:g} s", field="refit_id"
+                ) from None
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    def wait(self, refit_id: str, *, timeout_s: float) -> Refit:
+        """Block until the refit is COMMITTED, FAILED or CANCELLED; returns the final record."""
+        deadline = time.monotonic() + timeout_s
+        last: Refit | None = None
+        for last in self.watch(refit_id, timeout_s=max(0.001, deadline - time.monotonic())):
+            if last.terminal:
+                return last
+        return last if last is not None else self.get(refit_id)

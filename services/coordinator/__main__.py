@@ -1,0 +1,88 @@
+"""`refit-coordinator`: start the coordinator (gRPC + REST in one process).
+
+Configuration comes from REFIT_* environment variables (and `.env`); the flags below
+override them. Without a Redis URL the embedded in-process store is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+log = logging.getLogger("refitplane.coordinator")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="refit-coordinator",
+        description="Weight-refit coordinator: gRPC (agents, orchestrators) and REST in one "
+        "process. Every flag can also be set as a REFIT_* environment variable.",
+    )
+    p.add_argument("--grpc-host", help="REFIT_GRPC_HOST (default 0.0.0.0)")
+    p.add_argument("--grpc-port", type=int, help="REFIT_GRPC_PORT (default 50051; 0: any free)")
+    p.add_argument("--http-host", help="REFIT_HTTP_HOST (default 0.0.0.0)")
+    p.add_argument("--http-port", type=int, help="REFIT_HTTP_PORT (default 8080; 0: any free)")
+    p.add_argument("--redis-url", help="REFIT_REDIS_URL (empty: embedded in-process store)")
+    p.add_argument("--log-level", help="REFIT_LOG_LEVEL (default INFO)")
+    p.add_argument("--env-file", type=Path, help="read settings from this file instead of .env")
+    p.add_argument(
+        "--port-file",
+        type=Path,
+        help="once serving, write {'grpc_port': ..., 'http_port': ...} here (for port 0)",
+    )
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("grpc_host", "grpc_port", "http_host", "http_port", "redis_url", "log_level")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+async def _serve(server: Any, port_file: Path | None) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    if port_file is not None:
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"grpc_port": server.grpc_port, "http_port": server.http_port}))
+        tmp.replace(port_file)
+    await stop.wait()
+    log.info("signal received: stopping gracefully")
+    await server.stop(graceful=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Heavy imports after argument parsing keep --help fast.
+    from refitplane.coordinator import logs
+    from refitplane.coordinator.server import CoordinatorServer
+    from refitplane.coordinator.settings import Settings
+
+    try:
+        settings = Settings(_env_file=args.env_file or ".env", **_overrides(args))  # type: ignore[call-arg]
+    except ValidationError as exc:
+        print(f"refit-coordinator: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_level, json_lines=settings.log_json)
+    try:
+        server = CoordinatorServer(settings)
+        asyncio.run(_serve(server, args.port_file))
+    except (OSError, ValueError):
+        log.exception("cannot start")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Membership: registrations, TTL leases, layouts published, members lost or replaced.
+
+The live view is in memory (the coordinator is the single writer) and every durable change
+is written through to the store. Lease renewals touch memory only: after a restart every
+member gets one fresh TTL of grace, so leases need not be persisted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+
+from refitplane.coordinator.core.records import MemberRecord
+from refitplane.coordinator.core.validation import check_member
+from refitplane.coordinator.store.base import Store
+
+from refitplane.agent.messages import MemberInfo
+from refitplane.errors import NotFound
+from refitplane.protocol import MemberState, Role
+from refitplane.reshard.layout import Layout
+
+log = logging.getLogger(__name__)
+
+# LOST members stay visible in the topology this many TTLs, then they are forgotten.
+LOST_RETENTION_TTLS = 10
+
+
+class Departure(enum.StrEnum):
+    """Why a member stopped being usable; also the refit failure reason it causes."""
+
+    LEASE_EXPIRED = "LEASE_EXPIRED"
+    MEMBER_REPLACED = "MEMBER_REPLACED"
+    MEMBER_LEFT = "MEMBER_LEFT"
+
+
+DepartureListener = Callable[[MemberRecord, Departure], Awaitable[None]]
+
+
+class Membership:
+    def __init__(self, store: Store, *, lease_ttl_s: float, allowed_jobs: Iterable[str]) -> None:
+        self._store = store
+        self.ttl = lease_ttl_s
+        self._allowed = frozenset(allowed_jobs)
+        self._members: dict[str, MemberRecord] = {}
+        self._by_job: dict[str, dict[str, str]] = collections.defaultdict(dict)
+        self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self._listeners: list[DepartureListener] = []
+
+    def on_departure(self, listener: DepartureListener) -> None:
+        self._listeners.append(listener)
+
+    async def _depart(self, member: MemberRecord, why: Departure) -> None:
+        for listener in self._listeners:
+            await listener(member, why)
+
+    # --- loading -------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Read every member from the store; live ones get one TTL of grace."""
+        expires = time.time() + self.ttl
+        for m in await self._store.load_members():
+            if m.alive:
+                m = m.model_copy(update={"lease_expires_unix": expires})
+            self._put(m)
+        log.info("loaded %d members from the %s store", len(self._members), self._store.kind)
+
+    def _put(self, member: MemberRecord) -> None:
+        self._members[member.member_id] = member
+        self._by_job[member.job][member.key] = member.member_id
+
+    def _drop(self, member: MemberRecord) -> None:
+        self._members.pop(member.member_id, None)
+        index = self._by_job.get(member.job)
+        if index is not None and index.get(member.key) == member.member_id:
+            del index[member.key]
+            if not index:
+                del self._by_job[member.job]
+
+    # --- queries -------------------------------------------------------------------------
+
+    def get(self, member_id: str) -> MemberRecord:
+        member = self._members.get(member_id)
+        if member is None:
+            raise NotFound(f"member {member_id!r} is not registered", field="member_id")
+        return member
+
+    def get_live(self, member_id: str) -> MemberRecord:
+        """A registered member whose lease is live (LOST members must register again)."""
+        member = self.get(member_id)
+        if not member.alive:
+            raise NotFound(
+                f"member {member_id!r} was lost (lease expired); register again", field="member_id"
+            )
+        return member
+
+    def find(self, member_id: str) -> MemberRecord | None:
+        return self._members.get(member_id)
+
+    def of_job(self, job: str) -> list[MemberRecord]:
+        index = self._by_job.get(job, {})
+        return [self._members[i] for i in index.values()]
+
+    def has_job(self, job: str) -> bool:
+        return job in self._by_job
+
+    def allowed(self, job: str) -> bool:
+        return not self._allowed or job in self._allowed
+
+    def jobs(self) -> list[str]:
+        return sorted(self._by_job)
+
+    def count_by_state(self) -> dict[MemberState, int]:
+        return dict(collections.Counter(m.state for m in self._members.values()))
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    # --- changes -------------------------------------------------------------------------
+
+    async def register(self, info: MemberInfo) -> MemberRecord:
+        check_member(info)
+        if not self.allowed(info.job):
+            raise NotFound(f"job {info.job!r} is not in REFIT_ALLOWED_JOBS", field="job")
+        now = time.time()
+        member = MemberRecord(
+            member_id=uuid.uuid4().hex,
+            job=info.job,
+            role=info.role,
+            replica_id=info.replica_id,
+            rank=info.rank,
+            world_size=info.world_size,
+            host=info.host,
+            device=info.device,
+            labels=dict(info.labels),
+            version=info.version if info.role is not Role.TRAINER else 0,
+            state=MemberState.JOINING if info.role.is_data_plane else MemberState.READY,
+            registered_unix=now,
+            lease_expires_unix=now + self.ttl,
+        )
+        async with self._locks[info.job]:
+            old_id = await self._store.register_member(member)
+            old = self._members.get(old_id) if old_id else None
+            if old is None:
+                # The store knew nothing to replace; memory may still hold a LOST member.
+                index = self._by_job.get(info.job, {})
+                prev = index.get(member.key)
+                old = self._members.get(prev) if prev else None
+            if old is not None:
+                self._drop(old)
+            self._put(member)
+        if old is not None:
+            log.info("%s replaced %s", member.describe(), old.member_id)
+            await self._depart(old, Departure.MEMBER_REPLACED)
+        else:
+            log.info("registered %s in job %s", member.describe(), member.job)
+        return member
+
+    def renew(self, member_id: str) -> MemberRecord:
+        member = self.get_live(member_id)
+        member = member.model_copy(update={"lease_expires_unix": time.time() + self.ttl})
+        self._members[member_id] = member
+        return member
+
+    async def publish_layout(self, member_id: str, layout: Layout) -> MemberRecord:
+        member = self.get_live(member_id)
+        async with self._locks[member.job]:
+            member = self.get_live(member_id)
+            if member.layout_digest == layout.digest and member.state is MemberState.READY:
+                return member
+            member = member.model_copy(
+                update={"layout_digest": layout.digest, "state": MemberState.READY}
+            )
+            await self._store.save_member(member)
+            # Keep a lease renewed while the store was being written.
+            current = self._members.get(member_id)
+            if current is None:
+                raise NotFound(f"member {member_id!r} left while publishing", field="member_id")
+            member = member.model_copy(update={"lease_expires_unix": current.lease_expires_unix})
+            self._members[member_id] = member
+        return member
+
+    async def update(self, member: MemberRecord) -> None:
+        """Persist a changed member (e.g. its version after a commit), if still registered."""
+        current = self._members.get(member.member_id)
+        if current is None:
+            return
+        member = member.model_copy(update={"lease_expires_unix": current.lease_expires_unix})
+        async with self._locks[member.job]:
+            if member.member_id in self._members:
+                await self._store.save_member(member)
+                self._members[member.member_id] = member
+
+    async def deregister(self, member_id: str) -> None:
+        member = self.get(member_id)
+        async with self._locks[member.job]:
+            await self._store.delete_member(member)
+            self._drop(member)
+        log.info("deregistered %s", member.describe())
+        if member.alive:
+            await self._depart(member, Departure.MEMBER_LEFT)
+
+    async def expire(self, now: float | None = None) -> list[MemberRecord]:
+        """Mark members whose lease ran out as LOST; forget long-lost ones. Returns the
+        newly lost."""
+        now = time.time() if now is None else now
+        lost: list[MemberRecord] = []
+        for member in list(self._members.values()):
+            if member.alive and member.lease_expires_unix < now:
+                # Memory first: from here on renewals answer NOT_FOUND, so the member
+                # re-registers instead of racing this write.
+                updated = member.model_copy(update={"state": MemberState.LOST})
+                self._members[member.member_id] = updated
+                lost.append(updated)
+                async with self._locks[member.job]:
+                    if self._members.get(member.member_id) is updated:
+                        await self._store.save_member(updated)
+            elif (
+                not member.alive
+                and member.lease_expires_unix + LOST_RETENTION_TTLS * self.ttl < now
+            ):
+                async with self._locks[member.job]:
+                    await self._store.delete_member(member)
+                    self._drop(member)
+        for member in lost:
+            log.warning("lease expired: %s", member.describe())
+            await self._depart(member, Departure.LEASE_EXPIRED)
+        return lost

@@ -1,0 +1,69 @@
+"""Prometheus metrics of one coordinator (its own registry, so tests can run several)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from refitplane.protocol import MemberState, RefitState
+
+_PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_GBPS_BUCKETS = (0.01, 0.1, 0.5, 1, 2, 5, 10, 25, 50, 100, 200, 400, 800)
+
+
+class _MemberGauge(Collector):
+    """Members by state, counted at scrape time from the live membership."""
+
+    def __init__(self, count: Callable[[], Mapping[MemberState, int]]) -> None:
+        self._count = count
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily("refit_members", "Registered members by state", labels=["state"])
+        counts = self._count()
+        for state in MemberState:
+            family.add_metric([state.value], counts.get(state, 0))
+        yield family
+
+
+class Metrics:
+    def __init__(self, count_members: Callable[[], Mapping[MemberState, int]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.refits = Counter("refit_refits", "Finished refits by outcome", ["outcome"], registry=r)
+        self.triggers = Counter(
+            "refit_triggers", "Trigger requests by outcome", ["outcome"], registry=r
+        )
+        self.phase_seconds = Histogram(
+            "refit_phase_duration_seconds",
+            "Time refits spent per phase",
+            ["phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.refit_seconds = Histogram(
+            "refit_duration_seconds",
+            "Trigger-to-finish time of refits by outcome",
+            ["outcome"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.bytes = Counter("refit_bytes", "Bytes moved by refits", registry=r)
+        self.throughput = Histogram(
+            "refit_throughput_gigabytes_per_second",
+            "Bytes received per second of TRANSFERRING, per committed refit",
+            buckets=_GBPS_BUCKETS,
+            registry=r,
+        )
+        self.epochs = Counter("refit_group_epochs", "Group epochs started", registry=r)
+        r.register(_MemberGauge(count_members))
+
+    def finished(
+        self, outcome: RefitState, timings: Mapping[RefitState, float], total_s: float
+    ) -> None:
+        self.refits.labels(outcome.value).inc()
+        self.refit_seconds.labels(outcome.value).observe(total_s)
+        for phase, seconds in timings.items():
+            self.phase_seconds.labels(phase.value).observe(seconds)

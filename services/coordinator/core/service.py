@@ -1,0 +1,396 @@
+"""`Coordinator`: the one core both transports call. It owns membership, the per-job refit
+drivers, the command outbox, plans and metrics; every method takes and returns domain types
+(`refitplane.agent.messages`, `refitplane.client.models`), never protobuf or HTTP objects."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from refitplane.coordinator.core.driver import DriverContext, JobDriver
+from refitplane.coordinator.core.events import RefitEvents
+from refitplane.coordinator.core.failures import RefitFailed
+from refitplane.coordinator.core.membership import Departure, Membership
+from refitplane.coordinator.core.metrics import Metrics
+from refitplane.coordinator.core.outbox import Outbox
+from refitplane.coordinator.core.planning import LayoutCache, PlanCache, Roster
+from refitplane.coordinator.core.ratelimit import TriggerRateLimiter
+from refitplane.coordinator.core.records import (
+    GroupState,
+    MemberRecord,
+    RefitRecord,
+    TriggerOutcome,
+    TriggerRequest,
+)
+from refitplane.coordinator.core.validation import (
+    check_idempotency_key,
+    check_member_id,
+    check_name,
+    check_refit_id,
+    check_targets,
+    check_version,
+)
+from refitplane.coordinator.settings import Settings
+from refitplane.coordinator.store.base import Store
+
+from refitplane.agent import messages as msg
+from refitplane.client.models import Member, Refit, Replica, Topology
+from refitplane.errors import (
+    Conflict,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    RateLimited,
+)
+from refitplane.protocol import MemberState, RefitState, Role
+from refitplane.reshard.layout import Layout
+
+log = logging.getLogger(__name__)
+
+MAX_LIST_LIMIT = 1000
+# How often leases are checked, as a fraction of the TTL (bounded below for tiny test TTLs).
+_REAP_FRACTION = 0.1
+
+
+class Coordinator:
+    def __init__(self, settings: Settings, store: Store) -> None:
+        self.settings = settings
+        self.store = store
+        self.membership = Membership(
+            store, lease_ttl_s=settings.lease_ttl_s, allowed_jobs=settings.allowed_jobs
+        )
+        self.outbox = Outbox()
+        self.events = RefitEvents()
+        self.metrics = Metrics(self.membership.count_by_state)
+        self.layouts = LayoutCache(store)
+        self.plans = PlanCache(store, self.layouts)
+        self._ctx = DriverContext(
+            settings, store, self.membership, self.outbox, self.events, self.metrics, self.plans
+        )
+        self._drivers: dict[str, JobDriver] = {}
+        self._driver_lock = asyncio.Lock()
+        self._limiter = TriggerRateLimiter(settings.trigger_rate_per_s)
+        self._reaper: asyncio.Task[None] | None = None
+        self.membership.on_departure(self._on_departure)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.store.ping()
+        await self.membership.load()
+        for job in sorted({*await self.store.jobs(), *self.membership.jobs()}):
+            await self._driver(job)
+        self._reaper = asyncio.create_task(self._reap(), name="lease-reaper")
+
+    async def stop(self, *, graceful: bool = True) -> None:
+        """Stop driving refits. Graceful: refits in flight fail now and their participants
+        get AbortRefit; otherwise they are left for the next coordinator to fail."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            try:
+                await self._reaper
+            except asyncio.CancelledError:
+                pass
+        await asyncio.gather(*(d.stop(abort_running=graceful) for d in self._drivers.values()))
+        self._drivers.clear()
+
+    async def close(self) -> None:
+        await self.store.close()
+
+    async def _reap(self) -> None:
+        interval = max(0.05, min(1.0, self.settings.lease_ttl_s * _REAP_FRACTION))
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.membership.expire()
+            except Exception:
+                log.exception("lease check failed")
+
+    async def _driver(self, job: str) -> JobDriver:
+        driver = self._drivers.get(job)
+        if driver is not None:
+            return driver
+        async with self._driver_lock:
+            driver = self._drivers.get(job)
+            if driver is None:
+                driver = JobDriver(job, self._ctx)
+                await driver.start()
+                self._drivers[job] = driver
+        return driver
+
+    async def _on_departure(self, member: MemberRecord, why: Departure) -> None:
+        self.outbox.close(member.member_id)
+        driver = self._drivers.get(member.job)
+        if driver is not None:
+            await driver.on_departure(member, why)
+
+    async def ready(self) -> None:
+        """Raises Unavailable when the store cannot be reached."""
+        await self.store.ping()
+
+    # --- agents --------------------------------------------------------------------------
+
+    async def register(self, info: msg.MemberInfo) -> MemberRecord:
+        member = await self.membership.register(info)
+        await self._driver(member.job)
+        return member
+
+    def renew(self, member_id: str) -> MemberRecord:
+        return self.membership.renew(check_member_id(member_id))
+
+    def member(self, member_id: str) -> MemberRecord:
+        """A live member (NOT_FOUND when unknown or lost)."""
+        return self.membership.get_live(check_member_id(member_id))
+
+    async def publish_layout(self, member_id: str, layout: Layout) -> MemberRecord:
+        member = self.member(member_id)
+        if not member.role.is_data_plane:
+            raise InvalidArgument("sidecars do not publish layouts", field="member_id")
+        if not len(layout):
+            raise InvalidArgument("the layout lists no tensors", field="layout.tensors")
+        await self.layouts.put(layout)
+        return await self.membership.publish_layout(member_id, layout)
+
+    async def stream(self, member_id: str) -> AsyncIterator[msg.Command]:
+        self.member(member_id)
+        async for command in self.outbox.stream(member_id):
+            yield command
+
+    async def report(self, report: msg.Report) -> bool:
+        member = self.membership.get(check_member_id(report.member_id))
+        if not member.alive:
+            return False
+        driver = self._drivers.get(member.job)
+        return driver is not None and await driver.on_report(member, report)
+
+    async def deregister(self, member_id: str) -> None:
+        await self.membership.deregister(check_member_id(member_id))
+
+    # --- orchestrators -------------------------------------------------------------------
+
+    async def trigger(
+        self,
+        job: str,
+        *,
+        target_replicas: list[str] | None = None,
+        idempotency_key: str = "",
+        version: int = 0,
+    ) -> Refit:
+        check_name(job, "job")
+        targets = check_targets(list(target_replicas or []))
+        check_idempotency_key(idempotency_key)
+        check_version(version)
+        self._check_job(job)
+        if targets:
+            known = {m.replica_id for m in self.membership.of_job(job) if m.replica_id}
+            unknown = [r for r in targets if r not in known]
+            if unknown:
+                raise NotFound(
+                    f"job {job!r} has no replica {unknown[0]!r}", field="target_replicas"
+                )
+        try:
+            self._limiter.check(job)
+        except RateLimited:
+            self.metrics.triggers.labels("rate_limited").inc()
+            raise
+        result = await self.store.trigger(
+            TriggerRequest(
+                job=job,
+                version=version,
+                target_replicas=targets,
+                idempotency_key=idempotency_key,
+                now=time.time(),
+                new_id=uuid.uuid4().hex,
+            )
+        )
+        self.metrics.triggers.labels(result.outcome.value).inc()
+        if result.outcome is TriggerOutcome.COALESCED:
+            self.events.publish(result.refit)
+        driver = await self._driver(job)
+        driver.wake()
+        return self._live(result.refit).view()
+
+    def _check_job(self, job: str) -> None:
+        if self.settings.allowed_jobs:
+            if job not in self.settings.allowed_jobs:
+                raise NotFound(f"job {job!r} is not in REFIT_ALLOWED_JOBS", field="job")
+        elif not self.membership.has_job(job):
+            raise NotFound(f"job {job!r} has no registered members", field="job")
+
+    def _live(self, record: RefitRecord) -> RefitRecord:
+        """The freshest copy: the driver's in-memory record while it drives this refit."""
+        driver = self._drivers.get(record.job)
+        run = driver.current if driver is not None else None
+        if run is not None and run.refit_id == record.refit_id:
+            return run.record
+        return record
+
+    async def _record(self, refit_id: str) -> RefitRecord:
+        check_refit_id(refit_id)
+        record = await self.store.get_refit(refit_id)
+        if record is None:
+            raise NotFound(f"refit {refit_id!r} not found", field="refit_id")
+        return self._live(record)
+
+    async def get_refit(self, refit_id: str) -> Refit:
+        return (await self._record(refit_id)).view()
+
+    async def list_refits(self, job: str, limit: int = 50) -> list[Refit]:
+        check_name(job, "job")
+        if limit < 1 or limit > MAX_LIST_LIMIT:
+            raise InvalidArgument(f"limit must be 1..{MAX_LIST_LIMIT}", field="limit")
+        records = await self.store.list_refits(job, limit)
+        return [self._live(r).view() for r in records]
+
+    async def cancel(self, refit_id: str) -> Refit:
+        record = await self._record(refit_id)
+        for _ in range(3):
+            if record.state.terminal:
+                raise FailedPrecondition(
+                    f"refit {refit_id} is already {record.state.value}", field="refit_id"
+                )
+            driver = self._drivers.get(record.job)
+            run = driver.current if driver is not None else None
+            if run is not None and run.refit_id == refit_id:
+                run.cancel()
+                try:
+                    await asyncio.wait_for(run.finished.wait(), 30.0)
+                except TimeoutError:
+                    log.warning("refit %s: cancel still in progress", refit_id)
+                return (await self._record(refit_id)).view()
+            if record.state is RefitState.PENDING:
+                now = time.time()
+                cancelled = record.model_copy(
+                    update={
+                        "state": RefitState.CANCELLED,
+                        "reason": "CANCELLED",
+                        "message": "cancelled by request before it started",
+                        "updated_unix": now,
+                    }
+                )
+                try:
+                    await self.store.transition(cancelled, [RefitState.PENDING])
+                except Conflict:
+                    record = await self._record(refit_id)  # the driver picked it up
+                    continue
+                self.events.publish(cancelled)
+                self.metrics.finished(RefitState.CANCELLED, {}, now - record.created_unix)
+                if driver is not None:
+                    driver.wake()
+                return cancelled.view()
+            await asyncio.sleep(0.05)
+            record = await self._record(refit_id)
+        raise Conflict(f"refit {refit_id} changed state while cancelling; retry", field="refit_id")
+
+    async def watch(self, refit_id: str, *, heartbeat_s: float = 15.0) -> AsyncIterator[Refit]:
+        """The record now and on every change, until it is terminal."""
+        with self.events.subscribe(refit_id) as changes:
+            record = await self._record(refit_id)
+            yield record.view()
+            while not record.state.terminal:
+                try:
+                    latest = await asyncio.wait_for(changes.get(), heartbeat_s)
+                except TimeoutError:
+                    latest = await self._record(refit_id)
+                    if latest == record:
+                        continue
+                record = latest
+                yield record.view()
+
+    async def topology(self, job: str) -> Topology:
+        check_name(job, "job")
+        members = self.membership.of_job(job)
+        driver = self._drivers.get(job)
+        if not members and driver is None:
+            if job not in self.settings.allowed_jobs:
+                raise NotFound(f"job {job!r} is unknown", field="job")
+            return Topology(job=job)
+        record = await self.store.load_job(job)
+        group = driver.group if driver is not None else record.group
+        replicas = driver.replicas if driver is not None else record.replicas
+        run = driver.current if driver is not None else None
+        busy = set(run.participants) if run is not None else set()
+        degraded = {r for r, rec in replicas.items() if rec.degraded}
+        in_group = group.state in (GroupState.READY, GroupState.FORMING)
+
+        def state_of(m: MemberRecord) -> MemberState:
+            if not m.alive:
+                return MemberState.LOST
+            if m.role is not Role.TRAINER and m.replica_id in degraded:
+                return MemberState.DEGRADED
+            if m.member_id in busy:
+                return MemberState.BUSY
+            return m.state
+
+        views = [
+            Member(
+                member_id=m.member_id,
+                job=m.job,
+                role=m.role,
+                replica_id=m.replica_id,
+                rank=m.rank,
+                world_size=m.world_size,
+                host=m.host,
+                device=m.device,
+                state=state_of(m),
+                group_rank=group.rank_of(m.member_id) if in_group else -1,
+                layout_digest=m.layout_digest,
+                version=m.version,
+                lease_expires_unix=m.lease_expires_unix,
+                labels=dict(m.labels),
+            )
+            for m in sorted(members, key=lambda m: (m.role.value, m.replica_id, m.rank))
+        ]
+        roster = Roster.of(members)
+        replica_views = []
+        for rid in sorted({m.replica_id for m in members if m.role is not Role.TRAINER}):
+            rep = roster.replicas.get(rid)
+            all_of = [m for m in members if m.replica_id == rid and m.role is not Role.TRAINER]
+            data = [m for m in all_of if m.role is Role.GENERATOR and m.alive]
+            version = min((m.version for m in data), default=0)
+            if rid in degraded:
+                state = MemberState.DEGRADED
+            elif rep is None or rep.problem() is not None or any(not m.alive for m in all_of):
+                state = (
+                    MemberState.LOST if any(not m.alive for m in all_of) else MemberState.JOINING
+                )
+            elif any(m.member_id in busy for m in all_of):
+                state = MemberState.BUSY
+            else:
+                state = MemberState.READY
+            replica_views.append(
+                Replica(
+                    replica_id=rid,
+                    version=version,
+                    state=state,
+                    world_size=rep.world_size if rep is not None else 0,
+                    member_ids=[m.member_id for m in all_of],
+                )
+            )
+        trainers_ok = True
+        try:
+            roster.check_trainers()
+        except RefitFailed:
+            trainers_ok = False
+        healthy = (
+            trainers_ok
+            and any(r.state in (MemberState.READY, MemberState.BUSY) for r in replica_views)
+            and all(v.state is not MemberState.LOST for v in views)
+            and not degraded
+            and group.state is not GroupState.POISONED
+        )
+        return Topology(
+            job=job,
+            members=views,
+            replicas=replica_views,
+            group_epoch=group.epoch,
+            group_size=group.size if in_group else 0,
+            backend=group.backend,
+            committed_version=record.committed_version,
+            source_layout_digest=driver.source_digest if driver is not None else "",
+            target_layout_digest=driver.target_digest if driver is not None else "",
+            healthy=healthy,
+        )

@@ -1,0 +1,69 @@
+"""refit.v1.AgentService over the core: convert, call, convert back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from refitplane.coordinator.core.service import Coordinator
+
+from refitplane._generated.refit.v1 import agent_pb2 as apb
+from refitplane._generated.refit.v1 import agent_pb2_grpc
+from refitplane.agent import convert
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+# Layouts larger than this are converted off the event loop.
+_INLINE_TENSORS = 2000
+
+
+class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self, core: Coordinator) -> None:
+        self._core = core
+
+    async def Register(
+        self, request: apb.RegisterRequest, context: Context
+    ) -> apb.RegisterResponse:
+        member = await self._core.register(convert.register_from_proto(request))
+        ttl = self._core.settings.lease_ttl_s
+        return apb.RegisterResponse(
+            member_id=member.member_id, lease_ttl_s=ttl, renew_interval_s=ttl / 3
+        )
+
+    async def RenewLease(
+        self, request: apb.RenewLeaseRequest, context: Context
+    ) -> apb.RenewLeaseResponse:
+        member = self._core.renew(request.member_id)
+        return apb.RenewLeaseResponse(
+            lease_expires_unix=member.lease_expires_unix,
+            state=convert.member_state_to_proto(member.state),
+        )
+
+    async def PublishLayout(
+        self, request: apb.PublishLayoutRequest, context: Context
+    ) -> apb.PublishLayoutResponse:
+        member = self._core.member(request.member_id)
+        if len(request.layout.tensors) > _INLINE_TENSORS:
+            layout = await asyncio.to_thread(convert.layout_from_proto, request.layout, member.rank)
+        else:
+            layout = convert.layout_from_proto(request.layout, member.rank)
+        await self._core.publish_layout(member.member_id, layout)
+        return apb.PublishLayoutResponse(layout_digest=layout.digest, num_tensors=len(layout))
+
+    async def StreamCommands(
+        self, request: apb.StreamCommandsRequest, context: Context
+    ) -> AsyncIterator[apb.Command]:
+        async for command in self._core.stream(request.member_id):
+            yield convert.command_to_proto(command)
+
+    async def Report(self, request: apb.ReportRequest, context: Context) -> apb.ReportResponse:
+        accepted = await self._core.report(convert.report_from_proto(request))
+        return apb.ReportResponse(accepted=accepted)
+
+    async def Deregister(
+        self, request: apb.DeregisterRequest, context: Context
+    ) -> apb.DeregisterResponse:
+        await self._core.deregister(request.member_id)
+        return apb.DeregisterResponse()

@@ -1,0 +1,75 @@
+"""Build the grpc.aio server: refit.v1 services behind the interceptor, health, reflection."""
+
+from __future__ import annotations
+
+from grpc import aio, ssl_server_credentials
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from refitplane.coordinator.auth import TokenCheck
+from refitplane.coordinator.core.service import Coordinator
+from refitplane.coordinator.grpc.agent_servicer import AgentServicer
+from refitplane.coordinator.grpc.interceptor import RefitInterceptor
+from refitplane.coordinator.grpc.refit_servicer import RefitServicer
+
+from refitplane._generated.refit.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+)
+
+SERVICE_NAMES = (
+    orchestrator_pb2.DESCRIPTOR.services_by_name["RefitService"].full_name,
+    agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
+)
+# Layouts of large MoE checkpoints run to tens of MB.
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Find dead agents' streams without waiting for TCP timeouts.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+class GrpcServer:
+    def __init__(
+        self,
+        core: Coordinator,
+        tokens: TokenCheck,
+        *,
+        tls: tuple[bytes, bytes] | None = None,
+    ) -> None:
+        self.server = aio.server(interceptors=[RefitInterceptor(tokens)], options=_OPTIONS)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(core), self.server)
+        orchestrator_pb2_grpc.add_RefitServiceServicer_to_server(RefitServicer(core), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self._tls = tls
+
+    def bind(self, host: str, port: int) -> int:
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if self._tls is not None:
+            key, cert = self._tls
+            bound = self.server.add_secure_port(address, ssl_server_credentials([(key, cert)]))
+        else:
+            bound = self.server.add_insecure_port(address)
+        if bound == 0:
+            raise OSError(f"cannot bind gRPC to {address}")
+        return bound
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

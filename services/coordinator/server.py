@@ -1,0 +1,112 @@
+"""One coordinator process: the core, the gRPC server and the REST server (uvicorn) on one
+asyncio event loop. `CoordinatorServer.start()` binds (port 0 picks a free port) and
+returns once both transports accept connections; `stop()` shuts down gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from refitplane.coordinator.auth import TokenCheck
+from refitplane.coordinator.core.service import Coordinator
+from refitplane.coordinator.grpc.server import GrpcServer
+from refitplane.coordinator.rest.app import create_app
+from refitplane.coordinator.settings import Settings
+from refitplane.coordinator.store import open_store
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 5.0
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the process (or test) owns signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind_http(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+class CoordinatorServer:
+    def __init__(self, settings: Settings, *, redis_prefix: str = "refit:") -> None:
+        self.settings = settings
+        self.core = Coordinator(settings, open_store(settings.redis_dsn(), prefix=redis_prefix))
+        self._tokens = TokenCheck(settings.token())
+        tls = None
+        if settings.tls_cert_file is not None and settings.tls_key_file is not None:
+            tls = (settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())
+        self._grpc = GrpcServer(self.core, self._tokens, tls=tls)
+        self._http: _Uvicorn | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self.grpc_port = 0
+        self.http_port = 0
+
+    async def start(self) -> None:
+        s = self.settings
+        await self.core.start()
+        self.grpc_port = self._grpc.bind(s.grpc_host, s.grpc_port)
+        await self._grpc.start()
+        sock = _bind_http(s.http_host, s.http_port)
+        self.http_port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            create_app(self.core, self._tokens),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            ssl_certfile=str(s.tls_cert_file) if s.tls_cert_file else None,
+            ssl_keyfile=str(s.tls_key_file) if s.tls_key_file else None,
+            timeout_graceful_shutdown=int(STOP_GRACE_S),
+        )
+        self._http = _Uvicorn(config)
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="http")
+        for _ in range(500):
+            if self._http.started or self._http_task.done():
+                break
+            await asyncio.sleep(0.01)
+        if not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()
+            raise RuntimeError("the HTTP server did not start within 5 s")
+        log.info(
+            "coordinator serving: gRPC %s:%d, HTTP %s:%d, store %s, auth %s, TLS %s",
+            s.grpc_host,
+            self.grpc_port,
+            s.http_host,
+            self.http_port,
+            s.redacted_redis_url(),
+            "on" if self._tokens.enabled else "off",
+            "on" if s.tls else "off",
+        )
+
+    async def stop(self, *, graceful: bool = True) -> None:
+        """Graceful: refits in flight fail now and their participants get AbortRefit before
+        the transports close. Not graceful (a simulated crash): in-flight refits are left
+        for the next coordinator on the same store."""
+        await self.core.stop(graceful=graceful)
+        if graceful:
+            # Let the aborts reach the agents' streams, then end the streams.
+            await asyncio.sleep(0.1)
+        self.core.outbox.close_all()
+        if self._http is not None:
+            self._http.should_exit = True
+        await self._grpc.stop(STOP_GRACE_S if graceful else 0)
+        if self._http_task is not None:
+            try:
+                await asyncio.wait_for(self._http_task, STOP_GRACE_S + 1)
+            except TimeoutError:
+                log.warning("HTTP server did not stop in time")
+        await self.core.close()
+        log.info("coordinator stopped")

@@ -1,0 +1,136 @@
+"""The coordinator's configuration: one typed settings object, read in `main()`.
+
+Every field is an environment variable with the prefix `REFIT_` (also read from `.env`); the
+names are a contract with the Helm chart (docs/coordinator.md has the reference table).
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from refitplane.errors import InvalidArgument
+from refitplane.reshard.config import MiB, TransferConfig
+
+
+class PauseMode(enum.StrEnum):
+    """How a sidecar pauses vLLM during a refit (vLLM's `/pause?mode=`)."""
+
+    KEEP = "keep"
+    WAIT = "wait"
+    ABORT = "abort"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="REFIT_", env_file=".env", extra="ignore", validate_default=True
+    )
+
+    grpc_host: str = "0.0.0.0"
+    grpc_port: int = Field(50051, ge=0, le=65535)
+    http_host: str = "0.0.0.0"
+    http_port: int = Field(8080, ge=0, le=65535)
+    # Empty: the embedded in-process store (single-node demos; state dies with the process).
+    redis_url: str = ""
+    # Overrides the password in redis_url (so the URL can live in a ConfigMap).
+    redis_password: SecretStr | None = None
+    auth_token: SecretStr | None = None
+    # A mounted secret; wins over auth_token.
+    auth_token_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    lease_ttl_s: float = Field(15.0, gt=0)
+    prepare_timeout_s: float = Field(60.0, gt=0)
+    transfer_timeout_s: float = Field(300.0, gt=0)
+    group_timeout_s: float = Field(120.0, gt=0)
+    # Sidecars: how long the engine may take to load, post-process and resume after the bytes.
+    verify_timeout_s: float = Field(120.0, gt=0)
+    bucket_bytes: int = Field(64 * MiB, ge=1)
+    num_channels: int = Field(2, ge=1, le=64)
+    max_inflight_bytes: int = Field(256 * MiB, ge=1)
+    verify_checksums: bool = True
+    # Empty: any job that has registered members.
+    allowed_jobs: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Triggers per second per job (token bucket, burst = max(1, rate)); 0: unlimited.
+    trigger_rate_per_s: float = Field(0.0, ge=0)
+    pause_mode: PauseMode = PauseMode.KEEP
+    log_level: str = "INFO"
+    log_json: bool = False
+
+    @field_validator("allowed_jobs", mode="before")
+    @classmethod
+    def _split_jobs(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [j.strip() for j in value.split(",") if j.strip()]
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError(f"unknown log level {value!r}")
+        return level
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("set both REFIT_TLS_CERT_FILE and REFIT_TLS_KEY_FILE, or neither")
+        # Fail at start-up, not at the first refit.
+        try:
+            self.transfer_config()
+        except InvalidArgument as exc:
+            raise ValueError(f"REFIT_{(exc.field or '').upper()}: {exc.message}") from None
+        return self
+
+    def token(self) -> str | None:
+        """The bearer token agents and orchestrators must present (None: auth off)."""
+        if self.auth_token_file is not None:
+            text = self.auth_token_file.read_text().strip()
+            if not text:
+                raise ValueError(f"REFIT_AUTH_TOKEN_FILE {self.auth_token_file} is empty")
+            return text
+        if self.auth_token is not None and self.auth_token.get_secret_value():
+            return self.auth_token.get_secret_value()
+        return None
+
+    def redis_dsn(self) -> str:
+        """redis_url with REFIT_REDIS_PASSWORD applied (never log this: use redacted_redis_url)."""
+        if not self.redis_url or self.redis_password is None:
+            return self.redis_url
+        parts = urlsplit(self.redis_url)
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        port = f":{parts.port}" if parts.port else ""
+        user = quote(parts.username or "", safe="")
+        password = quote(self.redis_password.get_secret_value(), safe="")
+        netloc = f"{user}:{password}@{host}{port}"
+        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+    def redacted_redis_url(self) -> str:
+        if not self.redis_url:
+            return "(embedded store)"
+        parts = urlsplit(self.redis_url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+        auth = "***@" if parts.password or self.redis_password is not None else ""
+        return urlunsplit((parts.scheme, f"{auth}{host}{port}", parts.path, "", ""))
+
+    def transfer_config(self) -> TransferConfig:
+        return TransferConfig(
+            bucket_bytes=self.bucket_bytes,
+            num_channels=self.num_channels,
+            max_inflight_bytes=self.max_inflight_bytes,
+            timeout_s=self.transfer_timeout_s,
+            verify_checksums=self.verify_checksums,
+        )
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None

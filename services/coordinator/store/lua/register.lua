@@ -1,0 +1,16 @@
+-- Register a member, replacing the member with the same (role, replica, rank) key in its job.
+-- Atomic: the index, the record and the job set change together; the replaced member's record
+-- is deleted in the same step. Returns the replaced member id ('' when none).
+-- ARGV: prefix, job, member key, member id, member JSON
+local prefix, job, mkey, id, doc = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local index = prefix .. 'job:' .. job .. ':members'
+local old = redis.call('HGET', index, mkey)
+if old and old ~= id then
+  redis.call('DEL', prefix .. 'member:' .. old)
+else
+  old = ''
+end
+redis.call('HSET', index, mkey, id)
+redis.call('SET', prefix .. 'member:' .. id, doc)
+redis.call('SADD', prefix .. 'jobs', job)
+return old
