@@ -15,7 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from refitplane.errors import LayoutError
-from refitplane.reshard.boxes import Box, box_shape, contains, format_box, intersect, relative, to_slices
+from refitplane.reshard.boxes import (
+    Box,
+    box_shape,
+    contains,
+    format_box,
+    intersect,
+    relative,
+    to_slices,
+)
 from refitplane.reshard.layout import Layout, LayoutBuilder, TensorSpec
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {

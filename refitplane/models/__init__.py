@@ -1,0 +1,1 @@
+"""Model helpers that need no model hub: tiny Hugging Face checkpoints for demos and tests."""

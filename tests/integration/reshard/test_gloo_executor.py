@@ -1,0 +1,141 @@
+"""Real multi-process Gloo runs of the executor and the golden reference path."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from refitplane.reshard.config import TransferConfig
+from refitplane.reshard.executor import Executor
+from refitplane.reshard.planner import build_plan
+from refitplane.reshard.reference import reference_refit
+from refitplane.reshard.transport.gloo import GlooTransport
+from tests.integration.reshard.gloo_world import run_world
+from tests.integration.reshard.scenarios import SCENARIOS, check_received, make_shards
+
+pytestmark = pytest.mark.integration
+
+
+def _rank_worker(
+    *,
+    rank: int,
+    world: int,
+    port: int,
+    scenario: str,
+    modes: tuple[str, ...] = ("executor",),
+    config: dict[str, Any] | None = None,
+    die_rank: int = -1,
+    stall_rank: int = -1,
+) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    sc = SCENARIOS[scenario]()
+    cfg = TransferConfig(**(config or {}))
+    is_source = rank in sc.source.ranks()
+    layout = sc.source if is_source else sc.target
+    transport = GlooTransport(rank, world, f"127.0.0.1:{port}".encode(), num_channels=cfg.num_channels, timeout_s=cfg.timeout_s)
+    if rank == stall_rank:
+        time.sleep(cfg.timeout_s + 5)
+        return {}
+    result: dict[str, Any] = {}
+    for mode in modes:
+        # Fresh storage per mode: destinations start from garbage every time.
+        shards = make_shards(layout, rank, fill=is_source)
+        if mode == "reference":
+            reference_refit(transport, sc.source, sc.target, shards, timeout_s=cfg.timeout_s)
+        else:
+            plan = build_plan(sc.source, sc.target)
+
+            def progress(done: int, total: int) -> None:
+                if rank == die_rank and done > 0:
+                    os._exit(17)
+
+            report = Executor(transport, cfg).run(plan.rank_plan(rank), shards, progress=progress)
+            result.update(
+                sent=report.bytes_sent,
+                received=report.bytes_received,
+                verified=report.tensors_verified,
+                tensors=report.tensors_total,
+                direct=report.direct_messages,
+                packed=report.packed_messages,
+                peak=report.staging_peak_bytes,
+                digests=report.tensor_digests,
+            )
+        if not is_source:
+            result[f"mismatches_{mode}"] = check_received(sc.target, rank, shards)
+    transport.close()
+    return result
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_bytes_arrive_exactly(scenario: str) -> None:
+    """Executor and golden reference path, in the same world, both bit-exact."""
+    sc = SCENARIOS[scenario]()
+    # Small buckets and a tight staging budget force many rounds, packing and ring reuse.
+    config = {"bucket_bytes": 512, "max_inflight_bytes": 2048, "num_channels": 2, "timeout_s": 60}
+    results = run_world(_rank_worker, sc.world_size, scenario=scenario, modes=("executor", "reference"), config=config)
+    assert sorted(results) == list(range(sc.world_size)), results
+    for rank, (status, detail) in results.items():
+        assert status == "ok", (rank, detail)
+    plan = build_plan(sc.source, sc.target)
+    for rank in sc.target.ranks():
+        detail = results[rank][1]
+        assert detail["mismatches_executor"] == [], (rank, detail["mismatches_executor"])
+        assert detail["mismatches_reference"] == [], (rank, detail["mismatches_reference"])
+        assert detail["received"] == plan.rank_plan(rank).recv_bytes
+        assert detail["verified"] == detail["tensors"] > 0
+        assert 0 < detail["peak"] <= 2048
+    for rank in sc.source.ranks():
+        assert results[rank][1]["sent"] == plan.rank_plan(rank).send_bytes
+
+
+def test_large_buckets_go_direct_and_match_small_buckets() -> None:
+    """Contiguous whole-shard messages bypass staging; packed-only runs agree bit for bit."""
+    sc = SCENARIOS["tp4_to_two_tp1"]()
+    # 900-byte buckets: each 480-byte "col" shard travels alone, from/to contiguous views.
+    big = run_world(_rank_worker, sc.world_size, scenario="tp4_to_two_tp1", config={"bucket_bytes": 900, "max_inflight_bytes": 4096})
+    small = run_world(_rank_worker, sc.world_size, scenario="tp4_to_two_tp1", config={"bucket_bytes": 256, "max_inflight_bytes": 1024})
+    for rank in sc.target.ranks():
+        assert big[rank][0] == small[rank][0] == "ok"
+        assert big[rank][1]["mismatches_executor"] == []
+        assert small[rank][1]["mismatches_executor"] == []
+        assert big[rank][1]["direct"] > 0
+
+
+def test_dp_replicas_share_the_load() -> None:
+    sc = SCENARIOS["dp2tp2_to_tp1"]()
+    stats = build_plan(sc.source, sc.target).stats()
+    sent = [stats.send_bytes[r] for r in sc.source.ranks()]
+    # Every one of the 4 trainer ranks sends; none sends more than 1.5x the mean.
+    assert all(s > 0 for s in sent), sent
+    assert stats.send_imbalance <= 1.5, stats.send_imbalance
+
+
+def test_peer_killed_mid_transfer_fails_others_in_time() -> None:
+    sc = SCENARIOS["tp2_to_tp3"]()
+    config = {"bucket_bytes": 128, "max_inflight_bytes": 512, "num_channels": 1, "timeout_s": 20}
+    started = time.monotonic()
+    results = run_world(_rank_worker, sc.world_size, scenario="tp2_to_tp3", config=config, die_rank=0, timeout_s=60)
+    elapsed = time.monotonic() - started
+    assert 0 not in results  # it died
+    # Destinations that needed rank 0's data must fail, not hang, and within the timeout.
+    failed = [r for r, (status, _) in results.items() if status == "error"]
+    assert failed, results
+    for r in failed:
+        assert results[r][1]["type"] in {"PeerFailure", "TransferTimeout", "TransferError"}, results[r]
+    assert elapsed < 20 + 30
+
+
+def test_stalled_peer_times_out() -> None:
+    sc = SCENARIOS["tp2_to_tp3"]()
+    config = {"bucket_bytes": 4096, "max_inflight_bytes": 8192, "num_channels": 1, "timeout_s": 4}
+    started = time.monotonic()
+    results = run_world(_rank_worker, sc.world_size, scenario="tp2_to_tp3", config=config, stall_rank=1, timeout_s=60)
+    elapsed = time.monotonic() - started
+    for r in (2, 3, 4):
+        status, detail = results[r]
+        assert status == "error" and detail["type"] in {"TransferTimeout", "PeerFailure"}, (r, detail)
+    assert elapsed < 40
