@@ -1,0 +1,192 @@
+"""nccl4py transport (GPU): one non-blocking communicator and one CUDA stream per channel.
+
+Rendezvous: group rank 0 mints one 128-byte NCCL unique id per channel; the coordinator
+relays the concatenated bytes. Communicators are non-blocking, so every call returns at
+once and every wait is a poll with a deadline (CUDA event + `get_async_error`); on error or
+timeout the communicators are aborted, which releases peers stuck in the same group.
+Buffers are uint8 views; nccl4py does not check strides, so the executor only ever passes
+contiguous buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from refitplane.errors import InvalidArgument, PeerFailure, TransferError, TransferTimeout
+from refitplane.reshard.transport.base import Handle, P2POp, Transport
+
+UID_BYTES = 128
+
+
+def _nccl() -> tuple[Any, Any]:
+    """nccl4py's core module and its result codes (imported lazily: GPU machines only)."""
+    try:
+        import nccl.core as nc
+        from nccl.bindings import nccl as nb
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise TransferError(
+            "the NCCL backend needs nccl4py (pip install 'refit-plane[nccl]')"
+        ) from exc
+    return nc, nb.Result
+
+
+def create_nccl_rendezvous(num_channels: int) -> bytes:
+    """Mint one unique id per channel (on group rank 0; needs libnccl, not a GPU)."""
+    nc, _ = _nccl()
+    return b"".join(bytes(nc.get_unique_id()) for _ in range(num_channels))
+
+
+class NcclTransport(Transport):
+    device_ordered = True
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        rendezvous: bytes,
+        *,
+        device: torch.device,
+        num_channels: int,
+        timeout_s: float = 120.0,
+    ) -> None:
+        if len(rendezvous) != UID_BYTES * num_channels:
+            raise InvalidArgument(
+                f"NCCL rendezvous must be {num_channels} x {UID_BYTES} bytes, got {len(rendezvous)}",
+                field="rendezvous",
+            )
+        if not 0 <= rank < world_size:
+            raise InvalidArgument(f"rank {rank} outside group of {world_size}", field="group_rank")
+        nc, result = _nccl()
+        self._nc = nc
+        self._in_progress = result.InProgress
+        self._success = result.Success
+        self.rank = rank
+        self.world_size = world_size
+        self.num_channels = num_channels
+        self.device = device
+        self.timeout_s = timeout_s
+        torch.cuda.set_device(device)
+        self._comms: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            for c in range(num_channels):
+                uid = nc.UniqueId.from_bytes(rendezvous[c * UID_BYTES : (c + 1) * UID_BYTES])
+                config = nc.NCCLConfig(blocking=False, comm_name=f"refit-ch{c}")
+                self._comms.append(nc.Communicator.init(world_size, rank, uid, config))
+            for c, comm in enumerate(self._comms):
+                self._settle(comm, deadline, f"joining channel {c}")
+        except BaseException:
+            self.abort()
+            raise
+        self._streams = [torch.cuda.Stream(device=device) for _ in range(num_channels)]
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _settle(self, comm: Any, deadline: float, what: str) -> None:
+        """Poll a non-blocking communicator until its last call finished."""
+        delay = 1e-5
+        while True:
+            state = comm.get_async_error()
+            if state == self._success:
+                return
+            if state != self._in_progress:
+                raise PeerFailure(
+                    f"rank {self.rank}: NCCL error while {what}: {comm.get_last_error()}"
+                )
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"rank {self.rank}: NCCL timed out while {what}")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self._streams[channel])
+
+    def begin(self) -> None:
+        current = torch.cuda.current_stream(self.device)
+        for s in self._streams:
+            s.wait_stream(current)
+
+    def end(self) -> None:
+        current = torch.cuda.current_stream(self.device)
+        for s in self._streams:
+            current.wait_stream(s)
+
+    # -- transfers --------------------------------------------------------------------------
+
+    def issue(self, channel: int, ops: Sequence[P2POp]) -> Handle:
+        if not self._comms:
+            raise TransferError("transport was aborted; a new group is needed")
+        comm = self._comms[channel]
+        stream = self._streams[channel].cuda_stream
+        nc = self._nc
+        nc.group_start()
+        try:
+            for op in ops:
+                if op.send:
+                    comm.send(op.buffer, op.peer, stream=stream)
+                else:
+                    comm.recv(op.buffer, op.peer, stream=stream)
+        finally:
+            nc.group_end()
+        self._settle(comm, time.monotonic() + self.timeout_s, f"posting on channel {channel}")
+        event = torch.cuda.Event()
+        event.record(self._streams[channel])
+        # Keep the buffers referenced until the handle is done (nccl4py does not).
+        return Handle(channel, (event, [op.buffer for op in ops]))
+
+    def fence(self, handle: Handle) -> Handle:
+        event = torch.cuda.Event()
+        event.record(self._streams[handle.channel])
+        return Handle(handle.channel, (event, handle.payload[1]))
+
+    def poll(self, handle: Handle) -> bool:
+        return bool(handle.payload[0].query())
+
+    def wait(self, handle: Handle, deadline: float, cancel: threading.Event | None = None) -> None:
+        event = handle.payload[0]
+        comm = self._comms[handle.channel] if self._comms else None
+        delay = 2e-5
+        while not event.query():
+            if comm is None:
+                raise TransferError("transport was aborted")
+            state = comm.get_async_error()
+            if state != self._success and state != self._in_progress:
+                raise PeerFailure(
+                    f"rank {self.rank}: NCCL error on channel {handle.channel}: {comm.get_last_error()}"
+                )
+            if time.monotonic() > deadline:
+                raise TransferTimeout(
+                    f"rank {self.rank}: a transfer on channel {handle.channel} did not complete in time"
+                )
+            if cancel is not None and cancel.is_set():
+                raise TransferError(f"rank {self.rank}: transfer cancelled")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def abort(self) -> None:
+        comms, self._comms = self._comms, []
+        for comm in comms:
+            with contextlib.suppress(Exception):
+                comm.abort()
+
+    def close(self) -> None:
+        comms, self._comms = self._comms, []
+        deadline = time.monotonic() + self.timeout_s
+        for comm in comms:
+            comm.finalize()
+        try:
+            for comm in comms:
+                self._settle(comm, deadline, "closing")
+        except BaseException:
+            for comm in comms:
+                with contextlib.suppress(Exception):
+                    comm.abort()
+            raise
+        for comm in comms:
+            comm.destroy()
