@@ -115,7 +115,7 @@ def test_helm_test_script_passes_against_the_real_coordinator(tmp_path: Path) ->
     token = tmp_path / "token"
     token.write_text("helm-test-token\n")
     with coordinator_process(tmp_path, token) as coordinator:
-        command = [sys.executable, str(SCRIPT), "--timeout", "20", "--token-file", str(token)]
+        command = [sys.executable, str(SCRIPT), "--timeout", "10", "--token-file", str(token)]
         command += ["--http", f"http://127.0.0.1:{coordinator.http_port}"]
         command += ["--grpc", f"127.0.0.1:{coordinator.grpc_port}"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)

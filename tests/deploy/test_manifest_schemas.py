@@ -4,6 +4,7 @@ newest Kubernetes version; and `helm lint --strict` on the chart."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import helm_python as helm
@@ -11,12 +12,15 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import referencing
+import yaml
 from kubernetes_validate.utils import schema_contents
 
 from tests.deploy.chart_support import (
     CHART_DIR,
     EXAMPLES_DIR,
     MIN_KUBE_VERSION,
+    NAMESPACE,
+    RELEASE,
     Manifest,
     all_variants,
     load_yaml_documents,
@@ -190,3 +194,22 @@ def test_helm_lint_reports_schema_violations() -> None:
     helm.disable_logging()
     report = helm.lint(CHART_DIR, {"replicas": 3}, strict=True)
     assert any("replicas" in error for error in report["errors"])
+
+
+def test_packaged_chart_renders_the_same(tmp_path: Path) -> None:
+    """`helm package` keeps everything the templates need (files/, schema) and nothing else."""
+    archive = helm.package(CHART_DIR, destination=tmp_path)
+    with helm.Chart.load(archive) as packaged:
+        names = {f["name"] for f in packaged.files}
+        assert "files/healthcheck.py" in names
+        assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+        assert packaged.schema is not None
+        rendered = packaged.render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    kinds = sorted(
+        (doc["kind"], doc["metadata"]["name"])
+        for path, text in rendered.items()
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    )
+    assert kinds == sorted((m["kind"], m["metadata"]["name"]) for m in render().manifests)
