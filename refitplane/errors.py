@@ -46,9 +46,15 @@ class LayoutError(InvalidArgument):
             where.append(f"box {box}")
         full = f"{', '.join(where)}: {message}" if where else message
         super().__init__(full, field=field)
+        self.detail = message
         self.tensor = tensor
         self.rank = rank
         self.box = box
+
+
+    def with_rank(self, rank: int | None) -> LayoutError:
+        """The same error naming another rank (e.g. mapped back from a group rank)."""
+        return type(self)(self.detail, tensor=self.tensor, rank=rank, box=self.box, field=self.field)
 
 
 class CoverageError(LayoutError):

@@ -50,7 +50,7 @@ class AsyncRefitClient:
     async def _call(self, method: str, request: Any) -> Any:
         try:
             return await getattr(self._stub, method)(
-                request, timeout=self._timeout, metadata=self._metadata
+                request, timeout=self._timeout, metadata=self._metadata, wait_for_ready=True
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
@@ -89,7 +89,10 @@ class AsyncRefitClient:
 
     async def watch(self, refit_id: str, *, timeout_s: float | None = None) -> AsyncIterator[Refit]:
         call = self._stub.WatchRefit(
-            opb.WatchRefitRequest(refit_id=refit_id), timeout=timeout_s, metadata=self._metadata
+            opb.WatchRefitRequest(refit_id=refit_id),
+            timeout=timeout_s,
+            metadata=self._metadata,
+            wait_for_ready=True,
         )
         try:
             async for msg in call:

@@ -53,7 +53,7 @@ class RefitClient:
     def _call(self, method: str, request: Any) -> Any:
         try:
             return getattr(self._stub, method)(
-                request, timeout=self._timeout, metadata=self._metadata
+                request, timeout=self._timeout, metadata=self._metadata, wait_for_ready=True
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
@@ -93,7 +93,10 @@ class RefitClient:
         """The refit now and on every change until it is terminal (or `timeout_s` passes:
         TransferTimeout)."""
         call = self._stub.WatchRefit(
-            opb.WatchRefitRequest(refit_id=refit_id), timeout=timeout_s, metadata=self._metadata
+            opb.WatchRefitRequest(refit_id=refit_id),
+            timeout=timeout_s,
+            metadata=self._metadata,
+            wait_for_ready=True,
         )
         try:
             for msg in call:

@@ -21,6 +21,11 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect within ~2 s once a restarted coordinator is back (gRPC's default backs off
+    # to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 )
 Metadata = tuple[tuple[str, str], ...]
 

@@ -12,7 +12,9 @@ Geometry is cached: tensors of the same shape held and needed through the same b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import gc
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from refitplane.errors import CoverageError, LayoutError
@@ -27,8 +29,8 @@ from refitplane.reshard.boxes import (
 from refitplane.reshard.layout import Layout, TensorLayout, TensorSpec
 from refitplane.reshard.plan import Link, Piece, Plan, plan_digest
 
-# (piece box, index of the distinct source box it comes from)
-Cut = tuple[Box, int]
+# (piece box, index of the distinct source box it comes from, elements in the piece)
+Cut = tuple[Box, int, int]
 
 
 class _Uncovered(Exception):
@@ -64,11 +66,12 @@ class _Cutter:
             for i, h in enumerate(holders):
                 common = intersect(need, h)
                 if common is not None:
-                    cuts.append((common, i))
-                    covered += box_numel(common)
+                    n = box_numel(common)
+                    cuts.append((common, i, n))
+                    covered += n
             if covered == box_numel(need):
                 return tuple(cuts)
-            raise _Uncovered(_first_uncovered(need, [c for c, _ in cuts]))
+            raise _Uncovered(_first_uncovered(need, [c for c, _, _ in cuts]))
         # Overlapping holdings: repeatedly take the holder covering most of what is left.
         remaining = [need]
         out: list[Cut] = []
@@ -83,7 +86,7 @@ class _Cutter:
                         best = (n, i, common)
             if best is None:
                 raise _Uncovered(part)
-            out.append((best[2], best[1]))
+            out.append((best[2], best[1], best[0]))
             remaining.extend(subtract(part, best[2]))
         out.sort()
         return tuple(out)
@@ -118,7 +121,7 @@ def validate_compatible(source: Layout, target: Layout) -> None:
         if held is None:
             needers = t.ranks()
             raise LayoutError(
-                f"needed by destination rank(s) {needers[:8]} but no source rank holds it",
+                f"needed by {len(needers)} destination rank(s) but no source rank holds it",
                 tensor=t.spec.name,
                 rank=needers[0] if needers else None,
             )
@@ -150,35 +153,51 @@ def build_plan(
     specs: dict[str, TensorSpec] = {}
     host_of = hosts or {}
 
-    for t in target:
-        held = source.tensors[t.spec.name]
-        holders, owners = _distinct_holders(held)
-        size = t.spec.itemsize
-        specs[t.spec.name] = t.spec
-        for dst in sorted(t.boxes):
-            dst_host = host_of.get(dst)
-            for need in t.boxes[dst]:
-                try:
-                    cuts = cutter.cut(holders, need)
-                except _Uncovered as gap:
-                    raise CoverageError(
-                        f"no source rank holds this part of the needed box {format_box(need)}",
-                        tensor=t.spec.name,
-                        rank=dst,
-                        box=format_box(gap.box),
-                    ) from None
-                for box, idx in cuts:
-                    nbytes = box_numel(box) * size
-                    src = _pick_sender(owners[idx], dst, dst_host, host_of, send_load, link_load)
-                    send_load[src] += nbytes
-                    key = (src, dst)
-                    link_load[key] = link_load.get(key, 0) + nbytes
-                    link_pieces.setdefault(key, []).append(Piece(t.spec.name, box))
+    with _gc_paused():
+        for t in target:
+            name = t.spec.name
+            holders, owners = _distinct_holders(source.tensors[name])
+            size = t.spec.itemsize
+            specs[name] = t.spec
+            # Common case (experts, replicated weights): one box held, wanted whole.
+            only = holders[0] if len(holders) == 1 else None
+            whole: tuple[Cut, ...] = ((only, 0, box_numel(only)),) if only is not None else ()
+            for dst in sorted(t.boxes):
+                dst_host = host_of.get(dst) if host_of else None
+                for need in t.boxes[dst]:
+                    try:
+                        cuts = whole if need == only else cutter.cut(holders, need)
+                    except _Uncovered as gap:
+                        raise CoverageError(
+                            f"no source rank holds this part of the needed box {format_box(need)}",
+                            tensor=name,
+                            rank=dst,
+                            box=format_box(gap.box),
+                        ) from None
+                    for box, idx, numel in cuts:
+                        nbytes = numel * size
+                        candidates = owners[idx]
+                        if len(candidates) == 1:
+                            src = candidates[0]
+                        else:
+                            src = _pick_sender(
+                                candidates, dst, dst_host, host_of, send_load, link_load
+                            )
+                        send_load[src] += nbytes
+                        key = (src, dst)
+                        pieces = link_pieces.get(key)
+                        if pieces is None:
+                            link_pieces[key] = [Piece(name, box)]
+                            link_load[key] = nbytes
+                        else:
+                            pieces.append(Piece(name, box))
+                            link_load[key] += nbytes
 
-    links = tuple(
-        Link(src=s, dst=d, pieces=tuple(link_pieces[(s, d)]), nbytes=link_load[(s, d)])
-        for s, d in sorted(link_pieces)
-    )
+        links = tuple(
+            Link(src=s, dst=d, pieces=tuple(link_pieces[(s, d)]), nbytes=link_load[(s, d)])
+            for s, d in sorted(link_pieces)
+        )
+
     host_key = ",".join(f"{r}={h}" for r, h in sorted(host_of.items()))
     return Plan(
         specs=specs,
@@ -189,8 +208,25 @@ def build_plan(
     )
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Planning allocates ~10^6 small objects and no cycles; generational GC passes over
+    them would cost more than the planning itself."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _distinct_holders(held: TensorLayout) -> tuple[tuple[Box, ...], list[list[int]]]:
     """Distinct boxes held (sorted) and, for each, the ranks holding exactly that box."""
+    if len(held.boxes) == 1:
+        ((rank, boxes),) = held.boxes.items()
+        if len(boxes) == 1:
+            return boxes, [[rank]]
     by_box: dict[Box, list[int]] = {}
     for rank, boxes in held.boxes.items():
         for box in boxes:
@@ -207,9 +243,14 @@ def _pick_sender(
     send_load: Mapping[int, int],
     link_load: Mapping[tuple[int, int], int],
 ) -> int:
-    if len(candidates) == 1:
-        return candidates[0]
     best = candidates[0]
+    if not host_of:
+        best_load: tuple[int, int] | None = None
+        for c in candidates:
+            load = (send_load[c], link_load.get((c, dst), 0))
+            if best_load is None or load < best_load:
+                best, best_load = c, load
+        return best
     best_key: tuple[bool, int, int] | None = None
     for c in candidates:
         remote = dst_host is not None and host_of.get(c) != dst_host

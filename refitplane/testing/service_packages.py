@@ -19,5 +19,7 @@ def ensure_service_packages() -> None:
     if importlib.util.find_spec("refitplane.generator") is not None:
         return
     services = Path(refitplane.__file__).resolve().parent.parent / "services"
-    if (services / "generator" / "__init__.py").is_file() and str(services) not in refitplane.__path__:
+    if (services / "generator" / "__init__.py").is_file() and str(
+        services
+    ) not in refitplane.__path__:
         refitplane.__path__.append(str(services))

@@ -62,7 +62,9 @@ def check_worker_layout(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
             "pp_rank": layout.ranks.pp_rank,
         },
         "specs": {n: [list(s.shape), s.dtype] for n, s in layout.specs.items()},
-        "hf_boxes": {n: [list(map(list, b)) for b in boxes] for n, boxes in layout.hf_boxes().items()},
+        "hf_boxes": {
+            n: [list(map(list, b)) for b in boxes] for n, boxes in layout.hf_boxes().items()
+        },
         "padding": [
             [p.name, format_box(r.param_box), r.reason]
             for p in layout.params.values()
@@ -86,7 +88,9 @@ def _check_views(
             failures.append(f"{sv.spec.name}: registered but not in the checkpoint")
             continue
         if list(tensor.shape) != list(sv.spec.shape):
-            failures.append(f"{sv.spec.name}: spec {list(sv.spec.shape)} vs checkpoint {list(tensor.shape)}")
+            failures.append(
+                f"{sv.spec.name}: spec {list(sv.spec.shape)} vs checkpoint {list(tensor.shape)}"
+            )
             continue
         if not torch.equal(sv.tensor, tensor[to_slices(sv.box)]):
             failures.append(f"{sv.spec.name}{format_box(sv.box)}: view differs from the checkpoint")
@@ -125,7 +129,9 @@ def _check_recorded_shapes(model: torch.nn.Module, layout: VllmLayout) -> list[s
         if recorded is None:
             failures.append(f"{name}: vLLM recorded no loader-format metadata")
         elif tuple(recorded.shape) != param.shape:
-            failures.append(f"{name}: described {list(param.shape)}, vLLM recorded {list(recorded.shape)}")
+            failures.append(
+                f"{name}: described {list(param.shape)}, vLLM recorded {list(recorded.shape)}"
+            )
     return failures
 
 

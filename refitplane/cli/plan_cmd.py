@@ -1,0 +1,107 @@
+"""`refitctl plan`: a dry run of the planner on two layout files.
+
+Validates both layouts, plans, and prints totals, bytes per link and per rank, imbalance
+and the plan hash (or all of it as JSON). Source and target ranks are separate namespaces
+in the files; the plan is computed over group ranks (targets after sources) and printed
+back in each side's own numbering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from refitplane.errors import LayoutError
+from refitplane.reshard.layout import Layout
+from refitplane.reshard.layout_json import load_layout
+from refitplane.reshard.plan import PlanStats
+from refitplane.reshard.planner import build_plan
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="dry-run the planner on a source and a target layout (JSON)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--source", required=True, help="layout JSON of what the trainer ranks hold")
+    p.add_argument("--target", required=True, help="layout JSON of what the generator ranks need")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--top", type=int, default=20, help="links to list, busiest first (default 20)")
+    p.set_defaults(handler=run)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def plan_summary(source: Layout, target: Layout) -> dict[str, Any]:
+    offset = (max(source.ranks()) + 1) if source.ranks() else 0
+    try:
+        plan = build_plan(source, target.relabel({r: r + offset for r in target.ranks()}))
+    except LayoutError as exc:
+        # Errors about destinations name the rank as the target file numbers it.
+        if exc.rank is not None and exc.rank >= offset:
+            raise exc.with_rank(exc.rank - offset) from None
+        raise
+    stats: PlanStats = plan.stats()
+    return {
+        "plan_hash": plan.digest,
+        "source_layout_hash": source.digest,
+        "target_layout_hash": target.digest,
+        "tensors": stats.num_tensors,
+        "total_bytes": stats.total_bytes,
+        "pieces": stats.num_pieces,
+        "links": stats.num_links,
+        "send_imbalance": round(stats.send_imbalance, 4),
+        "recv_imbalance": round(stats.recv_imbalance, 4),
+        "link_imbalance": round(stats.link_imbalance, 4),
+        "send_bytes": {str(r): b for r, b in sorted(stats.send_bytes.items())},
+        "recv_bytes": {str(r - offset): b for r, b in sorted(stats.recv_bytes.items())},
+        "link_bytes": [
+            {"source_rank": s, "target_rank": d - offset, "bytes": b}
+            for (s, d), b in sorted(stats.link_bytes.items(), key=lambda kv: (-kv[1], kv[0]))
+        ],
+    }
+
+
+def _print_table(summary: dict[str, Any], top: int) -> None:
+    print(f"plan hash        {summary['plan_hash']}")
+    print(f"tensors          {summary['tensors']}")
+    print(f"total            {_human(summary['total_bytes'])} ({summary['total_bytes']} bytes)")
+    print(f"pieces / links   {summary['pieces']} / {summary['links']}")
+    print(
+        "imbalance        "
+        f"send {summary['send_imbalance']:.3f}  recv {summary['recv_imbalance']:.3f}  "
+        f"link {summary['link_imbalance']:.3f}  (max/mean; 1.000 = perfect)"
+    )
+    print("\nsource rank   sends")
+    for rank, b in summary["send_bytes"].items():
+        print(f"  {rank:>9}   {_human(b)}")
+    print("\ntarget rank   receives")
+    for rank, b in summary["recv_bytes"].items():
+        print(f"  {rank:>9}   {_human(b)}")
+    links = summary["link_bytes"]
+    print(f"\nlinks (busiest {min(top, len(links))} of {len(links)})")
+    print("  source -> target   bytes")
+    for item in links[:top]:
+        print(f"  {item['source_rank']:>6} -> {item['target_rank']:<6}   {_human(item['bytes'])}")
+
+
+def run(args: argparse.Namespace) -> int:
+    source = load_layout(args.source)
+    target = load_layout(args.target)
+    summary = plan_summary(source, target)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        print()
+    else:
+        _print_table(summary, args.top)
+    return 0
