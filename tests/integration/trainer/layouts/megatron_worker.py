@@ -217,6 +217,40 @@ class Loader:
         assert not left, f"converter left Megatron parameters unset: {left}"
 
 
+def check_mismatches_are_refused(model: torch.nn.Module, hf: Any) -> None:
+    """Dims or parallel coordinates that disagree with the model fail, naming the field."""
+    from dataclasses import replace
+
+    from refitplane.trainer.layouts import ModelDims, megatron_shards, parallel_from_model
+
+    from refitplane.errors import LayoutError
+
+    dims = ModelDims.from_hf_config(hf)
+    par = parallel_from_model(model)
+    wrong: list[tuple[str, ModelDims, Any]] = [
+        (
+            "num_key_value_heads",
+            replace(dims, num_key_value_heads=dims.num_key_value_heads // 2),
+            par,
+        ),
+        (
+            "tie_word_embeddings",
+            replace(dims, tie_word_embeddings=not dims.tie_word_embeddings),
+            par,
+        ),
+    ]
+    if par.ep_size > 1:  # a wrong expert-parallel size would renumber the experts
+        wrong.append(("ep_size", dims, replace(par, ep_rank=0, ep_size=1)))
+    for field, bad_dims, bad_par in wrong:
+        try:
+            megatron_shards(model, bad_dims, bad_par)
+            refused: str | None = "nothing (accepted)"
+        except LayoutError as exc:
+            refused = exc.field
+        if refused != field:
+            raise AssertionError(f"a wrong {field} was refused for {refused}")
+
+
 def run_scenario(sc: dict[str, Any], rank: int, out_dir: Path) -> None:
     from megatron.core import parallel_state as ps
     from refitplane.trainer.layouts import megatron_shards
@@ -240,6 +274,7 @@ def run_scenario(sc: dict[str, Any], rank: int, out_dir: Path) -> None:
             assert sv.tensor.untyped_storage().data_ptr() in storages, (
                 f"{sv.spec.name} {sv.box} is not a view of a model parameter"
             )
+        check_mismatches_are_refused(model, hf)
         target = out_dir / sc["name"]
         target.mkdir(parents=True, exist_ok=True)
         save_pieces(target / f"rank{rank}.pt", rank, shards)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from refitplane.trainer.layouts.dims import ModelDims
 
 from refitplane.errors import LayoutError
-from refitplane.trainer.layouts.dims import ModelDims
 
 pytestmark = pytest.mark.unit
 
@@ -25,7 +25,8 @@ def test_from_qwen3_and_qwen3_moe_configs() -> None:
         )
     )
     assert (dense.q_rows, dense.kv_rows, dense.heads_per_group) == (128, 32, 4)
-    assert dense.tie_word_embeddings and dense.num_experts == 0
+    assert dense.tie_word_embeddings
+    assert dense.num_experts == 0
     assert dense.moe_intermediate_size is None
     moe = ModelDims.from_hf_config(
         Qwen3MoeConfig(

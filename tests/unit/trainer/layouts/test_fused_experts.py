@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from refitplane.trainer.layouts.fused_experts import is_fused_experts, unfuse_experts
+from refitplane.trainer.layouts.held import HeldSlice
 
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import full_box, to_slices
-from refitplane.trainer.layouts.fused_experts import is_fused_experts, unfuse_experts
-from refitplane.trainer.layouts.held import HeldSlice
 
 pytestmark = pytest.mark.unit
 
@@ -60,7 +60,8 @@ def test_down_proj_boxes_reproduce_the_checkpoint() -> None:
         f"{PREFIX}.2.down_proj.weight",
     ]
     for p in pieces:
-        assert p.shape == (H, F) and p.box == ((0, H), (2, 4))
+        assert p.shape == (H, F)
+        assert p.box == ((0, H), (2, 4))
         assert torch.equal(p.view, ckpt[p.name][to_slices(p.box)])
 
 

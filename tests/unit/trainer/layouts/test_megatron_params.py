@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from refitplane.errors import LayoutError
-from refitplane.reshard.boxes import to_slices
 from refitplane.trainer.layouts.dims import ModelDims
 from refitplane.trainer.layouts.held import HeldSlice, register
 from refitplane.trainer.layouts.megatron_params import MegatronParallel, megatron_param_slices
+
+from refitplane.errors import LayoutError
+from refitplane.reshard.boxes import to_slices
 
 pytestmark = pytest.mark.unit
 
@@ -216,7 +216,8 @@ def test_grouped_mlp_weights_are_read_as_megatron_reads_them() -> None:
     weight2 = torch.stack([w.t() for w in fc2]).reshape(-1, H).clone()
     held1 = slices("decoder.layers.0.mlp.experts.weight1", weight1, par)
     held2 = slices("decoder.layers.0.mlp.experts.weight2", weight2, par)
-    assert len(held1) == 2 * per_rank and len(held2) == per_rank
+    assert len(held1) == 2 * per_rank
+    assert len(held2) == per_rank
     assert all(s.box[0] == (2, 4) for s in held1)  # expert-TP rank 1 of 2: rows 2..4 of F=4
     assert all(s.box[1] == (2, 4) for s in held2)
     assert_reproduces(held1, truth, weight1)
