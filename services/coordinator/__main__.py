@@ -47,11 +47,14 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
-async def _serve(server: Any, port_file: Path | None) -> None:
+async def _serve(settings: Any, port_file: Path | None) -> None:
+    from refitplane.coordinator.server import CoordinatorServer
+
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    server = CoordinatorServer(settings)
     await server.start()
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")
@@ -66,7 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Heavy imports after argument parsing keep --help fast.
     from refitplane.coordinator import logs
-    from refitplane.coordinator.server import CoordinatorServer
     from refitplane.coordinator.settings import Settings
 
     try:
@@ -76,8 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logs.configure(settings.log_level, json_lines=settings.log_json)
     try:
-        server = CoordinatorServer(settings)
-        asyncio.run(_serve(server, args.port_file))
+        asyncio.run(_serve(settings, args.port_file))
     except (OSError, ValueError):
         log.exception("cannot start")
         return 1

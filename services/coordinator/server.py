@@ -42,6 +42,7 @@ def _bind_http(host: str, port: int) -> socket.socket:
 
 class CoordinatorServer:
     def __init__(self, settings: Settings, *, redis_prefix: str = "refit:") -> None:
+        """Construct inside the event loop that will run it (grpc.aio binds to it)."""
         self.settings = settings
         self.core = Coordinator(settings, open_store(settings.redis_dsn(), prefix=redis_prefix))
         self._tokens = TokenCheck(settings.token())
@@ -104,9 +105,9 @@ class CoordinatorServer:
             self._http.should_exit = True
         await self._grpc.stop(STOP_GRACE_S if graceful else 0)
         if self._http_task is not None:
-            try:
-                await asyncio.wait_for(self._http_task, STOP_GRACE_S + 1)
-            except TimeoutError:
+            done, _ = await asyncio.wait({self._http_task}, timeout=STOP_GRACE_S + 1)
+            if not done:
                 log.warning("HTTP server did not stop in time")
+                self._http_task.cancel()
         await self.core.close()
         log.info("coordinator stopped")

@@ -378,3 +378,144 @@ def executor() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
     """Threads for tests that fire concurrent client calls."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
         yield pool
+
+
+# --- simulated members ---------------------------------------------------------------------
+
+WEIGHT = ("model.layers.0.mlp.down_proj.weight", (16, 8), "bfloat16")
+BIAS = ("model.norm.weight", (8,), "float32")
+
+
+def row_layout(
+    rank: int, world: int, *, tensors: tuple[tuple[str, tuple[int, ...], str], ...] = (WEIGHT, BIAS)
+) -> Any:
+    """`rank`'s share of every tensor when dim 0 is split evenly over `world` ranks."""
+    from refitplane.reshard.layout import LayoutBuilder, TensorSpec
+
+    builder = LayoutBuilder()
+    for name, shape, dtype in tensors:
+        step = shape[0] // world
+        box = ((rank * step, (rank + 1) * step), *((0, d) for d in shape[1:]))
+        builder.add(TensorSpec.create(name, shape, dtype), rank, box)
+    return builder.build()
+
+
+@dataclass
+class SimMember:
+    session: Any
+    agent: Any
+
+    @property
+    def member_id(self) -> str:
+        return str(self.session.member_id)
+
+
+@dataclass
+class SimCluster:
+    """Simulated agents (real AgentSessions, handlers without a data plane) for one job."""
+
+    target: str
+    job: str = "job"
+    token: str | None = None
+    tls_ca: Any = None
+    members: list[SimMember] = field(default_factory=list)
+
+    def add(
+        self,
+        role: Any,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        replica: str = "",
+        layout: Any = None,
+        behaviour: Any = None,
+        device: str = "cpu",
+        version: int = 0,
+    ) -> SimMember:
+        from refitplane.agent import AgentSession, MemberInfo
+        from refitplane.agent.simulated import SimulatedAgent
+
+        agent = SimulatedAgent(role, behaviour)
+        info = MemberInfo(
+            job=self.job,
+            role=role,
+            rank=rank,
+            world_size=world,
+            replica_id=replica,
+            host="127.0.0.1",
+            device=device,
+            version=version,
+        )
+        session = AgentSession(
+            self.target, info, agent, token=self.token, tls_ca=self.tls_ca, timeout_s=10
+        )
+        agent.session = session
+        session.start()
+        if layout is not None:
+            session.publish_layout(layout)
+        member = SimMember(session, agent)
+        self.members.append(member)
+        return member
+
+    def trainers(self, world: int = 2, **kw: Any) -> list[SimMember]:
+        from refitplane.protocol import Role
+
+        return [
+            self.add(Role.TRAINER, rank=r, world=world, layout=row_layout(r, world), **kw)
+            for r in range(world)
+        ]
+
+    def replica(
+        self, replica: str, world: int = 1, *, sidecar: bool = False, **kw: Any
+    ) -> list[SimMember]:
+        """A generator replica (`world` ranks, rows split), optionally with its sidecar last."""
+        from refitplane.protocol import Role
+
+        out = [
+            self.add(
+                Role.GENERATOR,
+                rank=r,
+                world=world,
+                replica=replica,
+                layout=row_layout(r, world),
+                **kw,
+            )
+            for r in range(world)
+        ]
+        if sidecar:
+            out.append(
+                self.add(
+                    Role.GENERATOR_SIDECAR,
+                    world=world,
+                    replica=replica,
+                    behaviour=kw.get("behaviour"),
+                    device="",
+                )
+            )
+        return out
+
+    def client(self) -> Any:
+        from refitplane.client import RefitClient
+
+        return RefitClient(self.target, token=self.token, tls_ca=self.tls_ca)
+
+    def close(self) -> None:
+        for m in self.members:
+            with contextlib.suppress(Exception):
+                m.session.close()
+        self.members.clear()
+
+
+@pytest.fixture
+def sim_cluster() -> Iterator[Callable[..., SimCluster]]:
+    """`sim_cluster(coordinator, job=..., token=...)` → a SimCluster closed at teardown."""
+    clusters: list[SimCluster] = []
+
+    def make(coord: RunningCoordinator | CoordinatorProcess, **kw: Any) -> SimCluster:
+        cluster = SimCluster(coord.grpc_target, **kw)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.close()

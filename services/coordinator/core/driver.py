@@ -27,6 +27,7 @@ from refitplane.coordinator.core.records import (
     ReplicaRecord,
 )
 from refitplane.coordinator.core.run import Participant, RefitRun, phase_seconds
+from refitplane.coordinator.core.waits import wait_event
 from refitplane.coordinator.settings import Settings
 from refitplane.coordinator.store.base import Store
 
@@ -73,6 +74,7 @@ class JobDriver:
         self.source_digest = ""
         self.target_digest = ""
         self._wake = asyncio.Event()
+        self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -94,10 +96,12 @@ class JobDriver:
         run = self.current
         if abort_running and run is not None:
             run.fail(Reason.COORDINATOR_RESTARTED, "the coordinator is shutting down")
-            try:
-                await asyncio.wait_for(run.finished.wait(), 10.0)
-            except TimeoutError:
+            if not await wait_event(run.finished, 10.0):
                 log.warning("refit %s did not finish its abort in time", run.refit_id)
+        self._stopping = True
+        # Wake the loop too: a cancellation that lands inside a Redis call can be absorbed
+        # by the client library, and the loop must still notice it should end.
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -110,7 +114,7 @@ class JobDriver:
         self._wake.set()
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             self._wake.clear()
             try:
                 job = await self._store.load_job(self.job)
@@ -131,10 +135,7 @@ class JobDriver:
                 log.exception("job %s: driver step failed", self.job)
                 await asyncio.sleep(1.0)
                 continue
-            try:
-                await asyncio.wait_for(self._wake.wait(), 5.0)
-            except TimeoutError:
-                pass
+            await wait_event(self._wake, 5.0)
 
     # --- the state machine ---------------------------------------------------------------
 
@@ -407,7 +408,7 @@ class JobDriver:
                 Reason.TIMEOUT,
                 f"VERIFYING timed out after {self._s.verify_timeout_s:g} s waiting for "
                 "replica(s) "
-                + list_some([r for r in targets if r not in run.record.replicas_done])
+                + list_some([repr(r) for r in targets if r not in run.record.replicas_done])
                 + " to report the new version",
             ),
             tick=settle,

@@ -11,7 +11,10 @@ import collections
 import logging
 from collections.abc import AsyncIterator
 
+from refitplane.coordinator.core.waits import wait_event
+
 from refitplane.agent.messages import Command, CommandBody
+from refitplane.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ class Outbox:
     def __init__(self, *, heartbeat_s: float = 15.0) -> None:
         self._queues: dict[str, _Queue] = {}
         self._heartbeat_s = heartbeat_s
+        self._shut = False
 
     def _queue(self, member_id: str) -> _Queue:
         q = self._queues.get(member_id)
@@ -59,7 +63,9 @@ class Outbox:
             q.wake.set()
 
     def close_all(self) -> None:
-        """Shutdown: end every stream (agents reconnect to the next coordinator)."""
+        """Shutdown: end every stream and refuse new ones (agents reconnect to the next
+        coordinator)."""
+        self._shut = True
         for member_id in list(self._queues):
             self.close(member_id)
 
@@ -69,6 +75,8 @@ class Outbox:
 
     async def stream(self, member_id: str) -> AsyncIterator[Command]:
         """Yield the member's commands until it is closed or a newer stream takes over."""
+        if self._shut:
+            raise Unavailable("the coordinator is shutting down")
         q = self._queue(member_id)
         q.stream_token += 1
         token = q.stream_token
@@ -79,10 +87,7 @@ class Outbox:
                     yield q.items.popleft()
                     continue
                 q.wake.clear()
-                try:
-                    await asyncio.wait_for(q.wake.wait(), self._heartbeat_s)
-                except TimeoutError:
-                    pass
+                await wait_event(q.wake, self._heartbeat_s)
         finally:
             if q.stream_token == token:
                 q.stream_token = 0

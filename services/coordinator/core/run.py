@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
 from refitplane.coordinator.core.records import MemberRecord, RefitRecord
+from refitplane.coordinator.core.waits import wait_event
 
 from refitplane.agent import messages as msg
 from refitplane.client.models import RankProgress
@@ -154,10 +155,7 @@ class RefitRun:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise on_timeout()
-            try:
-                await asyncio.wait_for(self.changed.wait(), min(remaining, tick_s))
-            except TimeoutError:
-                pass
+            await wait_event(self.changed, min(remaining, tick_s))
 
 
 def phase_seconds(record: RefitRecord, now: float) -> dict[RefitState, float]:

@@ -33,6 +33,7 @@ from refitplane.coordinator.core.validation import (
     check_targets,
     check_version,
 )
+from refitplane.coordinator.core.waits import get_within, wait_event
 from refitplane.coordinator.settings import Settings
 from refitplane.coordinator.store.base import Store
 
@@ -256,9 +257,7 @@ class Coordinator:
             run = driver.current if driver is not None else None
             if run is not None and run.refit_id == refit_id:
                 run.cancel()
-                try:
-                    await asyncio.wait_for(run.finished.wait(), 30.0)
-                except TimeoutError:
+                if not await wait_event(run.finished, 30.0):
                     log.warning("refit %s: cancel still in progress", refit_id)
                 return (await self._record(refit_id)).view()
             if record.state is RefitState.PENDING:
@@ -291,9 +290,8 @@ class Coordinator:
             record = await self._record(refit_id)
             yield record.view()
             while not record.state.terminal:
-                try:
-                    latest = await asyncio.wait_for(changes.get(), heartbeat_s)
-                except TimeoutError:
+                latest = await get_within(changes, heartbeat_s)
+                if latest is None:
                     latest = await self._record(refit_id)
                     if latest == record:
                         continue
