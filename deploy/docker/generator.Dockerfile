@@ -16,7 +16,7 @@ ARG REFIT_EXTRAS=agents,nccl
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/refit-src
-COPY pyproject.toml ./
+COPY pyproject.toml setup.py ./
 COPY refitplane ./refitplane
 COPY services ./services
 # The image's CUDA builds of torch and vLLM must survive: pin what is installed as

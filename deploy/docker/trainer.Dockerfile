@@ -13,7 +13,7 @@ ARG REFIT_EXTRAS=agents,nccl
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/refit-src
-COPY pyproject.toml ./
+COPY pyproject.toml setup.py ./
 COPY refitplane ./refitplane
 COPY services ./services
 # Keep the base image's CUDA torch: pinned as a constraint, a conflict fails the build.

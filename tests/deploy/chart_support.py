@@ -7,6 +7,7 @@ binary, no cluster, no network). `lookup` sees no cluster, exactly like `helm te
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +22,18 @@ EXAMPLES_DIR = REPO / "deploy" / "examples"
 RELEASE = "refit-coordinator"
 NAMESPACE = "refit"
 
-# Kubernetes versions the rendered manifests are validated against: the chart's minimum
-# (Chart.yaml kubeVersion) and the newest kubernetes-validate knows.
-MIN_KUBE_VERSION = "1.29.0"
+
+def _min_kube_version() -> str:
+    constraint = str(yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["kubeVersion"])
+    match = re.search(r">=\s*v?(\d+\.\d+\.\d+)", constraint)
+    if match is None:
+        raise ValueError(f"Chart.yaml kubeVersion {constraint!r} has no lower bound")
+    return match.group(1)
+
+
+# Rendered manifests are validated on the chart's minimum Kubernetes (Chart.yaml kubeVersion)
+# and on the newest version kubernetes-validate knows.
+MIN_KUBE_VERSION = _min_kube_version()
 
 # Everything the coordinator reads (the settings contract shared with the control plane).
 COORDINATOR_ENV = frozenset(

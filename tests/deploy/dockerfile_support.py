@@ -5,6 +5,7 @@ that matches a parent directory matches everything below it)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import tomllib
@@ -173,17 +174,12 @@ def pyproject() -> dict[str, Any]:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
-def module_source(module: str) -> Path:
-    """Where a module of the distribution lives, following [tool.setuptools] package-dir."""
-    package_dir: dict[str, str] = pyproject()["tool"]["setuptools"].get("package-dir", {})
-    parts = module.split(".")
-    for cut in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:cut])
-        if prefix in package_dir:
-            base = REPO / package_dir[prefix]
-            rest = parts[cut:]
-            break
-    else:
-        base, rest = REPO, parts
-    candidate = base.joinpath(*rest)
-    return candidate / "__init__.py" if candidate.is_dir() else candidate.with_suffix(".py")
+def module_source(module: str) -> Path | None:
+    """Where an importable module of the distribution lives (None: not importable yet)."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError:
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin)

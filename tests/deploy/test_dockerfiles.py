@@ -98,7 +98,8 @@ def test_dockerignore_keeps_the_context_small() -> None:
         assert CONTEXT_IGNORE.excluded(heavy), heavy
     for nested in ("refitplane/reshard/__pycache__/plan.cpython-311.pyc", "services/x.pyc"):
         assert CONTEXT_IGNORE.excluded(nested), nested
-    for needed in ("pyproject.toml", "refitplane/errors.py", "services/coordinator/settings.py"):
+    needed_files = ("pyproject.toml", "setup.py", "refitplane/errors.py", "services/x/y.py")
+    for needed in needed_files:
         assert not CONTEXT_IGNORE.excluded(needed), needed
 
 
@@ -215,8 +216,8 @@ def test_required_console_scripts_resolve(script: str) -> None:
     assert scripts[script] == target
     module, _, function = target.partition(":")
     source = module_source(module)
-    if not source.exists():
-        pytest.skip(f"{module} ({source.relative_to(REPO)}) is not written yet")
+    if source is None:
+        pytest.skip(f"{module} is not written yet")
     tree = ast.parse(source.read_text())
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     imported = {
@@ -225,7 +226,7 @@ def test_required_console_scripts_resolve(script: str) -> None:
         if isinstance(n, ast.ImportFrom)
         for alias in n.names
     }
-    assert function in functions | imported, f"{source.relative_to(REPO)} defines no {function}"
+    assert function in functions | imported, f"{source} defines no {function}"
 
 
 def test_examples_run_what_the_images_provide() -> None:
