@@ -104,12 +104,6 @@ def coordinator_process(workdir: Path, token: Path) -> Iterator[CoordinatorProce
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(
-    strict=True,
-    reason="with auth on, the coordinator answers GET /openapi.json with 500 (PydanticUserError: "
-    "the bearer dependency's annotation stays a ForwardRef); reported to the lead. Drop this "
-    "mark once the helm test passes against the real coordinator.",
-)
 def test_helm_test_script_passes_against_the_real_coordinator(tmp_path: Path) -> None:
     _coordinator_module("refitplane.coordinator.__main__")
     token = tmp_path / "token"
