@@ -45,7 +45,8 @@ def cpu_model_building() -> Iterator[None]:
         gg.assert_grouped_gemm_is_available = saved_check
 
 
-def build_model(hf: Any, sc: dict[str, Any]) -> torch.nn.Module:
+def build_chunks(hf: Any, sc: dict[str, Any]) -> list[torch.nn.Module]:
+    """This rank's model: one GPTModel, or one per virtual-pipeline stage."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -84,23 +85,31 @@ def build_model(hf: Any, sc: dict[str, Any]) -> torch.nn.Module:
         pipeline_dtype=torch.bfloat16,
         tensor_model_parallel_size=sc["tp"],
         pipeline_model_parallel_size=sc["pp"],
+        virtual_pipeline_model_parallel_size=sc["vpp"],
         **moe,
     )
-    # The block spec honours moe_layer_freq (dense and MoE layers) and the stage's layers.
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
-    with cpu_model_building():
-        gpt = GPTModel(
-            cfg,
-            spec,
-            vocab_size=sc["padded_vocab"],
-            max_sequence_length=64,
-            pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=hf.tie_word_embeddings,
-            position_embedding_type="rope",
+    chunks: list[torch.nn.Module] = []
+    for vp_stage in range(sc["vpp"] or 1) if sc["vpp"] else [None]:
+        # The block spec honours moe_layer_freq (dense and MoE layers) and picks this
+        # (virtual) stage's layers.
+        spec = get_gpt_decoder_block_spec(
+            cfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
         )
-    # As in Megatron training: the bf16 wrapper casts every parameter (norms included).
-    return Float16Module(cfg, gpt)
+        with cpu_model_building():
+            gpt = GPTModel(
+                cfg,
+                spec,
+                vocab_size=sc["padded_vocab"],
+                max_sequence_length=64,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=hf.tie_word_embeddings,
+                position_embedding_type="rope",
+                vp_stage=vp_stage,
+            )
+        # As in Megatron training: the bf16 wrapper casts every parameter (norms included).
+        chunks.append(Float16Module(cfg, gpt))
+    return chunks
 
 
 class Loader:
@@ -217,7 +226,7 @@ class Loader:
         assert not left, f"converter left Megatron parameters unset: {left}"
 
 
-def check_mismatches_are_refused(model: torch.nn.Module, hf: Any) -> None:
+def check_mismatches_are_refused(model: Any, hf: Any) -> None:
     """Dims or parallel coordinates that disagree with the model fail, naming the field."""
     from dataclasses import replace
 
@@ -226,7 +235,7 @@ def check_mismatches_are_refused(model: torch.nn.Module, hf: Any) -> None:
     from refitplane.errors import LayoutError
 
     dims = ModelDims.from_hf_config(hf)
-    par = parallel_from_model(model)
+    par = parallel_from_model(model[0] if isinstance(model, list) else model)
     wrong: list[tuple[str, ModelDims, Any]] = [
         (
             "num_key_value_heads",
@@ -264,12 +273,15 @@ def run_scenario(sc: dict[str, Any], rank: int, out_dir: Path) -> None:
         pipeline_model_parallel_size=sc["pp"],
         expert_model_parallel_size=sc["ep"],
         expert_tensor_parallel_size=sc["etp"],
+        virtual_pipeline_model_parallel_size=sc["vpp"],
     )
     try:
-        model = build_model(hf, sc)
-        Loader(model.module, sd, hf).load(model.module)
+        chunks = build_chunks(hf, sc)
+        for chunk in chunks:
+            Loader(chunk.module, sd, hf).load(chunk.module)  # type: ignore[arg-type]
+        model: Any = chunks if sc["vpp"] else chunks[0]
         shards = megatron_shards(model, hf)
-        storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
         for sv in shards:
             assert sv.tensor.untyped_storage().data_ptr() in storages, (
                 f"{sv.spec.name} {sv.box} is not a view of a model parameter"

@@ -74,6 +74,7 @@ def _scenario(
     pp: int = 1,
     ep: int = 1,
     etp: int = 1,
+    vpp: int | None = None,
     grouped: bool = False,
 ) -> dict[str, Any]:
     return {
@@ -83,6 +84,7 @@ def _scenario(
         "pp": pp,
         "ep": ep,
         "etp": etp,
+        "vpp": vpp,
         "grouped": grouped,
         "padded_vocab": PADDED_VOCAB,
     }
@@ -121,6 +123,8 @@ def test_four_ranks_pipeline_tied_embeddings_and_expert_mesh_over_dense_replicas
         _scenario("moe_grouped_tp2_pp2_ep2", checkpoints["moe"], tp=2, pp=2, ep=2, grouped=True),
         # Dense TP2 x DP2 (replicas) while experts spread over EP4 across all four ranks.
         _scenario("moe_tp2_dp2_ep4", checkpoints["moe"], tp=2, ep=4),
+        # Virtual pipeline: each rank holds two model chunks (layers 0 and 2, or 1 and 3).
+        _scenario("dense_tp2_pp2_vpp2", checkpoints["dense"], tp=2, pp=2, vpp=2),
     ]
     run_world(WORKER, 4, tmp_path, json.dumps(scenarios), timeout_s=240)
     for sc in scenarios:
@@ -128,3 +132,10 @@ def test_four_ranks_pipeline_tied_embeddings_and_expert_mesh_over_dense_replicas
     tied = load_pieces(tmp_path / "dense_tied_tp2_pp2")
     embed_holders = {p.rank for p in tied if p.name == "model.embed_tokens.weight"}
     assert embed_holders == {0, 1, 2, 3}  # first stage (embedding) and last (output layer)
+    replicas = check_reconstruction(
+        checkpoint(Path(checkpoints["moe"])), load_pieces(tmp_path / "moe_tp2_dp2_ep4")
+    )
+    assert replicas.replicated_elements > 0  # the dense weights of both data-parallel replicas
+    vpp = load_pieces(tmp_path / "dense_tp2_pp2_vpp2")
+    stage0 = {p.name.split(".")[2] for p in vpp if p.rank == 0 and ".layers." in p.name}
+    assert stage0 == {"0", "2"}
