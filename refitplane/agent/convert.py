@@ -132,7 +132,7 @@ def layout_from_proto(msg: cpb.RankLayout, rank: int, *, field: str = "layout") 
         try:
             builder.add_spec(spec)
         except LayoutError as exc:
-            raise _at(exc, f"{path}.spec") from None
+            raise _at(exc, f"{path}.spec.{exc.field or 'name'}") from None
         for j, box_msg in enumerate(entry.boxes):
             box_path = f"{path}.boxes[{j}]"
             box = box_from_proto(box_msg, field=box_path, tensor=spec.name)

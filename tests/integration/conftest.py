@@ -40,22 +40,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-import refitplane
-
-# TEMPORARY: the installed link tree and a source checkout lack refitplane.coordinator until
-# the packaging maps services/ (reported to the lead); point the package at services/ here.
-SERVICES = Path(refitplane.__file__).resolve().parents[1] / "services"
-if SERVICES.is_dir() and str(SERVICES) not in refitplane.__path__:
-    refitplane.__path__.append(str(SERVICES))
-
-# The same mapping for child processes, then `refit-coordinator`'s main.
-COORDINATOR_BOOTSTRAP = (
-    "import pathlib, sys, refitplane;"
-    "s = pathlib.Path(refitplane.__file__).resolve().parents[1] / 'services';"
-    "refitplane.__path__.append(str(s)) if s.is_dir() else None;"
-    "from refitplane.coordinator.__main__ import main;"
-    "sys.exit(main(sys.argv[1:]))"
-)
+# `refit-coordinator`'s module, run by the interpreter under test.
+COORDINATOR_MODULE = ("-m", "refitplane.coordinator")
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 T = TypeVar("T")
@@ -347,7 +333,7 @@ def coordinator_process(tmp_path: Path) -> Iterator[Callable[..., CoordinatorPro
             | (env or {})
         )
         cmd = [
-            sys.executable, "-c", COORDINATOR_BOOTSTRAP,
+            sys.executable, *COORDINATOR_MODULE,
             "--grpc-port", "0", "--http-port", "0", "--port-file", str(port_file),
             "--env-file", str(tmp_path / "no.env"), *args,
         ]  # fmt: skip

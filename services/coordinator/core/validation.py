@@ -64,9 +64,8 @@ def check_idempotency_key(value: str) -> str:
 def check_targets(values: list[str]) -> list[str]:
     for i, replica in enumerate(values):
         check_name(replica, f"target_replicas[{i}]")
-    if len(set(values)) != len(values):
-        raise InvalidArgument("target_replicas lists a replica twice", field="target_replicas")
-    return sorted(values)
+    # A replica listed twice is still one replica.
+    return sorted(set(values))
 
 
 def check_member(info: MemberInfo) -> MemberInfo:

@@ -82,8 +82,8 @@ class RefitInterceptor(grpc.aio.ServerInterceptor):
                 return decode(raw)
             except (DecodeError, ValueError, TypeError) as exc:
                 raise InvalidArgument(
-                    f"request is not a valid {method.rsplit('/', 1)[-1]} message "
-                    f"({type(exc).__name__})",
+                    f"the {method.rsplit('/', 1)[-1]} request is not a valid protobuf "
+                    f"message ({type(exc).__name__})",
                     field="request",
                 ) from None
 

@@ -5,14 +5,15 @@ Errors come back as `{"error": {"reason", "message", "field"}}` with the status 
 Mutating calls (POST) need `Authorization: Bearer <token>` when a token is configured.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI resolves the endpoint signatures at
+# runtime, and the dependencies below close over local objects.
 import logging
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +21,8 @@ from refitplane.coordinator.auth import TokenCheck
 from refitplane.coordinator.core.service import MAX_LIST_LIMIT, Coordinator
 from refitplane.coordinator.error_codes import http_status
 from refitplane.coordinator.store.base import MAX_VERSION
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 import refitplane
 from refitplane.client.models import Refit, Topology
@@ -50,7 +53,9 @@ class TriggerBody(BaseModel):
     target_replicas: list[
         Annotated[str, Field(pattern=_NAME_PATTERN, min_length=1, max_length=128)]
     ] = Field(default_factory=list, max_length=4096, description="Empty: every replica")
-    idempotency_key: str = Field("", max_length=256, description="Same key → same refit")
+    idempotency_key: str = Field(
+        "", max_length=256, pattern=r"^[^\x00-\x1f]*$", description="Same key → same refit"
+    )
     version: int = Field(0, ge=0, le=MAX_VERSION, description="0: the next version")
 
 
@@ -111,6 +116,22 @@ def create_app(core: Coordinator, tokens: TokenCheck) -> FastAPI:
         return _error(
             400, InvalidArgument.reason, f"{field}: {message}" if field else message, field
         )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        reasons = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
+        response = _error(
+            exc.status_code, reasons.get(exc.status_code, "HTTP_ERROR"), str(exc.detail), None
+        )
+        if exc.status_code == 405:
+            # Starlette lists only the first matching route's methods; a path served by
+            # several routes (GET and POST /v1/jobs/{job}/refits) allows all of them.
+            allowed = set()
+            for route in app.router.routes:
+                if isinstance(route, APIRoute) and route.matches(request.scope)[0] is Match.PARTIAL:
+                    allowed |= route.methods
+            response.headers["Allow"] = ", ".join(sorted(allowed))
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -24,7 +24,6 @@ import json
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from importlib import resources
-from pathlib import Path
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -59,12 +58,8 @@ _SCRIPTS = ("register", "unregister", "trigger", "transition")
 
 
 def _lua(name: str) -> str:
-    """A checked-in script: package data in a wheel, else next to this file's real path (the
-    strict editable install links .py files only)."""
-    packaged = resources.files("refitplane.coordinator.store").joinpath(f"lua/{name}.lua")
-    if packaged.is_file():
-        return packaged.read_text()
-    return (Path(__file__).resolve().parent / "lua" / f"{name}.lua").read_text()
+    """A checked-in script (package data: `store/lua/*.lua`)."""
+    return resources.files("refitplane.coordinator.store").joinpath(f"lua/{name}.lua").read_text()
 
 
 class RedisStore(Store):
