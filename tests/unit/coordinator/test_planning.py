@@ -1,0 +1,128 @@
+"""Group-rank numbering, target selection, backends and the plan cache."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from refitplane.coordinator.core.failures import RefitFailed
+from refitplane.coordinator.core.planning import LayoutCache, PlanCache, Roster
+from refitplane.coordinator.core.records import MemberRecord
+from refitplane.coordinator.store.embedded import EmbeddedStore
+from refitplane.protocol import Backend, MemberState, Role
+from refitplane.reshard.layout import LayoutBuilder, TensorSpec
+
+pytestmark = pytest.mark.unit
+
+SPEC = TensorSpec.create("w", (8, 4), "float32")
+
+
+def _layout(rank, rows):
+    b = LayoutBuilder()
+    b.add(SPEC, rank, (rows, (0, 4)))
+    return b.build()
+
+
+def _m(role, rank=0, world=1, replica="", digest="d", device="cpu", state=MemberState.READY):
+    return MemberRecord(
+        member_id=uuid.uuid4().hex,
+        job="j",
+        role=role,
+        rank=rank,
+        world_size=world,
+        replica_id=replica,
+        layout_digest=digest,
+        device=device,
+        state=state,
+    )
+
+
+def test_group_ranks_trainers_then_replicas_by_id():
+    t1, t0 = _m(Role.TRAINER, 1, 2), _m(Role.TRAINER, 0, 2)
+    b0 = _m(Role.GENERATOR, 0, 1, "b")
+    a1, a0 = _m(Role.GENERATOR, 1, 2, "a"), _m(Role.GENERATOR, 0, 2, "a")
+    sidecar = _m(Role.GENERATOR_SIDECAR, 0, 2, "a", digest="")
+    lost = _m(Role.GENERATOR, 0, 1, "c", state=MemberState.LOST)
+    roster = Roster.of([t1, b0, a1, sidecar, t0, a0, lost])
+    roster.check_trainers()
+    assert [m.member_id for m in roster.group_members()] == [
+        t0.member_id,
+        t1.member_id,
+        a0.member_id,
+        a1.member_id,
+        b0.member_id,
+    ]
+    assert roster.replicas["a"].sidecar is sidecar
+    assert "c" not in roster.replicas  # lost members take no part
+    assert [r.replica_id for r in roster.targets([])] == ["a", "b"]
+    assert [r.replica_id for r in roster.targets(["b"])] == ["b"]
+    assert roster.backend() is Backend.GLOO
+
+
+def test_incomplete_replicas_are_left_out_of_the_group():
+    roster = Roster.of(
+        [_m(Role.TRAINER), _m(Role.GENERATOR, 0, 2, "a"), _m(Role.GENERATOR, 0, 1, "b")]
+    )
+    assert [r.replica_id for r in roster.complete_replicas()] == ["b"]
+    with pytest.raises(RefitFailed) as err:
+        roster.targets(["a"])
+    assert err.value.reason == "MEMBERS_MISSING"
+    with pytest.raises(RefitFailed) as err:
+        roster.targets(["zz"])
+    assert "zz" in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("members", "reason"),
+    [
+        ([], "MEMBERS_MISSING"),
+        ([_m(Role.TRAINER, 0, 2)], "MEMBERS_MISSING"),
+        ([_m(Role.TRAINER, 0, 2), _m(Role.TRAINER, 1, 3)], "INVALID_TOPOLOGY"),
+        ([_m(Role.TRAINER, digest="")], "LAYOUT_MISSING"),
+    ],
+)
+def test_trainer_problems(members, reason):
+    with pytest.raises(RefitFailed) as err:
+        Roster.of(members).check_trainers()
+    assert err.value.reason == reason
+
+
+def test_backends():
+    cuda = Roster.of(
+        [_m(Role.TRAINER, device="cuda:0"), _m(Role.GENERATOR, replica="a", device="cuda")]
+    )
+    assert cuda.backend() is Backend.NCCL
+    mixed = Roster.of([_m(Role.TRAINER, device="cuda:0"), _m(Role.GENERATOR, replica="a")])
+    with pytest.raises(RefitFailed) as err:
+        mixed.backend()
+    assert err.value.reason == "INVALID_TOPOLOGY"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_plan_cache_reuses_plans_and_survives_a_cold_layout_cache(anyio_backend):
+    store = EmbeddedStore()
+    layouts = LayoutCache(store)
+    src, dst = _layout(0, (0, 8)), _layout(0, (0, 8))
+    await layouts.put(src)
+    await layouts.put(dst)
+    trainer = _m(Role.TRAINER, digest=src.digest)
+    gen = _m(Role.GENERATOR, replica="a", digest=dst.digest)
+    cache = PlanCache(store, layouts)
+    first = await cache.plan([(0, trainer)], [(1, gen)])
+    again = await cache.plan([(0, trainer)], [(1, gen)])
+    assert again is first
+    assert (cache.hits, cache.misses) == (1, 1)
+    assert first.plan.total_bytes == 8 * 4 * 4
+    assert first.group_ranks == {trainer.member_id: 0, gen.member_id: 1}
+    # A fresh coordinator: layouts come back from the store by digest, same plan digest.
+    fresh = PlanCache(store, LayoutCache(store))
+    assert (await fresh.plan([(0, trainer)], [(1, gen)])).plan.digest == first.plan.digest
+    # A different numbering is a different plan.
+    moved = await cache.plan([(0, trainer)], [(2, gen)])
+    assert moved.plan.digest != first.plan.digest
+    missing = _m(Role.GENERATOR, replica="a", digest="nope")
+    with pytest.raises(RefitFailed) as err:
+        await cache.plan([(0, trainer)], [(1, missing)])
+    assert err.value.reason == "LAYOUT_MISSING"
