@@ -1,23 +1,24 @@
 """The executor: runs one rank's part of a plan over a transport, in place, verified.
 
-Per round of the schedule (see `schedule.py`) the rank posts one group of sends/receives
-on the round's channel. A message that is a single chunk whose local view is contiguous
-goes straight from/to parameter memory; anything else is packed into (or unpacked from) a
-slice of the bounded staging ring. When the ring is full, the oldest group is completed
-first, so staging memory never exceeds `max_inflight_bytes`. On GPU, packing, the
-transfer and unpacking are ordered on the channel's CUDA stream without host waits; on
-CPU (Gloo) unpacking happens when a group completes.
+The rank walks its messages in schedule order (see `schedule.py`), batching each
+channel's consecutive messages into one group of sends/receives (posted once it holds a
+few buckets' worth, and always before any wait). A message that is a single chunk whose
+local view is contiguous goes straight from/to parameter memory; anything else is packed
+into (or unpacked from) a slice of the bounded staging ring. When the ring is full,
+everything pending is posted and the oldest group completed first, so staging memory never
+exceeds `max_inflight_bytes`. On GPU, packing, the transfer and unpacking are ordered on
+the channel's CUDA stream without host waits; on CPU (Gloo) unpacking happens when a group
+completes.
 
-With verification on, both ends checksum every chunk (the sender what it sends, the
-receiver what its parameters hold afterwards) and, after the last round, senders ship
-their checksum vectors; a receiver raises `ChecksumMismatch` naming the tensor, box and
-sender before anyone reports success. Any error aborts the transport: the group must be
-rebuilt before the next refit.
+With verification on, both ends checksum every message (the sender what it sends, the
+receiver what arrived: its parameters themselves for direct messages) and, after the last
+message, senders ship their checksum vectors; a receiver raises `ChecksumMismatch` naming
+the sender, tensors and boxes before anyone reports success. Any error aborts the
+transport: the group must be rebuilt before the next refit.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import deque
@@ -26,8 +27,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refitplane.errors import ChecksumMismatch, LayoutError, TransferError
-from refitplane.reshard.boxes import Box, box_shape, format_box
+from refitplane.errors import (
+    ChecksumMismatch,
+    InvalidArgument,
+    LayoutError,
+    TransferError,
+    TransferTimeout,
+)
+from refitplane.reshard.boxes import Box, box_numel, box_shape, format_box
 from refitplane.reshard.checksum import checksum
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.plan import RankPlan
@@ -47,29 +54,42 @@ class TransferReport:
     messages: int = 0
     direct_messages: int = 0
     packed_messages: int = 0
+    groups: int = 0
     tensors_total: int = 0
     tensors_verified: int = 0
     staging_peak_bytes: int = 0
-    # Received tensors: a digest of their chunk checksums. It depends on the bytes and on
-    # how the plan and config cut them, so it compares refits of the same job, not jobs.
-    tensor_digests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class _Group:
-    handle: Handle
-    slices: int
-    nbytes: int
-    post: Callable[[], None] | None
+    """Ops of one channel waiting to be posted together, or posted and in flight."""
+
+    ops: list[P2POp] = field(default_factory=list)
+    posts: list[Callable[[], None]] = field(default_factory=list)
+    slices: list[int] = field(default_factory=list)
+    nbytes: int = 0
+    handle: Handle | None = None
+    post: Callable[[], None] | None = None
 
 
 Link = tuple[int, int]
+
+# Post a channel's batched ops once they reach this many bucket sizes (or ops): fewer,
+# larger NCCL groups cost fewer launches; batching never delays a wait (all pending ops
+# are posted before any wait).
+GROUP_BUCKETS = 4
+GROUP_MAX_OPS = 64
 
 
 class Executor:
     """Runs plans on one transport; keeps its staging arena across refits."""
 
     def __init__(self, transport: Transport, config: TransferConfig) -> None:
+        if config.num_channels > transport.num_channels:
+            raise InvalidArgument(
+                f"config asks for {config.num_channels} channels, the group has {transport.num_channels}",
+                field="num_channels",
+            )
         self.transport = transport
         self.config = config
         self.ring = StagingRing(config.max_inflight_bytes, transport.device)
@@ -118,15 +138,18 @@ class _Run:
         self.schedule: RankSchedule = rank_schedule(plan, self.cfg)
         self.views = self._resolve_views(shards)
         self.verify = self.cfg.verify_checksums
+        # One checksum per message, per link, indexed by the message's round.
         self.sums: dict[Link, torch.Tensor] = {}
         if self.verify:
-            for link, n in self.schedule.chunks_per_link.items():
+            for link, n in self.schedule.messages_per_link.items():
                 self.sums[link] = torch.zeros(n, dtype=torch.int64, device=self.t.device)
-        self.outstanding: deque[_Group] = deque()
+        self.pending: dict[int, _Group] = {}
+        self.in_flight: deque[_Group] = deque()
         self.report = TransferReport()
+        self.report.tensors_total = len({p.tensor for link in plan.recvs for p in link.pieces})
         self.total = plan.send_bytes + plan.recv_bytes
         self.done = 0
-        self.report.tensors_total = len({p.tensor for link in plan.recvs for p in link.pieces})
+        self.group_bytes = GROUP_BUCKETS * self.cfg.bucket_bytes
 
     # -- preparation: every view resolved and checked before any byte moves ----------------
 
@@ -158,97 +181,110 @@ class _Run:
         self.t.begin()
         for round_msgs in self.schedule.rounds:
             self._check_cancel()
-            self._run_round(round_msgs)
+            channel = round_msgs[0].channel
+            for m in round_msgs:
+                self._add(m)
+            group = self.pending.get(channel)
+            if group is not None and (
+                group.nbytes >= self.group_bytes or len(group.ops) >= GROUP_MAX_OPS
+            ):
+                self._flush(channel)
             self._retire_completed()
-        while self.outstanding:
+        self._flush_all()
+        while self.in_flight:
             self._complete_oldest()
         if self.verify:
             self._verify()
         self.t.end()
         return self.report
 
-    def _run_round(self, msgs: tuple[Message, ...]) -> None:
-        channel = msgs[0].channel
-        ops: list[P2POp] = []
-        posts: list[Callable[[], None]] = []
-        slices = 0
-        nbytes = 0
-        for m in msgs:
-            sending = m.src == self.rank
-            views = self.views[m]
-            direct = len(views) == 1 and views[0].is_contiguous()
-            if direct:
-                buf = views[0].reshape(-1).view(torch.uint8)
-            else:
+    def _add(self, m: Message) -> None:
+        sending = m.src == self.rank
+        views = self.views[m]
+        direct = len(views) == 1 and views[0].is_contiguous()
+        if direct:
+            buf = views[0].reshape(-1).view(torch.uint8)
+        else:
+            taken = self.ring.try_take(m.nbytes)
+            while taken is None:
+                # Post everything first: a wait must never depend on an unposted op.
+                self._flush_all()
+                self._complete_oldest()
                 taken = self.ring.try_take(m.nbytes)
-                while taken is None:
-                    if ops:
-                        self._flush(channel, ops, posts, slices, nbytes)
-                        ops, posts, slices, nbytes = [], [], 0, 0
-                    self._complete_oldest()
-                    taken = self.ring.try_take(m.nbytes)
-                buf = taken
-                slices += 1
-            with self.t.channel_context(channel):
-                if sending:
-                    self._pack(m, views, buf, direct)
-                else:
-                    posts.append(self._unpacker(m, views, buf, direct))
-            ops.append(P2POp(sending, m.dst if sending else m.src, buf))
-            nbytes += m.nbytes
-            self.report.messages += 1
-            if direct:
-                self.report.direct_messages += 1
-            else:
-                self.report.packed_messages += 1
+            token, buf = taken
+        group = self.pending.setdefault(m.channel, _Group())
+        if not direct:
+            group.slices.append(token)
+        with self.t.channel_context(m.channel):
             if sending:
-                self.report.bytes_sent += sum(c.nbytes for c in m.chunks)
+                if not direct:
+                    for chunk, view in zip(m.chunks, views, strict=True):
+                        self._typed(buf, chunk.offset, chunk.tensor, chunk.box).copy_(view)
+                if self.verify:
+                    self.sums[(m.src, m.dst)][m.round] = checksum(buf)
             else:
-                self.report.bytes_received += sum(c.nbytes for c in m.chunks)
-        if ops:
-            self._flush(channel, ops, posts, slices, nbytes)
+                group.posts.append(self._unpacker(m, views, buf, direct))
+        group.ops.append(P2POp(sending, m.dst if sending else m.src, buf))
+        group.nbytes += m.nbytes
+        payload = sum(c.nbytes for c in m.chunks)
+        r = self.report
+        r.messages += 1
+        if direct:
+            r.direct_messages += 1
+        else:
+            r.packed_messages += 1
+        if sending:
+            r.bytes_sent += payload
+        else:
+            r.bytes_received += payload
 
-    def _flush(
-        self,
-        channel: int,
-        ops: list[P2POp],
-        posts: list[Callable[[], None]],
-        slices: int,
-        nbytes: int,
-    ) -> None:
-        handle = self.t.issue(channel, ops)
-        post: Callable[[], None] | None = None
+    def _flush(self, channel: int) -> None:
+        group = self.pending.pop(channel, None)
+        if group is None or not group.ops:
+            return
+        handle = self.t.issue(channel, group.ops, self.deadline)
         if self.t.device_ordered:
             with self.t.channel_context(channel):
-                for p in posts:
+                for p in group.posts:
                     p()
             handle = self.t.fence(handle)
-        elif posts:
+        elif group.posts:
+            posts = group.posts
 
             def post() -> None:
                 for p in posts:
                     p()
 
-        self.outstanding.append(_Group(handle, slices, nbytes, post))
+            group.post = post
+        group.handle = handle
+        group.ops = []
+        self.in_flight.append(group)
+        self.report.groups += 1
+
+    def _flush_all(self) -> None:
+        for channel in sorted(self.pending):
+            self._flush(channel)
 
     def _complete_oldest(self) -> None:
-        if not self.outstanding:
+        if not self.in_flight:
             raise TransferError(f"rank {self.rank}: staging exhausted with nothing in flight")
-        group = self.outstanding.popleft()
+        group = self.in_flight.popleft()
+        assert group.handle is not None
         self.t.wait(group.handle, self.deadline, self.cancel)
         self._finish(group)
 
     def _retire_completed(self) -> None:
-        while self.outstanding and self.t.poll(self.outstanding[0].handle):
-            group = self.outstanding.popleft()
-            self.t.wait(group.handle, self.deadline, self.cancel)
-            self._finish(group)
+        while self.in_flight:
+            handle = self.in_flight[0].handle
+            if handle is None or not self.t.poll(handle):
+                return
+            self._complete_oldest()
 
     def _finish(self, group: _Group) -> None:
         if group.post is not None:
             group.post()
-        for _ in range(group.slices):
-            self.ring.release_oldest()
+        for token in group.slices:
+            self.ring.release(token)
         self.done += group.nbytes
         if self.progress is not None:
             self.progress(self.done, self.total)
@@ -257,41 +293,25 @@ class _Run:
         if self.cancel is not None and self.cancel.is_set():
             raise TransferError(f"rank {self.rank}: transfer cancelled")
         if time.monotonic() > self.deadline:
-            raise TransferError(f"rank {self.rank}: transfer deadline passed")
+            raise TransferTimeout(f"rank {self.rank}: transfer deadline passed")
 
     # -- packing, unpacking, checksums -----------------------------------------------------------
 
-    def _typed(self, buf: torch.Tensor, tensor: str, box: Box) -> torch.Tensor:
-        return buf.view(torch_dtype(self.plan.specs[tensor].dtype)).view(box_shape(box))
-
-    def _pack(self, m: Message, views: list[torch.Tensor], buf: torch.Tensor, direct: bool) -> None:
-        link = (m.src, m.dst)
-        for chunk, view in zip(m.chunks, views, strict=True):
-            part = buf if direct else buf[chunk.offset : chunk.offset + chunk.nbytes]
-            if not direct:
-                self._typed(part, chunk.tensor, chunk.box).copy_(view)
-            if self.verify:
-                self.sums[link][chunk.index] = checksum(part)
+    def _typed(self, buf: torch.Tensor, offset: int, tensor: str, box: Box) -> torch.Tensor:
+        nbytes = self.plan.specs[tensor].itemsize * box_numel(box)
+        part = buf[offset : offset + nbytes]
+        return part.view(torch_dtype(self.plan.specs[tensor].dtype)).view(box_shape(box))
 
     def _unpacker(
         self, m: Message, views: list[torch.Tensor], buf: torch.Tensor, direct: bool
     ) -> Callable[[], None]:
-        link = (m.src, m.dst)
-
         def unpack() -> None:
-            for chunk, view in zip(m.chunks, views, strict=True):
-                part = buf if direct else buf[chunk.offset : chunk.offset + chunk.nbytes]
-                if not direct:
-                    view.copy_(self._typed(part, chunk.tensor, chunk.box))
-                if not self.verify:
-                    continue
-                if direct or view.is_contiguous():
-                    landed = view.reshape(-1).view(torch.uint8)
-                else:
-                    # Read the parameter back so the checksum proves what it now holds.
-                    self._typed(part, chunk.tensor, chunk.box).copy_(view)
-                    landed = part
-                self.sums[link][chunk.index] = checksum(landed)
+            if not direct:
+                for chunk, view in zip(m.chunks, views, strict=True):
+                    view.copy_(self._typed(buf, chunk.offset, chunk.tensor, chunk.box))
+            if self.verify:
+                # Direct receives landed in parameter memory: this reads the parameters.
+                self.sums[(m.src, m.dst)][m.round] = checksum(buf)
 
         return unpack
 
@@ -311,31 +331,29 @@ class _Run:
                 ops.append(P2POp(False, src, theirs.view(torch.uint8)))
         if ops:
             with self.t.channel_context(0):
-                handle = self.t.fence(self.t.issue(0, ops))
+                handle = self.t.fence(self.t.issue(0, ops, self.deadline))
             self.t.wait(handle, self.deadline, self.cancel)
-        chunk_names = self._recv_chunk_names()
-        per_tensor: dict[str, list[int]] = {}
+        verified: set[str] = set()
+        failed: set[str] = set()
+        messages = self._recv_messages()
         for link, theirs in sorted(remote.items()):
-            mine = self.sums[link].cpu()
-            theirs_cpu = theirs.cpu()
-            bad = (mine != theirs_cpu).nonzero().flatten().tolist()
+            bad = (self.sums[link].cpu() != theirs.cpu()).nonzero().flatten().tolist()
+            for round_index, m in enumerate(messages[link]):
+                names = {c.tensor for c in m.chunks}
+                (failed if round_index in bad else verified).update(names)
             if bad:
-                tensor, box = chunk_names[link][bad[0]]
+                m = messages[link][bad[0]]
+                where = ", ".join(f"{c.tensor!r} {format_box(c.box)}" for c in m.chunks[:4])
+                more = f" and {len(m.chunks) - 4} more" if len(m.chunks) > 4 else ""
                 raise ChecksumMismatch(
-                    f"rank {self.rank}: tensor {tensor!r} box {format_box(box)} from rank {link[0]} "
-                    f"does not match the sender's checksum ({len(bad)} mismatched chunk(s) on this link)"
+                    f"rank {self.rank}: bytes from rank {link[0]} do not match the sender's checksum "
+                    f"({len(bad)} of {len(messages[link])} message(s)); first: {where}{more}"
                 )
-            for idx, value in enumerate(mine.tolist()):
-                per_tensor.setdefault(chunk_names[link][idx][0], []).append(value)
-        self.report.tensors_verified = len(per_tensor)
-        for name, values in per_tensor.items():
-            h = hashlib.sha256(repr(values).encode()).hexdigest()[:16]
-            self.report.tensor_digests[name] = h
+        self.report.tensors_verified = len(verified - failed)
 
-    def _recv_chunk_names(self) -> dict[Link, list[tuple[str, Box]]]:
-        names: dict[Link, list[tuple[str, Box]]] = {}
+    def _recv_messages(self) -> dict[Link, list[Message]]:
+        out: dict[Link, list[Message]] = {}
         for m in self.schedule.messages:
             if m.dst == self.rank:
-                entries = names.setdefault((m.src, m.dst), [])
-                entries.extend((c.tensor, c.box) for c in m.chunks)
-        return names
+                out.setdefault((m.src, m.dst), []).append(m)
+        return out

@@ -21,7 +21,7 @@ from refitplane.reshard.transport.base import P2POp, Transport
 
 
 def _send_recv(transport: Transport, op: P2POp, deadline: float) -> None:
-    transport.wait(transport.fence(transport.issue(0, [op])), deadline)
+    transport.wait(transport.fence(transport.issue(0, [op], deadline)), deadline)
 
 
 def reference_refit(

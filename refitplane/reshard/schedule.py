@@ -39,7 +39,7 @@ class Chunk:
     nbytes: int
     # Byte offset of this chunk inside its message.
     offset: int
-    # Index of this chunk among all chunks of its link (checksums are exchanged per link).
+    # Index of this chunk among all chunks of its link.
     index: int
 
 
@@ -101,8 +101,8 @@ class RankSchedule:
     """A rank's messages grouped by round, each round in (src, dst) order."""
 
     rounds: tuple[tuple[Message, ...], ...]
-    # Number of chunks per link, keyed by (src, dst): the length of its checksum vector.
-    chunks_per_link: Mapping[tuple[int, int], int]
+    # Messages per link, keyed by (src, dst): the length of its checksum vector.
+    messages_per_link: Mapping[tuple[int, int], int]
 
     @property
     def messages(self) -> Iterator[Message]:
@@ -112,13 +112,13 @@ class RankSchedule:
 
 def rank_schedule(plan: RankPlan, config: TransferConfig) -> RankSchedule:
     by_round: dict[int, list[Message]] = {}
-    chunks: dict[tuple[int, int], int] = {}
+    counts: dict[tuple[int, int], int] = {}
     for link in (*plan.sends, *plan.recvs):
         msgs = link_messages(link, plan.specs, config)
-        chunks[(link.src, link.dst)] = sum(len(m.chunks) for m in msgs)
+        counts[(link.src, link.dst)] = len(msgs)
         for m in msgs:
             by_round.setdefault(m.round, []).append(m)
     rounds = tuple(
         tuple(sorted(by_round[r], key=lambda m: (m.src, m.dst))) for r in sorted(by_round)
     )
-    return RankSchedule(rounds, chunks)
+    return RankSchedule(rounds, counts)

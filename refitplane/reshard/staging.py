@@ -1,8 +1,9 @@
 """Bounded staging memory: one preallocated byte arena used as a FIFO ring.
 
-Packed sends and receives borrow slices of the arena; slices are released in the order
-they were taken (the executor completes groups oldest first). The arena never grows, so a
-rank's extra memory during a refit is exactly `max_inflight_bytes`.
+Packed sends and receives borrow slices of the arena and give them back by token, in any
+order; space is reclaimed from the oldest slice on, once it is back (slices of different
+channels interleave, so a later slice may come back first). The arena never grows, so a
+rank's extra memory during a refit is at most `max_inflight_bytes`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ class StagingRing:
         self.device = device
         self._buffer: torch.Tensor | None = None
         self._head = 0
-        self._live: deque[tuple[int, int]] = deque()
+        # [start, end, returned] per slice still holding space, oldest first.
+        self._live: deque[list[int]] = deque()
+        self._by_token: dict[int, list[int]] = {}
+        self._next_token = 0
         self.peak = 0
         self._in_use = 0
 
@@ -36,8 +40,8 @@ class StagingRing:
     def allocated(self) -> bool:
         return self._buffer is not None
 
-    def try_take(self, nbytes: int) -> torch.Tensor | None:
-        """A slice of `nbytes`, or None while the oldest live slices still occupy the space."""
+    def try_take(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
+        """(token, slice of `nbytes`), or None while older slices still occupy the space."""
         if nbytes > self.size:
             raise InvalidArgument(
                 f"a message of {nbytes} bytes exceeds the staging budget of {self.size} bytes",
@@ -48,11 +52,15 @@ class StagingRing:
         if start is None:
             return None
         end = min(start + need, self.size)
-        self._live.append((start, end))
+        entry = [start, end, 0]
+        token = self._next_token
+        self._next_token += 1
+        self._live.append(entry)
+        self._by_token[token] = entry
         self._head = end
         self._in_use += end - start
         self.peak = max(self.peak, self._in_use)
-        return self.buffer[start : start + nbytes]
+        return token, self.buffer[start : start + nbytes]
 
     def _fit(self, need: int) -> int | None:
         if not self._live:
@@ -68,9 +76,12 @@ class StagingRing:
             return self._head
         return None
 
-    def release_oldest(self) -> None:
-        start, end = self._live.popleft()
-        self._in_use -= end - start
+    def release(self, token: int) -> None:
+        entry = self._by_token.pop(token)
+        entry[2] = 1
+        while self._live and self._live[0][2]:
+            start, end, _ = self._live.popleft()
+            self._in_use -= end - start
         if not self._live:
             self._head = 0
 

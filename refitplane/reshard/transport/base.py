@@ -56,8 +56,9 @@ class Transport(ABC):
         """Order the caller's later work after everything queued on the channels."""
 
     @abstractmethod
-    def issue(self, channel: int, ops: Sequence[P2POp]) -> Handle:
-        """Post `ops` as one group on `channel`."""
+    def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
+        """Post `ops` as one group on `channel` (posting itself may wait for peers to
+        connect: it gives up at `deadline`)."""
 
     def fence(self, handle: Handle) -> Handle:
         """A handle that completes after `handle` and after work queued since on its channel."""

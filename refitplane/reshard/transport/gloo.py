@@ -82,7 +82,7 @@ class GlooTransport(Transport):
             self._groups.append(ProcessGroupGloo(sub, rank, world_size, opts))
         self._aborted = False
 
-    def issue(self, channel: int, ops: Sequence[P2POp]) -> Handle:
+    def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
         if self._aborted:
             raise TransferError("transport was aborted; a new group is needed")
         pg = self._groups[channel]

@@ -119,7 +119,7 @@ class NcclTransport(Transport):
 
     # -- transfers --------------------------------------------------------------------------
 
-    def issue(self, channel: int, ops: Sequence[P2POp]) -> Handle:
+    def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
         if not self._comms:
             raise TransferError("transport was aborted; a new group is needed")
         comm = self._comms[channel]
@@ -134,7 +134,8 @@ class NcclTransport(Transport):
                     comm.recv(op.buffer, op.peer, stream=stream)
         finally:
             nc.group_end()
-        self._settle(comm, time.monotonic() + self.timeout_s, f"posting on channel {channel}")
+        # The first ops to a peer wait for it to connect: bounded by the refit's deadline.
+        self._settle(comm, deadline, f"posting on channel {channel}")
         event = torch.cuda.Event()
         event.record(self._streams[channel])
         # Keep the buffers referenced until the handle is done (nccl4py does not).

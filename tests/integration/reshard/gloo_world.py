@@ -14,7 +14,9 @@ from torch._C._distributed_c10d import TCPStore
 Worker = Callable[..., dict[str, Any]]
 
 
-def _entry(worker: Worker, rank: int, world: int, port: int, kwargs: dict[str, Any], out: Any) -> None:
+def _entry(
+    worker: Worker, rank: int, world: int, port: int, kwargs: dict[str, Any], out: Any
+) -> None:
     try:
         result = worker(rank=rank, world=world, port=port, **kwargs)
         out.put((rank, "ok", result))
@@ -22,16 +24,28 @@ def _entry(worker: Worker, rank: int, world: int, port: int, kwargs: dict[str, A
         out.put((rank, "error", {"type": type(exc).__name__, "message": str(exc)}))
 
 
-def run_world(worker: Worker, world: int, *, timeout_s: float = 120.0, **kwargs: Any) -> dict[int, tuple[str, dict[str, Any]]]:
+def run_world(
+    worker: Worker, world: int, *, timeout_s: float = 120.0, **kwargs: Any
+) -> dict[int, tuple[str, dict[str, Any]]]:
     """Run `worker(rank=, world=, port=, **kwargs)` in `world` spawned processes.
 
     The parent hosts the rendezvous store. Ranks that die without reporting are absent
     from the result. Every process is gone when this returns.
     """
     ctx = mp.get_context("spawn")
-    store = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    store = TCPStore(
+        "127.0.0.1",
+        0,
+        world,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
     out = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(worker, r, world, store.port, kwargs, out), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(worker, r, world, store.port, kwargs, out), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, dict[str, Any]]] = {}

@@ -27,7 +27,9 @@ def global_tensor(spec: TensorSpec) -> torch.Tensor:
     return raw.view(torch_dtype(spec.dtype)).view(spec.shape)
 
 
-def _add(builder: LayoutBuilder, spec: TensorSpec, mesh: DeviceMesh, placements: list[Placement]) -> None:
+def _add(
+    builder: LayoutBuilder, spec: TensorSpec, mesh: DeviceMesh, placements: list[Placement]
+) -> None:
     for rank, box in placement_boxes(spec.shape, mesh, placements, tensor=spec.name).items():
         builder.add(spec, rank, box)
 
@@ -49,7 +51,9 @@ def _tensors(prefix: str, dtype: str = "bfloat16") -> dict[str, TensorSpec]:
     }
 
 
-def _tp_layout(builder: LayoutBuilder, specs: dict[str, TensorSpec], mesh: DeviceMesh, tp_dim: int = 0) -> None:
+def _tp_layout(
+    builder: LayoutBuilder, specs: dict[str, TensorSpec], mesh: DeviceMesh, tp_dim: int = 0
+) -> None:
     """Megatron/vLLM-like TP over the last mesh dim (Replicate over the others)."""
     rep: list[Placement] = [Replicate()] * (len(mesh.shape) - 1)
     _add(builder, specs["col"], mesh, [*rep, Shard(0)])
@@ -121,7 +125,8 @@ def irregular_boxes() -> Scenario:
 
 
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
-    f.__name__: f for f in (tp2_to_tp3, pp2tp2_to_tp4, tp4_to_two_tp1, dp2tp2_to_tp1, irregular_boxes)
+    f.__name__: f
+    for f in (tp2_to_tp3, pp2tp2_to_tp4, tp4_to_two_tp1, dp2tp2_to_tp1, irregular_boxes)
 }
 
 

@@ -36,7 +36,13 @@ def _rank_worker(
     cfg = TransferConfig(**(config or {}))
     is_source = rank in sc.source.ranks()
     layout = sc.source if is_source else sc.target
-    transport = GlooTransport(rank, world, f"127.0.0.1:{port}".encode(), num_channels=cfg.num_channels, timeout_s=cfg.timeout_s)
+    transport = GlooTransport(
+        rank,
+        world,
+        f"127.0.0.1:{port}".encode(),
+        num_channels=cfg.num_channels,
+        timeout_s=cfg.timeout_s,
+    )
     if rank == stall_rank:
         time.sleep(cfg.timeout_s + 5)
         return {}
@@ -62,7 +68,6 @@ def _rank_worker(
                 direct=report.direct_messages,
                 packed=report.packed_messages,
                 peak=report.staging_peak_bytes,
-                digests=report.tensor_digests,
             )
         if not is_source:
             result[f"mismatches_{mode}"] = check_received(sc.target, rank, shards)
@@ -76,7 +81,13 @@ def test_bytes_arrive_exactly(scenario: str) -> None:
     sc = SCENARIOS[scenario]()
     # Small buckets and a tight staging budget force many rounds, packing and ring reuse.
     config = {"bucket_bytes": 512, "max_inflight_bytes": 2048, "num_channels": 2, "timeout_s": 60}
-    results = run_world(_rank_worker, sc.world_size, scenario=scenario, modes=("executor", "reference"), config=config)
+    results = run_world(
+        _rank_worker,
+        sc.world_size,
+        scenario=scenario,
+        modes=("executor", "reference"),
+        config=config,
+    )
     assert sorted(results) == list(range(sc.world_size)), results
     for rank, (status, detail) in results.items():
         assert status == "ok", (rank, detail)
@@ -96,8 +107,18 @@ def test_large_buckets_go_direct_and_match_small_buckets() -> None:
     """Contiguous whole-shard messages bypass staging; packed-only runs agree bit for bit."""
     sc = SCENARIOS["tp4_to_two_tp1"]()
     # 900-byte buckets: each 480-byte "col" shard travels alone, from/to contiguous views.
-    big = run_world(_rank_worker, sc.world_size, scenario="tp4_to_two_tp1", config={"bucket_bytes": 900, "max_inflight_bytes": 4096})
-    small = run_world(_rank_worker, sc.world_size, scenario="tp4_to_two_tp1", config={"bucket_bytes": 256, "max_inflight_bytes": 1024})
+    big = run_world(
+        _rank_worker,
+        sc.world_size,
+        scenario="tp4_to_two_tp1",
+        config={"bucket_bytes": 900, "max_inflight_bytes": 4096},
+    )
+    small = run_world(
+        _rank_worker,
+        sc.world_size,
+        scenario="tp4_to_two_tp1",
+        config={"bucket_bytes": 256, "max_inflight_bytes": 1024},
+    )
     for rank in sc.target.ranks():
         assert big[rank][0] == small[rank][0] == "ok"
         assert big[rank][1]["mismatches_executor"] == []
@@ -118,14 +139,18 @@ def test_peer_killed_mid_transfer_fails_others_in_time() -> None:
     sc = SCENARIOS["tp2_to_tp3"]()
     config = {"bucket_bytes": 128, "max_inflight_bytes": 512, "num_channels": 1, "timeout_s": 20}
     started = time.monotonic()
-    results = run_world(_rank_worker, sc.world_size, scenario="tp2_to_tp3", config=config, die_rank=0, timeout_s=60)
+    results = run_world(
+        _rank_worker, sc.world_size, scenario="tp2_to_tp3", config=config, die_rank=0, timeout_s=60
+    )
     elapsed = time.monotonic() - started
     assert 0 not in results  # it died
     # Destinations that needed rank 0's data must fail, not hang, and within the timeout.
     failed = [r for r, (status, _) in results.items() if status == "error"]
     assert failed, results
     for r in failed:
-        assert results[r][1]["type"] in {"PeerFailure", "TransferTimeout", "TransferError"}, results[r]
+        assert results[r][1]["type"] in {"PeerFailure", "TransferTimeout", "TransferError"}, (
+            results[r]
+        )
     assert elapsed < 20 + 30
 
 
@@ -133,9 +158,19 @@ def test_stalled_peer_times_out() -> None:
     sc = SCENARIOS["tp2_to_tp3"]()
     config = {"bucket_bytes": 4096, "max_inflight_bytes": 8192, "num_channels": 1, "timeout_s": 4}
     started = time.monotonic()
-    results = run_world(_rank_worker, sc.world_size, scenario="tp2_to_tp3", config=config, stall_rank=1, timeout_s=60)
+    results = run_world(
+        _rank_worker,
+        sc.world_size,
+        scenario="tp2_to_tp3",
+        config=config,
+        stall_rank=1,
+        timeout_s=60,
+    )
     elapsed = time.monotonic() - started
     for r in (2, 3, 4):
         status, detail = results[r]
-        assert status == "error" and detail["type"] in {"TransferTimeout", "PeerFailure"}, (r, detail)
+        assert status == "error" and detail["type"] in {"TransferTimeout", "PeerFailure"}, (
+            r,
+            detail,
+        )
     assert elapsed < 40

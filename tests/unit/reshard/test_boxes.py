@@ -49,7 +49,8 @@ def test_subtract_and_intersect_partition_the_box(case: tuple[tuple[int, ...], B
     common = intersect(a, b)
     if common is not None:
         total += _mask(shape, common)
-        assert contains(a, common) and contains(b, common)
+        assert contains(a, common)
+        assert contains(b, common)
     assert np.array_equal(total, _mask(shape, a))  # exactly once, nothing outside a
 
 
@@ -66,7 +67,8 @@ def test_split_rows_covers_once_within_budget(data: st.DataObject) -> None:
 
 def test_helpers() -> None:
     assert format_box(((0, 4), (2, 3))) == "[0:4, 2:3]"
-    assert within_shape(((0, 4),), (4,)) and not within_shape(((0, 5),), (4,))
+    assert within_shape(((0, 4),), (4,))
+    assert not within_shape(((0, 5),), (4,))
     assert box_numel(()) == 1  # a scalar holds one element
     assert split_rows(((0, 10), (0, 10)), 30) == [
         ((0, 3), (0, 10)),

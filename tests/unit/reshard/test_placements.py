@@ -39,7 +39,7 @@ def test_matches_torch_dtensor(data: st.DataObject) -> None:
 
 
 def test_chunk_semantics_match_torch_chunk() -> None:
-    for n in range(0, 12):
+    for n in range(12):
         for k in range(1, 6):
             chunks = torch.arange(n).chunk(k)
             for i in range(k):

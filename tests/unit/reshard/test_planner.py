@@ -68,7 +68,8 @@ def test_every_needed_element_covered_exactly_once(
         )
     # Deterministic, serialisable, same digest.
     again = build_plan(source, target)
-    assert again.links == plan.links and again.digest == plan.digest
+    assert again.links == plan.links
+    assert again.digest == plan.digest
     assert plan_from_dict(plan_to_dict(plan)).links == plan.links
     for rank in {*source.ranks(), *target.ranks()}:
         rp = plan.rank_plan(rank)
@@ -124,7 +125,9 @@ def test_uncovered_box_is_named() -> None:
     target = _one("w", [8, 4], "bfloat16", 7, ((4, 8), (0, 4)))
     with pytest.raises(CoverageError) as err:
         build_plan(source, target)
-    assert err.value.tensor == "w" and err.value.rank == 7 and err.value.box == "[6:8, 0:4]"
+    assert err.value.tensor == "w"
+    assert err.value.rank == 7
+    assert err.value.box == "[6:8, 0:4]"
     assert "'w', rank 7, box [6:8, 0:4]" in str(err.value)
 
 

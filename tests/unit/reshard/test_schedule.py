@@ -42,13 +42,15 @@ def test_messages_cover_the_link_within_buckets(
     assert sum(c.nbytes for c in chunks) == link.nbytes
     assert [c.index for c in chunks] == list(range(len(chunks)))
     for i, m in enumerate(msgs):
-        assert m.round == i and m.channel == i % channels
+        assert m.round == i
+        assert m.channel == i % channels
         assert m.nbytes == m.chunks[-1].offset + m.chunks[-1].nbytes
         item = max(specs[c.tensor].itemsize for c in m.chunks)
         assert m.nbytes <= max(bucket, item * 1)  # a single element may exceed a tiny bucket
         prev_end = 0
         for c in m.chunks:
-            assert c.offset % ALIGN == 0 and c.offset >= prev_end
+            assert c.offset % ALIGN == 0
+            assert c.offset >= prev_end
             prev_end = c.offset + c.nbytes
         if len(m.chunks) > 1:
             assert all(2 * c.nbytes < bucket for c in m.chunks)
@@ -68,4 +70,4 @@ def test_rank_schedule_orders_rounds_by_src_dst() -> None:
     for r, msgs in enumerate(sched.rounds):
         assert [(m.src, m.dst) for m in msgs] == [(0, 3), (0, 5)]
         assert {m.channel for m in msgs} == {r % 2}
-    assert sched.chunks_per_link == {(0, 3): 4, (0, 5): 4}
+    assert sched.messages_per_link == {(0, 3): 4, (0, 5): 4}

@@ -1,0 +1,91 @@
+"""A real multi-GPU world for tests and benchmarks: one spawned process per GPU, each with
+an `NcclTransport` over a rendezvous the parent mints. GPU machines only."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+# Never let NCCL, PyTorch or NVSHMEM use NVLink multicast on shared hosts.
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+for _k, _v in SAFE_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+Worker = Callable[..., dict[str, Any]]
+
+
+def _entry(
+    worker: Worker,
+    rank: int,
+    world: int,
+    blob: bytes,
+    channels: int,
+    timeout_s: float,
+    barrier: Any,
+    kwargs: dict[str, Any],
+    out: Any,
+) -> None:
+    os.environ.update(SAFE_ENV)
+    import torch
+
+    from refitplane.reshard.transport.nccl import NcclTransport
+
+    try:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        transport = NcclTransport(
+            rank, world, blob, device=device, num_channels=channels, timeout_s=timeout_s
+        )
+        result = worker(rank=rank, world=world, transport=transport, barrier=barrier, **kwargs)
+        if not result.pop("_aborted", False):
+            transport.close()
+        out.put((rank, "ok", result))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
+        out.put((rank, "error", {"type": type(exc).__name__, "message": str(exc)}))
+
+
+def run_nccl_world(
+    worker: Worker, world: int, *, channels: int = 4, timeout_s: float = 300.0, **kwargs: Any
+) -> dict[int, tuple[str, dict[str, Any]]]:
+    """Run `worker(rank=, world=, transport=, barrier=, **kwargs)` on GPUs 0..world-1."""
+    from refitplane.reshard.transport.nccl import create_nccl_rendezvous
+
+    blob = create_nccl_rendezvous(channels)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    barrier = ctx.Barrier(world, timeout=timeout_s)
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(worker, r, world, blob, channels, timeout_s, barrier, kwargs, out),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, dict[str, Any]]] = {}
+    deadline = time.monotonic() + timeout_s + 60
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, status, detail = out.get(timeout=1.0)
+                results[rank] = (status, detail)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and out.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    return results
