@@ -37,12 +37,14 @@ def test_trigger_watch_list_status_topology(cli_env, capsys):
     refit = json.loads(out)
     assert refit["state"] == "COMMITTED"
     assert refit["version"] == 1
-    assert "100.0%" in err and "COMMITTED" in err  # the progress lines (not a tty)
+    assert "100.0%" in err
+    assert "COMMITTED" in err
 
     assert main(["list"]) == 0
     out, _ = capsys.readouterr()
     assert out.splitlines()[0].split()[:3] == ["REFIT", "VERSION", "STATE"]
-    assert refit["refit_id"] in out and "COMMITTED" in out
+    assert refit["refit_id"] in out
+    assert "COMMITTED" in out
 
     assert main(["status", refit["refit_id"]]) == 0
     out, _ = capsys.readouterr()
@@ -52,7 +54,8 @@ def test_trigger_watch_list_status_topology(cli_env, capsys):
     assert main(["topology"]) == 0
     out, _ = capsys.readouterr()
     assert out.startswith("job job: committed version 1, group epoch 1, 2 ranks, GLOO, healthy")
-    assert "GENERATOR_SIDECAR" in out and "REPLICA" in out
+    assert "GENERATOR_SIDECAR" in out
+    assert "REPLICA" in out
 
 
 def test_failed_refit_exits_nonzero_and_errors_are_reported(cli_env, capsys):
