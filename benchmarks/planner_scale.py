@@ -41,7 +41,12 @@ TRAIN_WORLD = PP * TP * DP  # 256
 def _weight(name: str, rows: int, cols: int) -> Iterator[tuple[TensorSpec, str]]:
     """An FP8 weight and its block scale; `kind` says how TP splits it."""
     yield TensorSpec.create(f"{name}.weight", [rows, cols], "float8_e4m3fn"), "w"
-    yield TensorSpec.create(f"{name}.weight_scale_inv", [-(-rows // 128), -(-cols // 128)], "float32"), "s"
+    yield (
+        TensorSpec.create(
+            f"{name}.weight_scale_inv", [-(-rows // 128), -(-cols // 128)], "float32"
+        ),
+        "s",
+    )
 
 
 def layer_tensors(layer: int, experts: int) -> Iterator[tuple[TensorSpec, str]]:
@@ -62,13 +67,21 @@ def layer_tensors(layer: int, experts: int) -> Iterator[tuple[TensorSpec, str]]:
     yield TensorSpec.create(f"{p}.input_layernorm.weight", [H], "bfloat16"), "rep"
     yield TensorSpec.create(f"{p}.post_attention_layernorm.weight", [H], "bfloat16"), "rep"
     if layer < DENSE_LAYERS:
-        for proj, (r, c), split in (("gate", (DENSE_I, H), "col"), ("up", (DENSE_I, H), "col"), ("down", (H, DENSE_I), "row")):
+        for proj, (r, c), split in (
+            ("gate", (DENSE_I, H), "col"),
+            ("up", (DENSE_I, H), "col"),
+            ("down", (H, DENSE_I), "row"),
+        ):
             for spec, _ in _weight(f"{p}.mlp.{proj}_proj", r, c):
                 yield spec, split
         return
     yield TensorSpec.create(f"{p}.mlp.gate.weight", [experts, H], "bfloat16"), "rep"
     yield TensorSpec.create(f"{p}.mlp.gate.e_score_correction_bias", [experts], "float32"), "rep"
-    for proj, (r, c), split in (("gate", (MOE_I, H), "col"), ("up", (MOE_I, H), "col"), ("down", (H, MOE_I), "row")):
+    for proj, (r, c), split in (
+        ("gate", (MOE_I, H), "col"),
+        ("up", (MOE_I, H), "col"),
+        ("down", (H, MOE_I), "row"),
+    ):
         for spec, _ in _weight(f"{p}.mlp.shared_experts.{proj}_proj", r, c):
             yield spec, split
     for e in range(experts):
@@ -85,7 +98,9 @@ def _tp_placement(split: str, spec: TensorSpec) -> Placement:
     return Replicate()
 
 
-def _add_mesh(b: LayoutBuilder, spec: TensorSpec, mesh: DeviceMesh, placements: list[Placement]) -> None:
+def _add_mesh(
+    b: LayoutBuilder, spec: TensorSpec, mesh: DeviceMesh, placements: list[Placement]
+) -> None:
     for rank, box in placement_boxes(spec.shape, mesh, placements).items():
         b.add(spec, rank, box)
 
@@ -93,8 +108,15 @@ def _add_mesh(b: LayoutBuilder, spec: TensorSpec, mesh: DeviceMesh, placements: 
 def build_layouts(experts: int) -> tuple[Layout, Layout]:
     src, dst = LayoutBuilder(), LayoutBuilder()
     per_stage = -(-LAYERS // PP)
-    stage_meshes = [DeviceMesh.create([DP, TP], list(range(s * DP * TP, (s + 1) * DP * TP))) for s in range(PP)]
-    gen_meshes = [DeviceMesh.create([GEN_TP], list(range(TRAIN_WORLD + r * GEN_TP, TRAIN_WORLD + (r + 1) * GEN_TP))) for r in range(GEN_REPLICAS)]
+    stage_meshes = [
+        DeviceMesh.create([DP, TP], list(range(s * DP * TP, (s + 1) * DP * TP))) for s in range(PP)
+    ]
+    gen_meshes = [
+        DeviceMesh.create(
+            [GEN_TP], list(range(TRAIN_WORLD + r * GEN_TP, TRAIN_WORLD + (r + 1) * GEN_TP))
+        )
+        for r in range(GEN_REPLICAS)
+    ]
     experts_per_train_rank = experts // EP
     experts_per_gen_rank = experts // GEN_TP
 
@@ -170,7 +192,10 @@ def main() -> None:
         ("trainer -> generator ranks", f"{result['trainer_ranks']} -> {result['generator_ranks']}"),
         ("pieces / links", f"{result['pieces']:,} / {result['links']:,}"),
         ("bytes moved (all replicas)", f"{result['total_gib']:.1f} GiB"),
-        ("send / recv imbalance", f"{result['send_imbalance']:.3f} / {result['recv_imbalance']:.3f}"),
+        (
+            "send / recv imbalance",
+            f"{result['send_imbalance']:.3f} / {result['recv_imbalance']:.3f}",
+        ),
         ("build layouts", f"{t_layout:.2f} s"),
         ("layout digests", f"{t_digest:.2f} s"),
         ("plan (build_plan), CPU", f"{c_plan:.2f} s   (target < 2 s)"),

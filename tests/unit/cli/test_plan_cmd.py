@@ -26,7 +26,9 @@ def test_plan_prints_totals_links_and_hash(capsys: pytest.CaptureFixture[str]) -
     )
     out = capsys.readouterr().out
     assert code == 0
-    assert "plan hash" in out and "imbalance" in out and "source -> target" in out
+    assert "plan hash" in out
+    assert "imbalance" in out
+    assert "source -> target" in out
 
 
 def test_plan_json_is_complete(capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,7 +40,10 @@ def test_checksum_detects_corruption(n: int) -> None:
 def test_checksum_matches_its_definition() -> None:
     """S0 = sum(x_i), S1 = sum(i * x_i) over little-endian words, tail zero-padded."""
     buf = _bytes(8 * 5 + 3, seed=9)
-    words = [int.from_bytes(bytes(buf[i : i + 8].tolist()), "little", signed=True) for i in range(0, 40, 8)]
+    words = [
+        int.from_bytes(bytes(buf[i : i + 8].tolist()), "little", signed=True)
+        for i in range(0, 40, 8)
+    ]
     words.append(int.from_bytes(bytes(buf[40:].tolist()) + bytes(5), "little", signed=True))
     mask = (1 << 64) - 1
     s0 = sum(words) & mask
