@@ -11,6 +11,7 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
+
 from refitplane.coordinator.auth import TokenCheck
 from refitplane.coordinator.core.service import Coordinator
 from refitplane.coordinator.grpc.server import GrpcServer

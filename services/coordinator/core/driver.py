@@ -13,12 +13,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from refitplane.agent import messages as msg
+from refitplane.client.models import RankProgress
 from refitplane.coordinator.core.events import RefitEvents
 from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
 from refitplane.coordinator.core.membership import Departure, Membership
 from refitplane.coordinator.core.metrics import Metrics
 from refitplane.coordinator.core.outbox import Outbox
-from refitplane.coordinator.core.planning import PlanCache, Roster
+from refitplane.coordinator.core.planning import PlanCache, PlannedRefit, Roster
 from refitplane.coordinator.core.records import (
     GroupRecord,
     GroupState,
@@ -30,9 +32,6 @@ from refitplane.coordinator.core.run import Participant, RefitRun, phase_seconds
 from refitplane.coordinator.core.waits import wait_event
 from refitplane.coordinator.settings import Settings
 from refitplane.coordinator.store.base import Store
-
-from refitplane.agent import messages as msg
-from refitplane.client.models import RankProgress
 from refitplane.errors import Conflict, RefitError, Unavailable
 from refitplane.protocol import Backend, RefitState, Role
 
@@ -47,6 +46,14 @@ _DEPARTURE_TEXT = {
     Departure.MEMBER_REPLACED: "re-registered under the same key (replaced)",
     Departure.MEMBER_LEFT: "deregistered",
 }
+
+
+@dataclass(frozen=True)
+class _Setup:
+    planned: PlannedRefit
+    # Every data-plane member of the group, in group-rank order
+    group: list[MemberRecord]
+    backend: Backend
 
 
 @dataclass
@@ -117,8 +124,7 @@ class JobDriver:
         while not self._stopping:
             self._wake.clear()
             try:
-                job = await self._store.load_job(self.job)
-                record = await self._store.get_refit(job.active) if job.active else None
+                record = await self._store.active_refit(self.job)
             except Unavailable as exc:
                 log.warning("job %s: %s; retrying", self.job, exc.message)
                 await asyncio.sleep(1.0)
@@ -143,6 +149,13 @@ class JobDriver:
         run = RefitRun(record)
         self.current = run
         try:
+            # Plan first (memory only), so entering PREPARING is one write that already names
+            # the participants; a layout problem still fails the refit at PREPARING.
+            setup: _Setup | RefitFailed
+            try:
+                setup = await self._plan(run)
+            except RefitFailed as failure:
+                setup = failure
             try:
                 await self._enter(run, RefitState.PREPARING, [RefitState.PENDING])
             except Conflict:
@@ -150,7 +163,7 @@ class JobDriver:
             log.info(
                 "refit %s (job %s, version %d) started", run.refit_id, self.job, record.version
             )
-            await self._prepare(run)
+            await self._prepare(run, setup)
             await self._transfer(run)
             await self._verify(run)
             await self._commit(run)
@@ -188,7 +201,8 @@ class JobDriver:
             run.last_flush = time.monotonic()
             await self._store.transition(run.record, [run.record.state])
 
-    async def _prepare(self, run: RefitRun) -> None:
+    async def _plan(self, run: RefitRun) -> _Setup:
+        """Who takes part, at which group ranks, with which plan (nothing is sent yet)."""
         roster = Roster.of(self._ctx.membership.of_job(self.job))
         roster.check_trainers()
         targets = roster.targets(run.record.target_replicas)
@@ -207,7 +221,7 @@ class JobDriver:
         for g, m in source:
             run.participants[m.member_id] = Participant(m, g)
             ranks[m.member_id] = RankProgress(
-                member_id=m.member_id, bytes_total=plan.rank_plan(g).send_bytes
+                member_id=m.member_id, bytes_total=planned.rank_plans[g].send_bytes
             )
         for rep in targets:
             run.replica_ranks[rep.replica_id] = [m.member_id for m in rep.ordered()]
@@ -215,12 +229,13 @@ class JobDriver:
                 g = rank_of[m.member_id]
                 run.participants[m.member_id] = Participant(m, g)
                 ranks[m.member_id] = RankProgress(
-                    member_id=m.member_id, bytes_total=plan.rank_plan(g).recv_bytes
+                    member_id=m.member_id, bytes_total=planned.rank_plans[g].recv_bytes
                 )
             if rep.sidecar is not None:
                 run.participants[rep.sidecar.member_id] = Participant(rep.sidecar, -1)
                 run.members[rep.sidecar.member_id] = rep.sidecar
                 run.replica_sidecar[rep.replica_id] = rep.sidecar.member_id
+        reusable = self._reusable_group([m.member_id for m in group], backend)
         run.record = run.record.model_copy(
             update={
                 "target_replicas": [rep.replica_id for rep in targets],
@@ -228,16 +243,33 @@ class JobDriver:
                 "bytes_total": plan.total_bytes,
                 "ranks": ranks,
                 "participants": list(run.participants),
-                "updated_unix": time.time(),
+                "group_epoch": reusable.epoch if reusable is not None else 0,
             }
         )
-        self._check_alive(run, run.participants)
+        return _Setup(planned, group, backend)
 
-        epoch = await self._ensure_group(run, group, backend)
-        run.record = run.record.model_copy(update={"group_epoch": epoch.epoch})
-        run.dirty = True
-        await self._store.transition(run.record, [RefitState.PREPARING])
-        self._ctx.events.publish(run.record)
+    def _reusable_group(self, member_ids: list[str], backend: Backend) -> GroupRecord | None:
+        g = self.group
+        if (
+            g.state is GroupState.READY
+            and g.members == member_ids
+            and g.backend is backend
+            and g.num_channels == self._s.num_channels
+        ):
+            return g
+        return None
+
+    async def _prepare(self, run: RefitRun, setup: _Setup | RefitFailed) -> None:
+        if isinstance(setup, RefitFailed):
+            raise setup
+        self._check_alive(run, run.participants)
+        planned = setup.planned
+        epoch = self._reusable_group([m.member_id for m in setup.group], setup.backend)
+        if epoch is None:
+            epoch = await self._ensure_group(run, setup.group, setup.backend)
+            run.record = run.record.model_copy(update={"group_epoch": epoch.epoch})
+            await self._store.transition(run.record, [RefitState.PREPARING])
+            self._ctx.events.publish(run.record)
 
         config = self._s.transfer_config()
         run.commands_sent = True
@@ -247,7 +279,7 @@ class JobDriver:
                     refit_id=run.refit_id,
                     version=run.record.version,
                     epoch=epoch.epoch,
-                    plan=plan.rank_plan(p.group_rank),
+                    plan=planned.rank_plans[p.group_rank],
                     config=config,
                 )
             else:
@@ -282,16 +314,9 @@ class JobDriver:
     async def _ensure_group(
         self, run: RefitRun, members: list[MemberRecord], backend: Backend
     ) -> GroupRecord:
-        """The current epoch if its members are exactly these, else a new one."""
+        """Form a new epoch of exactly these members (the current one cannot be reused)."""
         ids = [m.member_id for m in members]
         old = self.group
-        if (
-            old.state is GroupState.READY
-            and old.members == ids
-            and old.backend is backend
-            and old.num_channels == self._s.num_channels
-        ):
-            return old
         new = GroupRecord(
             job=self.job,
             epoch=old.epoch + 1,

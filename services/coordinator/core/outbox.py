@@ -11,9 +11,8 @@ import collections
 import logging
 from collections.abc import AsyncIterator
 
-from refitplane.coordinator.core.waits import wait_event
-
 from refitplane.agent.messages import Command, CommandBody
+from refitplane.coordinator.core.waits import wait_event
 from refitplane.errors import Unavailable
 
 log = logging.getLogger(__name__)

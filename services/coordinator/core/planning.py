@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
 from refitplane.coordinator.core.records import MemberRecord, PlanInfo
 from refitplane.coordinator.store.base import Store
-
 from refitplane.errors import LayoutError
 from refitplane.protocol import Backend, Role
 from refitplane.reshard.layout import Layout, merge_layouts
 from refitplane.reshard.layout_json import dump_layout, parse_layout
-from refitplane.reshard.plan import Plan
+from refitplane.reshard.plan import Plan, RankPlan
 from refitplane.reshard.planner import build_plan
 
 log = logging.getLogger(__name__)
@@ -199,6 +198,8 @@ class PlannedRefit:
     target_digest: str
     # member id → group rank, for every member in the plan
     group_ranks: dict[str, int]
+    # group rank → that rank's part, cut once: the same objects go out every step
+    rank_plans: dict[int, RankPlan]
 
 
 class PlanCache:
@@ -273,4 +274,6 @@ def _build(
     hosts = {g: m.host for g, m, _ in (*source, *target) if m.host}
     plan = build_plan(src, dst, hosts=hosts or None)
     ranks = {m.member_id: g for g, m, _ in (*source, *target)}
-    return PlannedRefit(plan, src.digest, dst.digest, ranks)
+    return PlannedRefit(
+        plan, src.digest, dst.digest, ranks, {g: plan.rank_plan(g) for g in ranks.values()}
+    )

@@ -8,12 +8,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from refitplane.agent import messages as msg
+from refitplane.client.models import RankProgress
 from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
 from refitplane.coordinator.core.records import MemberRecord, RefitRecord
 from refitplane.coordinator.core.waits import wait_event
-
-from refitplane.agent import messages as msg
-from refitplane.client.models import RankProgress
 from refitplane.protocol import RefitState, Role
 
 

@@ -10,6 +10,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from refitplane.agent import messages as msg
+from refitplane.client.models import Member, Refit, Replica, Topology
 from refitplane.coordinator.core.driver import DriverContext, JobDriver
 from refitplane.coordinator.core.events import RefitEvents
 from refitplane.coordinator.core.failures import RefitFailed
@@ -36,9 +38,6 @@ from refitplane.coordinator.core.validation import (
 from refitplane.coordinator.core.waits import get_within, wait_event
 from refitplane.coordinator.settings import Settings
 from refitplane.coordinator.store.base import Store
-
-from refitplane.agent import messages as msg
-from refitplane.client.models import Member, Refit, Replica, Topology
 from refitplane.errors import (
     Conflict,
     FailedPrecondition,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import re
 
-from refitplane.coordinator.store.base import MAX_VERSION
-
 from refitplane.agent.messages import MemberInfo
+from refitplane.coordinator.store.base import MAX_VERSION
 from refitplane.errors import InvalidArgument
 from refitplane.protocol import Role
 

@@ -7,11 +7,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from refitplane.coordinator.core.service import Coordinator
 
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.agent import convert
+from refitplane.coordinator.core.service import Coordinator
+from refitplane.coordinator.grpc.encoding import CommandEncoder
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -22,6 +23,7 @@ _INLINE_TENSORS = 2000
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, core: Coordinator) -> None:
         self._core = core
+        self._encoder = CommandEncoder()
 
     async def Register(
         self, request: apb.RegisterRequest, context: Context
@@ -56,7 +58,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self, request: apb.StreamCommandsRequest, context: Context
     ) -> AsyncIterator[apb.Command]:
         async for command in self._core.stream(request.member_id):
-            yield convert.command_to_proto(command)
+            yield self._encoder.encode(command)
 
     async def Report(self, request: apb.ReportRequest, context: Context) -> apb.ReportResponse:
         accepted = await self._core.report(convert.report_from_proto(request))

@@ -15,9 +15,9 @@ from typing import Any, NoReturn, TypeAlias
 
 import grpc
 from google.protobuf.message import DecodeError
+
 from refitplane.coordinator.auth import TokenCheck
 from refitplane.coordinator.error_codes import FIELD_KEY, REASON_KEY, grpc_status
-
 from refitplane.errors import InvalidArgument, RefitError
 
 log = logging.getLogger(__name__)

@@ -5,11 +5,6 @@ from __future__ import annotations
 from grpc import aio, ssl_server_credentials
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from refitplane.coordinator.auth import TokenCheck
-from refitplane.coordinator.core.service import Coordinator
-from refitplane.coordinator.grpc.agent_servicer import AgentServicer
-from refitplane.coordinator.grpc.interceptor import RefitInterceptor
-from refitplane.coordinator.grpc.refit_servicer import RefitServicer
 
 from refitplane._generated.refit.v1 import (
     agent_pb2,
@@ -17,6 +12,11 @@ from refitplane._generated.refit.v1 import (
     orchestrator_pb2,
     orchestrator_pb2_grpc,
 )
+from refitplane.coordinator.auth import TokenCheck
+from refitplane.coordinator.core.service import Coordinator
+from refitplane.coordinator.grpc.agent_servicer import AgentServicer
+from refitplane.coordinator.grpc.interceptor import RefitInterceptor
+from refitplane.coordinator.grpc.refit_servicer import RefitServicer
 
 SERVICE_NAMES = (
     orchestrator_pb2.DESCRIPTOR.services_by_name["RefitService"].full_name,

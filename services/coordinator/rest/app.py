@@ -17,15 +17,15 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
-from refitplane.coordinator.auth import TokenCheck
-from refitplane.coordinator.core.service import MAX_LIST_LIMIT, Coordinator
-from refitplane.coordinator.error_codes import http_status
-from refitplane.coordinator.store.base import MAX_VERSION
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 import refitplane
 from refitplane.client.models import Refit, Topology
+from refitplane.coordinator.auth import TokenCheck
+from refitplane.coordinator.core.service import MAX_LIST_LIMIT, Coordinator
+from refitplane.coordinator.error_codes import http_status
+from refitplane.coordinator.store.base import MAX_VERSION
 from refitplane.errors import InvalidArgument, RefitError
 
 log = logging.getLogger(__name__)

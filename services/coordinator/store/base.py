@@ -21,7 +21,6 @@ from refitplane.coordinator.core.records import (
     TriggerRequest,
     TriggerResult,
 )
-
 from refitplane.errors import Conflict, FailedPrecondition, InvalidArgument
 from refitplane.protocol import RefitState
 
@@ -120,6 +119,10 @@ class Store(abc.ABC):
         """Write `refit` if the stored state is one of `expected`, else raise Conflict
         (NotFound if unknown). Terminal states also promote the job's pending refit and, for
         COMMITTED, raise the job's committed version."""
+
+    @abc.abstractmethod
+    async def active_refit(self, job: str) -> RefitRecord | None:
+        """The job's active refit (the one its driver runs next or now), in one read."""
 
     @abc.abstractmethod
     async def get_refit(self, refit_id: str) -> RefitRecord | None: ...

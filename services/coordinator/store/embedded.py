@@ -30,7 +30,6 @@ from refitplane.coordinator.store.base import (
     transition_conflict,
     version_too_large_error,
 )
-
 from refitplane.errors import NotFound
 from refitplane.protocol import RefitState
 
@@ -199,6 +198,10 @@ class EmbeddedStore(Store):
                     job.refits.remove(old)
             live = set(job.refits)
             job.idempotency = {k: v for k, v in job.idempotency.items() if v[0] in live}
+
+    async def active_refit(self, job: str) -> RefitRecord | None:
+        j = self._jobs.get(job)
+        return self._refits.get(j.active) if j is not None and j.active else None
 
     async def get_refit(self, refit_id: str) -> RefitRecord | None:
         return self._refits.get(refit_id)

@@ -31,6 +31,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from refitplane.coordinator.core.records import (
     GroupRecord,
     JobRecord,
@@ -50,11 +51,10 @@ from refitplane.coordinator.store.base import (
     transition_conflict,
     version_too_large_error,
 )
-
 from refitplane.errors import NotFound, Unavailable
 from refitplane.protocol import RefitState
 
-_SCRIPTS = ("register", "unregister", "trigger", "transition")
+_SCRIPTS = ("register", "unregister", "trigger", "transition", "active")
 
 
 def _lua(name: str) -> str:
@@ -223,6 +223,10 @@ class RedisStore(Store):
             raise NotFound(f"refit {refit.refit_id!r} not found", field="refit_id")
         if result == "conflict":
             raise transition_conflict(refit.refit_id, state, allowed)
+
+    async def active_refit(self, job: str) -> RefitRecord | None:
+        doc = await self._run("active", job)
+        return RefitRecord.model_validate_json(doc) if doc else None
 
     async def get_refit(self, refit_id: str) -> RefitRecord | None:
         async with self._guard():

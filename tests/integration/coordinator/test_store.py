@@ -219,3 +219,14 @@ async def test_unreachable_redis_is_unavailable():
         assert "127.0.0.1:1" not in err.value.message
     finally:
         await s.close()
+
+
+async def test_active_refit_follows_the_pointer(store):
+    assert await store.active_refit("job") is None
+    first = (await store.trigger(_trigger())).refit
+    second = (await store.trigger(_trigger())).refit
+    assert (await store.active_refit("job")).refit_id == first.refit_id
+    await store.transition(
+        first.model_copy(update={"state": RefitState.FAILED}), [RefitState.PENDING]
+    )
+    assert (await store.active_refit("job")).refit_id == second.refit_id
