@@ -40,6 +40,7 @@ import grpc
 
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc, orchestrator_pb2_grpc
+from refitplane._generated.refit.v1 import common_pb2 as cpb
 from refitplane._generated.refit.v1 import orchestrator_pb2 as opb
 from refitplane.agent import convert
 from refitplane.agent import messages as m
