@@ -36,7 +36,17 @@ def refit_to_proto(refit: Refit) -> cpb.Refit:
             cpb.PhaseTiming(phase=refit_state_to_proto(t.phase), seconds=t.seconds)
             for t in refit.timings
         ],
-        ranks=[cpb.RankProgress(**r.model_dump()) for r in refit.ranks],
+        ranks=[
+            cpb.RankProgress(
+                member_id=r.member_id,
+                bytes_sent=r.bytes_sent,
+                bytes_received=r.bytes_received,
+                bytes_total=r.bytes_total,
+                tensors_verified=r.tensors_verified,
+                tensors_total=r.tensors_total,
+            )
+            for r in refit.ranks
+        ],
         plan_digest=refit.plan_digest,
         group_epoch=refit.group_epoch,
         coalesced=refit.coalesced,

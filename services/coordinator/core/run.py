@@ -56,6 +56,10 @@ class RefitRun:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     dirty: bool = False
     last_flush: float = 0.0
+    # Totals over generator ranks (bytes received, tensors verified / received)
+    received: int = 0
+    verified: int = 0
+    tensors: int = 0
 
     @property
     def refit_id(self) -> str:
@@ -108,18 +112,20 @@ class RefitRun:
             tensors_verified=old.tensors_verified if verified is None else verified,
             tensors_total=old.tensors_total if tensors is None else tensors,
         )
-        receivers = [r for m, r in ranks.items() if self._receives(m)]
-        self.record = self.record.model_copy(
-            update={
-                "ranks": ranks,
-                "bytes_done": min(
-                    self.record.bytes_total or 1 << 62, sum(r.bytes_received for r in receivers)
-                ),
-                "tensors_verified": sum(r.tensors_verified for r in receivers),
-                "tensors_total": sum(r.tensors_total for r in receivers),
-                "updated_unix": time.time(),
+        update: dict[str, object] = {"ranks": ranks, "updated_unix": time.time()}
+        if self._receives(member_id):
+            # Running totals over receivers, moved by this member's change only (a refit with
+            # n ranks gets O(n) reports; re-summing every rank each time would be O(n²)).
+            new = ranks[member_id]
+            self.received += new.bytes_received - old.bytes_received
+            self.verified += new.tensors_verified - old.tensors_verified
+            self.tensors += new.tensors_total - old.tensors_total
+            update |= {
+                "bytes_done": min(self.record.bytes_total or 1 << 62, self.received),
+                "tensors_verified": self.verified,
+                "tensors_total": self.tensors,
             }
-        )
+        self.record = self.record.model_copy(update=update)
         self.dirty = True
         self.touch()
 
