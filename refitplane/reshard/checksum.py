@@ -43,7 +43,7 @@ def _triton_kernel() -> Any:
         return None
 
     # Triton reads the signature: no Python annotations inside the kernel.
-    @triton.jit  # type: ignore[misc]
+    @triton.jit  # type: ignore[untyped-decorator]
     def _sums(x_ptr, n_words, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
         pid = tl.program_id(0).to(tl.int64)
         acc0 = tl.zeros([BLOCK], dtype=tl.int64)

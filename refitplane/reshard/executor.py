@@ -68,6 +68,7 @@ class _Group:
     posts: list[Callable[[], None]] = field(default_factory=list)
     slices: list[int] = field(default_factory=list)
     nbytes: int = 0
+    staged: int = 0
     handle: Handle | None = None
     post: Callable[[], None] | None = None
 
@@ -150,6 +151,8 @@ class _Run:
         self.total = plan.send_bytes + plan.recv_bytes
         self.done = 0
         self.group_bytes = GROUP_BUCKETS * self.cfg.bucket_bytes
+        # Keep two groups per channel in flight within the staging budget.
+        self.group_staged = max(1, self.cfg.max_inflight_bytes // (2 * self.cfg.num_channels))
 
     # -- preparation: every view resolved and checked before any byte moves ----------------
 
@@ -186,7 +189,9 @@ class _Run:
                 self._add(m)
             group = self.pending.get(channel)
             if group is not None and (
-                group.nbytes >= self.group_bytes or len(group.ops) >= GROUP_MAX_OPS
+                group.nbytes >= self.group_bytes
+                or group.staged >= self.group_staged
+                or len(group.ops) >= GROUP_MAX_OPS
             ):
                 self._flush(channel)
             self._retire_completed()
@@ -215,15 +220,18 @@ class _Run:
         group = self.pending.setdefault(m.channel, _Group())
         if not direct:
             group.slices.append(token)
-        with self.t.channel_context(m.channel):
-            if sending:
-                if not direct:
+            group.staged += m.nbytes
+        if sending:
+            if not direct:
+                with self.t.channel_context(m.channel):
                     for chunk, view in zip(m.chunks, views, strict=True):
                         self._typed(buf, chunk.offset, chunk.tensor, chunk.box).copy_(view)
-                if self.verify:
+            if self.verify:
+                # Off the transfer's path: reads the packed (or parameter) bytes.
+                with self.t.beside(m.channel):
                     self.sums[(m.src, m.dst)][m.round] = checksum(buf)
-            else:
-                group.posts.append(self._unpacker(m, views, buf, direct))
+        else:
+            group.posts.append(self._unpacker(m, views, buf, direct))
         group.ops.append(P2POp(sending, m.dst if sending else m.src, buf))
         group.nbytes += m.nbytes
         payload = sum(c.nbytes for c in m.chunks)
@@ -244,7 +252,7 @@ class _Run:
             return
         handle = self.t.issue(channel, group.ops, self.deadline)
         if self.t.device_ordered:
-            with self.t.channel_context(channel):
+            with self.t.beside(channel):
                 for p in group.posts:
                     p()
             handle = self.t.fence(handle)

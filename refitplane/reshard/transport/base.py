@@ -46,7 +46,12 @@ class Transport(ABC):
     device_ordered: bool = False
 
     def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
-        """Context in which to queue pack/unpack work for `channel` (a CUDA stream on GPU)."""
+        """Context for work that must precede the channel's next transfer (packing)."""
+        return contextlib.nullcontext()
+
+    def beside(self, channel: int) -> contextlib.AbstractContextManager[Any]:
+        """Context for work ordered after everything queued on `channel` so far (unpacking,
+        checksums) that the channel's later transfers need not wait for (a side stream)."""
         return contextlib.nullcontext()
 
     def begin(self) -> None:  # noqa: B027 - optional hook
@@ -61,7 +66,8 @@ class Transport(ABC):
         connect: it gives up at `deadline`)."""
 
     def fence(self, handle: Handle) -> Handle:
-        """A handle that completes after `handle` and after work queued since on its channel."""
+        """A handle that completes after `handle` and after the work queued `beside` its
+        channel since."""
         return handle
 
     @abstractmethod

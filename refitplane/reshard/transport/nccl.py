@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -84,7 +84,10 @@ class NcclTransport(Transport):
         except BaseException:
             self.abort()
             raise
-        self._streams = [torch.cuda.Stream(device=device) for _ in range(num_channels)]
+        self._streams = [torch.cuda.Stream(device=device) for _ in range(num_channels)]  # type: ignore[no-untyped-call]
+        # Side streams: unpacking and checksums run there, so a channel's next group of
+        # transfers starts without waiting for them.
+        self._side = [torch.cuda.Stream(device=device) for _ in range(num_channels)]  # type: ignore[no-untyped-call]
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -107,14 +110,21 @@ class NcclTransport(Transport):
     def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self._streams[channel])
 
+    @contextlib.contextmanager
+    def beside(self, channel: int) -> Iterator[None]:
+        side = self._side[channel]
+        side.wait_stream(self._streams[channel])
+        with torch.cuda.stream(side):
+            yield
+
     def begin(self) -> None:
         current = torch.cuda.current_stream(self.device)
-        for s in self._streams:
+        for s in (*self._streams, *self._side):
             s.wait_stream(current)
 
     def end(self) -> None:
         current = torch.cuda.current_stream(self.device)
-        for s in self._streams:
+        for s in (*self._streams, *self._side):
             current.wait_stream(s)
 
     # -- transfers --------------------------------------------------------------------------
@@ -136,24 +146,24 @@ class NcclTransport(Transport):
             nc.group_end()
         # The first ops to a peer wait for it to connect: bounded by the refit's deadline.
         self._settle(comm, deadline, f"posting on channel {channel}")
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self._streams[channel])
         # Keep the buffers referenced until the handle is done (nccl4py does not).
-        return Handle(channel, (event, [op.buffer for op in ops]))
+        return Handle(channel, ([event], [op.buffer for op in ops]))
 
     def fence(self, handle: Handle) -> Handle:
-        event = torch.cuda.Event()
-        event.record(self._streams[handle.channel])
-        return Handle(handle.channel, (event, handle.payload[1]))
+        side = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        side.record(self._side[handle.channel])
+        return Handle(handle.channel, ([*handle.payload[0], side], handle.payload[1]))
 
     def poll(self, handle: Handle) -> bool:
-        return bool(handle.payload[0].query())
+        return all(e.query() for e in handle.payload[0])
 
     def wait(self, handle: Handle, deadline: float, cancel: threading.Event | None = None) -> None:
-        event = handle.payload[0]
+        events = handle.payload[0]
         comm = self._comms[handle.channel] if self._comms else None
         delay = 2e-5
-        while not event.query():
+        while not all(e.query() for e in events):
             if comm is None:
                 raise TransferError("transport was aborted")
             state = comm.get_async_error()
