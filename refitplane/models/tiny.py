@@ -28,7 +28,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal, get_args
+from typing import TYPE_CHECKING, Any, Final, Literal, cast, get_args
 
 import torch
 
@@ -240,11 +240,13 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 def _init_std(spec: TinyModelSpec, name: str, shape: Sequence[int]) -> float:
     """Standard deviation of a tensor's values (norm weights get 1 + noise instead)."""
-    if name == "model.embed_tokens.weight" and spec.tie_word_embeddings:
-        # Tied: the logit of the token just read contains |embedding|², which a larger
-        # scale would make win every step (the model would repeat its last token forever).
-        return 1.0 / math.sqrt(spec.hidden_size)
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+    if name == "model.embed_tokens.weight":
+        # Untied: unit-size embeddings keep the token just read visible in the residual
+        # stream next to the layers' outputs, so greedy continuations vary instead of
+        # settling on one token. Tied: the logit of the token just read contains
+        # |embedding|², which at unit size would win every step; keep it small.
+        return 1.0 / math.sqrt(spec.hidden_size) if spec.tie_word_embeddings else 1.0
+    if name == "lm_head.weight":
         # Logit std ≈ 4: top tokens are far apart, so greedy decoding is robust to rounding
         # differences between kernels.
         return 4.0 / math.sqrt(spec.hidden_size)
@@ -341,9 +343,10 @@ def load_hf_model(path: str | Path, *, dtype: str | None = None) -> PreTrainedMo
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": torch_dtype(canonical_dtype(dtype))} if dtype else {}
-    model, info = AutoModelForCausalLM.from_pretrained(
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
         str(path), output_loading_info=True, **kwargs
     )
+    model, info = loaded
     problems = {k: v for k, v in info.items() if k != "error_msgs" and v} | (
         {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {}
     )
@@ -352,7 +355,7 @@ def load_hf_model(path: str | Path, *, dtype: str | None = None) -> PreTrainedMo
             f"transformers could not load {path} cleanly: {problems}", field="path"
         )
     model.eval()
-    return model
+    return cast("PreTrainedModel", model)
 
 
 @torch.no_grad()

@@ -8,11 +8,15 @@ checkpoint with the model's own `load_weights` into loader-format copies
 - placements plus padding cover every parameter element exactly once (counted element by
   element, independently of the layout's own check) and the loader wrote every element;
 - padding regions are zero, as `load_weights` leaves them;
+- the boxes are all the loader reads: whole-shape tensors holding only this rank's boxes
+  (zeros elsewhere) load to exactly what the full checkpoint loads to;
 - the loader-format shapes equal those vLLM recorded at `create_weights` time;
-- live parameters still in loader format equal the reference, and binding to the live model
-  works exactly when no parameter was replaced by post-load processing.
+- live parameters judged writable in place (`vllm_live.live_storage`) equal the reference,
+  and `vllm_shards(model)` without extra storage works exactly when all of them are.
 
-It returns a JSON-able report (failures as strings, plus the boxes each rank needs) so the
+`reload_from_boxes` then replaces the live weights through vLLM's layerwise reload from only
+this rank's boxes of another checkpoint, the way a refit reloads where it cannot write in
+place. `check_worker_layout` returns a JSON-able report (failures as strings, plus the boxes each rank needs) so the
 test process can also check properties across ranks.
 """
 
@@ -23,14 +27,12 @@ from typing import Any
 import torch
 
 from refitplane.errors import LayoutError
-from refitplane.testing.service_packages import ensure_service_packages
-
-ensure_service_packages()
-
-from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_shards  # noqa: E402
-from refitplane.models.tiny import load_checkpoint  # noqa: E402
-from refitplane.reshard.boxes import format_box, to_slices  # noqa: E402
-from refitplane.testing.vllm_reference import loaded_reference  # noqa: E402
+from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_shards
+from refitplane.generator.vllm_live import live_storage
+from refitplane.generator.vllm_reload import reload_weights
+from refitplane.models.tiny import load_checkpoint
+from refitplane.reshard.boxes import format_box, to_slices
+from refitplane.testing.vllm_reference import loaded_reference
 
 
 def check_worker_layout(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
@@ -43,18 +45,33 @@ def check_worker_layout(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
     failures += _check_views(layout, reference, checkpoint)
     failures += _check_cover(layout, reference)
     failures += _check_recorded_shapes(model, layout)
-    replaced, live_failures = _compare_live(model, layout, reference)
-    failures += live_failures
+    # The boxes are all the loader reads: loading whole-shape tensors that hold only this
+    # rank's boxes (zeros elsewhere) writes exactly what the full checkpoint writes.
+    from_boxes = loaded_reference(model, layout, _staged_from(layout, checkpoint).items())
+    failures += [
+        f"{name}: loading only this rank's boxes differs from loading the checkpoint"
+        for name, tensor in from_boxes.items()
+        if not torch.equal(tensor, reference[name])
+    ]
+    live = live_storage(model, layout)
+    failures += [
+        f"{name}: writable in place but differs from what load_weights writes"
+        for name, tensor in live.writable.items()
+        if not torch.equal(tensor.detach(), reference[name])
+    ]
     live_error = None
     try:
         vllm_shards(model)
     except LayoutError as exc:
         live_error = str(exc)
-    if bool(replaced) != (live_error is not None):
+    if bool(live.blocked) != (live_error is not None):
         failures.append(
-            f"binding to the live model {'failed' if live_error else 'succeeded'} but "
-            f"replaced parameters are {replaced}: {live_error}"
+            f"binding to the live model {'failed' if live_error else 'succeeded'} with "
+            f"blocked parameters {sorted(live.blocked)}: {live_error}"
         )
+    staged, _ = vllm_shards(model, params=layout.allocate())
+    if len(staged) != sum(len(p.placements) for p in layout.params.values()):
+        failures.append("binding with staging storage registered a different number of views")
     return {
         "ranks": {
             "tp_rank": layout.ranks.tp_rank,
@@ -71,7 +88,8 @@ def check_worker_layout(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
             for r in p.padding
         ],
         "params": sorted(layout.params),
-        "replaced": replaced,
+        "blocked": dict(live.blocked),
+        "writable": sorted(live.writable),
         "live_error": live_error,
         "failures": failures,
     }
@@ -135,16 +153,22 @@ def _check_recorded_shapes(model: torch.nn.Module, layout: VllmLayout) -> list[s
     return failures
 
 
-def _compare_live(
-    model: torch.nn.Module, layout: VllmLayout, reference: dict[str, torch.Tensor]
-) -> tuple[list[str], list[str]]:
-    """(parameters replaced by post-load processing, failures among the others)."""
-    live = dict(model.named_parameters())
-    replaced, failures = [], []
-    for name, param in layout.params.items():
-        tensor = live[name]
-        if tuple(tensor.shape) != param.shape:
-            replaced.append(name)
-        elif not torch.equal(tensor.detach(), reference[name]):
-            failures.append(f"{name}: live parameter differs from what load_weights writes")
-    return replaced, failures
+def reload_from_boxes(worker: Any, checkpoint_dir: str) -> int:
+    """Replace the worker's weights with a checkpoint's through `vllm_reload.reload_weights`,
+    given only this rank's boxes of each tensor (the reload path of a refit where parameters
+    cannot be written in place). Returns the number of boxes loaded."""
+    model = worker.model_runner.get_model()
+    layout = describe_vllm_model(model)
+    staging = _staged_from(layout, load_checkpoint(checkpoint_dir))
+    reload_weights(model, worker.vllm_config, staging.items())
+    return sum(len(boxes) for boxes in layout.hf_boxes().values())
+
+
+def _staged_from(
+    layout: VllmLayout, checkpoint: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Whole-shape staging tensors holding only this rank's boxes of `checkpoint`."""
+    shards, staging = layout.checkpoint_staging()
+    for sv in shards:
+        sv.tensor.copy_(checkpoint[sv.spec.name][to_slices(sv.box)])
+    return staging

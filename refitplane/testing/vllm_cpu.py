@@ -123,13 +123,22 @@ def _environment(settings: Mapping[str, str]) -> Iterator[None]:
 
 
 def _child_pids() -> set[int]:
-    """Direct children of this process (Linux `/proc`; empty elsewhere)."""
+    """Direct children of this process (Linux `/proc`; empty elsewhere), except Python's
+    multiprocessing resource tracker, which vLLM's first engine starts and which serves
+    this process until it exits."""
     pids: set[int] = set()
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{os.getpid()}/task").iterdir():
             with contextlib.suppress(OSError):
                 pids.update(int(p) for p in (task / "children").read_text().split())
-    return pids
+    return {pid for pid in pids if b"resource_tracker" not in _cmdline(pid)}
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _reap_children(pids: set[int], timeout_s: float) -> None:

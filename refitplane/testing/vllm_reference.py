@@ -12,15 +12,12 @@ Runs inside a vLLM worker (e.g. through `LLM.collective_rpc`), between generatio
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 
-from refitplane.testing.service_packages import ensure_service_packages
-
-ensure_service_packages()
-
-from refitplane.generator.vllm_layout import VllmLayout  # noqa: E402
-from refitplane.reshard.shards import torch_dtype  # noqa: E402
+from refitplane.generator.vllm_layout import VllmLayout
+from refitplane.reshard.shards import torch_dtype
 
 
 def loaded_reference(
@@ -44,10 +41,11 @@ def loaded_reference(
         data = torch.full(
             described.shape, float("nan"), dtype=torch_dtype(described.dtype), device=current.device
         )
-        param = torch.nn.Parameter(data, requires_grad=False)
-        param.__class__ = template.__class__
-        param.__dict__.update(template.__dict__)
-        live[name], fresh[name] = current, param
+        # The class and attributes of the parameter vLLM created (as `materialize_meta_tensor`
+        # in vLLM's layerwise reload does), so its weight loader treats it the same way.
+        data.__class__ = template.__class__
+        data.__dict__.update(template.__dict__)
+        live[name], fresh[name] = current, cast(torch.nn.Parameter, data)
     by_id = {id(live[name]): fresh[name] for name in live}
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
     try:
@@ -79,4 +77,5 @@ def _loader_template(owner: torch.nn.Module, pname: str, current: torch.Tensor) 
     template = torch.empty(0, device="meta")
     template.__class__ = recorded.__class__
     template.__dict__.update(recorded.__dict__)
-    return restore_layer_refs(template, owner)  # type: ignore[no-any-return]
+    restored: torch.Tensor = restore_layer_refs(template, owner)
+    return restored

