@@ -1,0 +1,259 @@
+"""A data-plane rank (trainer or generator): owns the group's transport and runs its part of
+every refit. Trainer and generator agents subclass it and say where their shards live.
+
+Group commands build and tear down the transport (Gloo on CPU, nccl4py on GPU); group rank
+0 also creates each epoch's rendezvous. PrepareRefit keeps the rank's plan (subclasses hook
+in: trainers take the weights read-lock); StartTransfer runs the executor, unless the rank
+receives on an external trigger (a vLLM worker receives when vLLM calls the engine), in
+which case `run_transfer` is called from there. Abort cancels a running transfer at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refitplane.agent.handler import NullHandler
+from refitplane.agent.messages import (
+    AbortRefitCmd,
+    CreateRendezvousCmd,
+    JoinGroupCmd,
+    LeaveGroupCmd,
+    PrepareRefitCmd,
+    StartTransferCmd,
+)
+from refitplane.agent.session import AgentSession
+from refitplane.errors import FailedPrecondition, InvalidArgument, RefitError, TransferError
+from refitplane.protocol import Backend
+from refitplane.reshard.config import TransferConfig
+from refitplane.reshard.executor import Executor, TransferReport
+from refitplane.reshard.shards import LocalShards
+from refitplane.reshard.transport.base import Transport
+
+log = logging.getLogger(__name__)
+
+_PROGRESS_EVERY_S = 0.5
+
+
+@dataclass(frozen=True)
+class Prepared:
+    refit_id: str
+    version: int
+    epoch: int
+    command: PrepareRefitCmd
+
+
+class DataPlaneMember(NullHandler):
+    """Handler of one data-plane rank. `shards` returns the rank's current registry."""
+
+    def __init__(
+        self,
+        shards: Callable[[], LocalShards],
+        *,
+        device: torch.device,
+        local_host: str = "127.0.0.1",
+        run_on_start: bool = True,
+    ) -> None:
+        self._shards = shards
+        self.device = device
+        self.local_host = local_host
+        self.run_on_start = run_on_start
+        self.session: AgentSession | None = None
+        self.transport: Transport | None = None
+        self.epoch = 0
+        self._stores: dict[int, Any] = {}
+        self._executor: Executor | None = None
+        self._prepared: dict[str, Prepared] = {}
+        self._ready = threading.Condition()
+        self._cancel = threading.Event()
+        self.last_report: TransferReport | None = None
+        self.transfers = 0
+
+    def attach(self, session: AgentSession) -> None:
+        self.session = session
+
+    def _session(self) -> AgentSession:
+        if self.session is None:
+            raise FailedPrecondition("data-plane member used before attach(session)")
+        return self.session
+
+    # -- group --------------------------------------------------------------------------------
+
+    def on_create_rendezvous(self, cmd: CreateRendezvousCmd) -> None:
+        if cmd.backend == Backend.GLOO:
+            from refitplane.reshard.transport.gloo import create_gloo_rendezvous
+
+            store, blob = create_gloo_rendezvous(self.local_host, cmd.group_size, timeout_s=300.0)
+            self._stores = {cmd.epoch: store}  # the root keeps only the newest epoch's store
+        elif cmd.backend == Backend.NCCL:
+            from refitplane.reshard.transport.nccl import create_nccl_rendezvous
+
+            blob = create_nccl_rendezvous(cmd.num_channels)
+        else:
+            raise InvalidArgument(f"unsupported backend {cmd.backend!r}", field="backend")
+        self._session().report_rendezvous_ready(cmd.epoch, blob)
+
+    def on_join_group(self, cmd: JoinGroupCmd) -> None:
+        self._drop_transport(abort=True)
+        if cmd.backend == Backend.GLOO:
+            from refitplane.reshard.transport.gloo import GlooTransport
+
+            self.transport = GlooTransport(
+                cmd.group_rank,
+                cmd.group_size,
+                cmd.rendezvous,
+                num_channels=cmd.num_channels,
+                timeout_s=cmd.timeout_s,
+                local_host=self.local_host,
+                store=self._stores.get(cmd.epoch),
+                prefix=f"refit/epoch{cmd.epoch}",
+            )
+        elif cmd.backend == Backend.NCCL:
+            from refitplane.reshard.transport.nccl import NcclTransport
+
+            self.transport = NcclTransport(
+                cmd.group_rank,
+                cmd.group_size,
+                cmd.rendezvous,
+                device=self.device,
+                num_channels=cmd.num_channels,
+                timeout_s=cmd.timeout_s,
+            )
+        else:
+            raise InvalidArgument(f"unsupported backend {cmd.backend!r}", field="backend")
+        self.epoch = cmd.epoch
+        self._session().report_group_joined(cmd.epoch)
+
+    def on_leave_group(self, cmd: LeaveGroupCmd) -> None:
+        if cmd.epoch >= self.epoch:
+            self._drop_transport(abort=cmd.abort)
+
+    def _drop_transport(self, *, abort: bool) -> None:
+        transport, self.transport, self._executor = self.transport, None, None
+        if transport is None:
+            return
+        try:
+            if abort:
+                transport.abort()
+            else:
+                transport.close()
+        except RefitError as exc:
+            log.warning("closing the transport of epoch %d: %s", self.epoch, exc.message)
+
+    # -- refits --------------------------------------------------------------------------------
+
+    def on_prepare_refit(self, cmd: PrepareRefitCmd) -> None:
+        if cmd.plan is None or cmd.config is None:
+            raise InvalidArgument(
+                "PrepareRefit for a data-plane rank needs a plan and a config", field="plan"
+            )
+        if cmd.epoch != self.epoch or self.transport is None:
+            raise FailedPrecondition(
+                f"refit {cmd.refit_id} is for group epoch {cmd.epoch}, this rank is in {self.epoch}"
+            )
+        self._cancel.clear()
+        self.before_transfer(cmd)
+        with self._ready:
+            self._prepared[cmd.refit_id] = Prepared(cmd.refit_id, cmd.version, cmd.epoch, cmd)
+            self._ready.notify_all()
+        self._session().report_prepared(cmd.refit_id)
+
+    def on_start_transfer(self, cmd: StartTransferCmd) -> None:
+        if self.run_on_start:
+            self.run_transfer(cmd.refit_id)
+
+    def run_transfer(self, refit_id: str, *, wait_s: float = 0.0) -> TransferReport:
+        """Run this rank's part of refit `refit_id` (prepared, or prepared within `wait_s`)."""
+        deadline = time.monotonic() + wait_s
+        with self._ready:
+            while refit_id not in self._prepared:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise FailedPrecondition(f"refit {refit_id} was not prepared on this rank")
+                self._ready.wait(remaining)
+            prepared = self._prepared.pop(refit_id)
+        plan, config = prepared.command.plan, prepared.command.config
+        assert plan is not None
+        assert config is not None
+        session = self._session()
+        received = [0]
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            received[0] = done
+            now = time.monotonic()
+            if now - last[0] >= _PROGRESS_EVERY_S or done == total:
+                last[0] = now
+                sent_side = plan.send_bytes > 0
+                session.report_progress(
+                    refit_id,
+                    bytes_sent=done if sent_side else 0,
+                    bytes_received=0 if sent_side else done,
+                    bytes_total=total,
+                )
+
+        try:
+            report = self._executor_for(config).run(
+                plan, self._shards(), progress=progress, cancel=self._cancel
+            )
+        except BaseException as exc:
+            # A receiver that got any bytes no longer holds its old weights intact.
+            modified = bool(plan.recv_bytes and received[0])
+            exc.weights_modified = modified  # type: ignore[attr-defined]
+            self._executor = None
+            self.after_transfer(prepared, None, weights_modified=modified)
+            raise
+        self.after_transfer(prepared, report, weights_modified=bool(plan.recv_bytes))
+        self.last_report = report
+        self.transfers += 1
+        session.report_transfer_done(
+            refit_id,
+            bytes_sent=report.bytes_sent,
+            bytes_received=report.bytes_received,
+            seconds=report.seconds,
+            tensors_verified=report.tensors_verified,
+            tensors_total=report.tensors_total,
+        )
+        return report
+
+    def _executor_for(self, config: TransferConfig) -> Executor:
+        if self.transport is None:
+            raise TransferError("no communication group: the rank is not in a group epoch")
+        if (
+            self._executor is None
+            or self._executor.config != config
+            or self._executor.transport is not self.transport
+        ):
+            self._executor = Executor(self.transport, config)
+        return self._executor
+
+    def on_abort_now(self, cmd: AbortRefitCmd | LeaveGroupCmd) -> None:
+        self._cancel.set()
+
+    def on_abort_refit(self, cmd: AbortRefitCmd) -> None:
+        with self._ready:
+            prepared = self._prepared.pop(cmd.refit_id, None)
+        if prepared is not None:
+            self.after_transfer(prepared, None, weights_modified=False)
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def before_transfer(self, cmd: PrepareRefitCmd) -> None:
+        """Called when a refit is prepared (e.g. trainers take the weights read-lock)."""
+
+    def after_transfer(
+        self, prepared: Prepared, report: TransferReport | None, *, weights_modified: bool
+    ) -> None:
+        """Called once the transfer ended (`report`), failed or was aborted (`None`);
+        `weights_modified`: this rank's destination bytes changed (release what was taken)."""
+
+    def close(self) -> None:
+        self._cancel.set()
+        self._drop_transport(abort=True)
+        self._stores.clear()

@@ -1,0 +1,230 @@
+"""The trainer agent: a library each trainer rank imports.
+
+    agent = TrainerAgent(coordinator="coord:50051", job="grpo-7b", rank=rank, world_size=world,
+                         shards=lambda: megatron_shards(model, hf_config))
+    agent.start()                        # register, lease, publish the layout
+    for step in range(steps):
+        loss = train_step(...)           # forward/backward may overlap a running refit
+        with agent.updating_weights():   # waits for a refit still reading the weights
+            optimizer.step()
+        agent.refit(version=step + 1)    # optional: push now (any rank may; rank 0 usually)
+    agent.close()
+
+Refits are served from the agent's own thread (and, on GPU, its own CUDA streams): sends
+read the live parameters, under a read-lock that `updating_weights` excludes, so a refit
+never reads half-updated weights. The hold expires after the transfer's timeout, so a
+stuck refit can never block training forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from refitplane.agent.dataplane import DataPlaneMember, Prepared
+from refitplane.agent.messages import MemberInfo, PrepareRefitCmd
+from refitplane.agent.session import AgentSession
+from refitplane.client.models import Refit
+from refitplane.errors import FailedPrecondition, TransferTimeout
+from refitplane.protocol import Role
+from refitplane.reshard.executor import TransferReport
+from refitplane.reshard.shards import LocalShards
+
+log = logging.getLogger(__name__)
+
+# Margin beyond the transfer's own timeout before a read hold is considered abandoned.
+_HOLD_SLACK_S = 30.0
+
+
+class WeightsGuard:
+    """Excludes optimizer steps (writers) from refits reading the weights (one reader).
+
+    A read hold is taken by the agent's thread when a refit is prepared and given back
+    when it ends; it expires on its own after `expires_s`, so training never waits on a
+    refit that died without telling.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._writing = False
+        self._hold_until: float | None = None
+
+    def hold(self, timeout_s: float, expires_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._writing:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeout(
+                        f"the optimizer step did not finish within {timeout_s:.0f} s; the refit cannot read the weights"
+                    )
+                self._cond.wait(remaining)
+            self._hold_until = time.monotonic() + expires_s
+
+    def release(self) -> None:
+        with self._cond:
+            self._hold_until = None
+            self._cond.notify_all()
+
+    @property
+    def held(self) -> bool:
+        with self._cond:
+            return self._hold_until is not None and time.monotonic() < self._hold_until
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        with self._cond:
+            while self._hold_until is not None:
+                remaining = self._hold_until - time.monotonic()
+                if remaining <= 0:
+                    log.warning("a refit's hold on the weights expired; continuing training")
+                    self._hold_until = None
+                    break
+                self._cond.wait(remaining)
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+class _TrainerMember(DataPlaneMember):
+    def __init__(
+        self,
+        guard: WeightsGuard,
+        shards: Callable[[], LocalShards],
+        *,
+        device: torch.device,
+        local_host: str,
+        step_timeout_s: float,
+    ) -> None:
+        super().__init__(shards, device=device, local_host=local_host)
+        self.guard = guard
+        self.step_timeout_s = step_timeout_s
+
+    def before_transfer(self, cmd: PrepareRefitCmd) -> None:
+        assert cmd.config is not None
+        self.guard.hold(self.step_timeout_s, cmd.config.timeout_s + _HOLD_SLACK_S)
+
+    def after_transfer(
+        self, prepared: Prepared, report: TransferReport | None, *, weights_modified: bool
+    ) -> None:
+        self.guard.release()
+
+
+class TrainerAgent:
+    """Connects one trainer rank to the coordinator and serves its sends."""
+
+    def __init__(
+        self,
+        *,
+        coordinator: str | None = None,
+        job: str | None = None,
+        rank: int,
+        world_size: int,
+        shards: LocalShards | Callable[[], LocalShards],
+        device: torch.device | str = "cpu",
+        host: str | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        coordinator_http: str | None = None,
+        step_timeout_s: float = 600.0,
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        coordinator = coordinator or os.environ.get("REFIT_COORDINATOR")
+        job = job or os.environ.get("REFIT_JOB")
+        if not coordinator:
+            raise FailedPrecondition(
+                "no coordinator address: pass coordinator= or set REFIT_COORDINATOR"
+            )
+        if not job:
+            raise FailedPrecondition("no job name: pass job= or set REFIT_JOB")
+        self.job = job
+        self.rank = rank
+        self._token = token if token is not None else os.environ.get("REFIT_AUTH_TOKEN")
+        self._http = coordinator_http or os.environ.get("REFIT_COORDINATOR_HTTP")
+        self._coordinator = coordinator
+        self._tls_ca = tls_ca if tls_ca is not None else os.environ.get("REFIT_TLS_CA_FILE")
+        self.device = torch.device(device)
+        self._shards_fn = shards if callable(shards) else (lambda: shards)
+        self.guard = WeightsGuard()
+        host = host or _local_address()
+        self.member = _TrainerMember(
+            self.guard,
+            self._shards_fn,
+            device=self.device,
+            local_host=host,
+            step_timeout_s=step_timeout_s,
+        )
+        info = MemberInfo(
+            job=job,
+            role=Role.TRAINER,
+            rank=rank,
+            world_size=world_size,
+            host=host,
+            device=str(self.device),
+            labels=labels or {},
+        )
+        self.session = AgentSession(
+            coordinator, info, self.member, token=self._token, tls_ca=self._tls_ca
+        )
+        self.member.attach(self.session)
+
+    def start(self) -> None:
+        self.session.start()
+        self.publish()
+
+    def publish(self) -> str:
+        """Publish this rank's layout (only sent when it changed); returns its digest."""
+        return self.session.publish_layout(self._shards_fn().layout(self.rank))
+
+    @contextmanager
+    def updating_weights(self) -> Iterator[None]:
+        """Wrap the optimizer step: waits for a refit that is reading the weights."""
+        with self.guard.writing():
+            yield
+            if self.device.type == "cuda":
+                # Refit streams must see the finished step.
+                torch.cuda.current_stream(self.device).synchronize()
+
+    def refit(
+        self,
+        version: int = 0,
+        *,
+        wait: bool = True,
+        timeout_s: float = 600.0,
+        idempotency_key: str = "",
+    ) -> Refit:
+        """Trigger a refit of the job's generators to `version` (0: the next one), e.g. right
+        after `optimizer.step()`. With an explicit version the idempotency key defaults to
+        the step, so every rank may call this and only one refit happens."""
+        from refitplane.client.sync import RefitClient
+
+        key = idempotency_key or (f"{self.job}:version:{version}" if version else "")
+        with RefitClient(self._coordinator, token=self._token, tls_ca=self._tls_ca) as client:
+            record = client.trigger(self.job, version=version, idempotency_key=key)
+            return client.wait(record.refit_id, timeout_s=timeout_s) if wait else record
+
+    def close(self) -> None:
+        self.session.close()
+        self.member.close()
+
+
+def _local_address() -> str:
+    """An address peers can reach this process at (REFIT_HOST wins)."""
+    explicit = os.environ.get("REFIT_HOST")
+    if explicit:
+        return explicit
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
