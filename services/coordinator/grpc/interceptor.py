@@ -70,7 +70,7 @@ class RefitInterceptor(grpc.aio.ServerInterceptor):
         method: str = handler_call_details.method
         if handler is None or not method.startswith(_PACKAGE):
             return handler
-        needs_token = method not in OPEN_METHODS
+        needs_token = self._tokens.enabled and method not in OPEN_METHODS
         decode: Callable[[bytes], Any] = handler.request_deserializer or (lambda raw: raw)
         tokens = self._tokens
 
