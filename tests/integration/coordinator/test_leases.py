@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_expired_lease_fails_refit_naming_member(store_url, coordinator_factory, sim_cluster):
-    coord = coordinator_factory(store_url, lease_ttl_s=0.6)
+    coord = coordinator_factory(store_url, lease_ttl_s=2.0)
     cluster = sim_cluster(coord)
     cluster.trainers(world=1, behaviour=Behaviour(hold_transfer_s=30))
     gen = cluster.add(Role.GENERATOR, replica="a", layout=row_layout(0, 1))
