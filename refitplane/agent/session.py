@@ -25,6 +25,7 @@ from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.agent import convert
 from refitplane.agent import messages as m
 from refitplane.agent.handler import CommandHandler
+from refitplane.client.settings import ClientSettings
 from refitplane.client.transport import auth_metadata, from_rpc_error, status_code, sync_channel
 from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
 from refitplane.reshard.layout import Layout
@@ -70,6 +71,22 @@ class AgentSession:
         self._call: Any = None
         self._threads: list[threading.Thread] = []
         self.registrations = 0
+
+    @classmethod
+    def from_env(
+        cls,
+        info: m.MemberInfo,
+        handler: CommandHandler,
+        *,
+        settings: ClientSettings | None = None,
+        timeout_s: float = 10.0,
+    ) -> AgentSession:
+        """Coordinator, token and CA from REFIT_COORDINATOR, REFIT_AUTH_TOKEN(_FILE) and
+        REFIT_TLS_CA_FILE (what the Helm chart sets in agent pods)."""
+        s = settings or ClientSettings()
+        return cls(
+            s.coordinator, info, handler, token=s.token(), tls_ca=s.tls_ca_file, timeout_s=timeout_s
+        )
 
     # --- lifecycle -----------------------------------------------------------------------
 

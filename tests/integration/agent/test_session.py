@@ -127,9 +127,10 @@ def test_abort_reaches_a_busy_agent_at_once(coordinator, sim_cluster):
     assert seen == ["refit-agent-stream"]
 
 
-def test_publish_layout(coordinator):
+def test_publish_layout(coordinator, monkeypatch):
+    monkeypatch.setenv("REFIT_COORDINATOR", coordinator.grpc_target)
     info = MemberInfo(job="job", role=Role.TRAINER, rank=1, world_size=2)
-    with AgentSession(coordinator.grpc_target, info, NullHandler()) as session:
+    with AgentSession.from_env(info, NullHandler()) as session:
         layout = row_layout(1, 2)
         digest = session.publish_layout(layout)
         assert digest == layout.digest
