@@ -31,7 +31,7 @@ import torch
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import Box, box_numel, box_shape, format_box, intersect, to_slices
 from refitplane.reshard.layout import TensorSpec
-from refitplane.reshard.shards import LocalShards, dtype_name
+from refitplane.reshard.shards import LocalShards, dtype_name, torch_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +180,6 @@ class VllmLayout:
         result is what loading the full checkpoint would give. Costs one whole tensor per
         needed checkpoint tensor; stage a layer at a time for large models.
         """
-        from refitplane.reshard.shards import torch_dtype
-
         staging: dict[str, torch.Tensor] = {}
         shards = LocalShards()
         for name, boxes in self.hf_boxes().items():
@@ -195,8 +193,6 @@ class VllmLayout:
     def allocate(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Zeroed loader-format tensors for every parameter (a staging copy to receive into
         where the live parameters are not in loader format)."""
-        from refitplane.reshard.shards import torch_dtype
-
         return {
             p.name: torch.zeros(p.shape, dtype=torch_dtype(p.dtype), device=device)
             for p in self.params.values()
