@@ -114,8 +114,10 @@ def _check_spec(name: str, source: TensorSpec, target: TensorSpec) -> None:
         )
 
 
-def validate_compatible(source: Layout, target: Layout) -> None:
-    """Every tensor the destination needs exists on the source with the same spec."""
+def validate_compatible(source: Layout, target: Layout, *, allow_unused: bool = False) -> None:
+    """Every tensor the destination needs exists on the source with the same spec, and
+    (unless `allow_unused`) every tensor the source holds is needed: a trainer tensor no
+    generator has means the two sides run different models."""
     for t in target:
         held = source.tensors.get(t.spec.name)
         if held is None:
@@ -126,6 +128,16 @@ def validate_compatible(source: Layout, target: Layout) -> None:
                 rank=needers[0] if needers else None,
             )
         _check_spec(t.spec.name, held.spec, t.spec)
+    if not allow_unused:
+        for name in sorted(source.tensors):
+            if name not in target.tensors:
+                holders = source.tensors[name].ranks()
+                raise LayoutError(
+                    "held by the source but no destination needs it: the generator's model "
+                    "has no such tensor (different models on the two sides?)",
+                    tensor=name,
+                    rank=holders[0] if holders else None,
+                )
 
 
 def build_plan(
@@ -133,13 +145,15 @@ def build_plan(
     target: Layout,
     *,
     hosts: Mapping[int, str] | None = None,
+    allow_unused: bool = False,
 ) -> Plan:
     """Plan the transfer of everything `target` needs from what `source` holds.
 
     Source and target ranks must already be distinct group ranks. `hosts` (rank → host
-    name) makes the balancer prefer senders on the destination's host.
+    name) makes the balancer prefer senders on the destination's host. `allow_unused`
+    accepts source tensors that no destination needs (e.g. trainer-only heads).
     """
-    validate_compatible(source, target)
+    validate_compatible(source, target, allow_unused=allow_unused)
     overlap = set(source.ranks()) & set(target.ranks())
     if overlap:
         raise LayoutError(

@@ -54,6 +54,8 @@ class Settings(BaseSettings):
     num_channels: int = Field(2, ge=1, le=64)
     max_inflight_bytes: int = Field(256 * MiB, ge=1)
     verify_checksums: bool = True
+    # Accept trainer tensors that no generator needs (else the refit fails: model mismatch).
+    allow_unused_tensors: bool = False
     # Empty: any job that has registered members.
     allowed_jobs: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Triggers per second per job (token bucket, burst = max(1, rate)); 0: unlimited.

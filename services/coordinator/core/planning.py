@@ -206,7 +206,10 @@ class PlanCache:
     """Plans by their inputs (the members' layout digests at their group ranks, plus hosts),
     so a steady job re-plans never; `PlanInfo` goes to the store."""
 
-    def __init__(self, store: Store, layouts: LayoutCache, *, capacity: int = 32) -> None:
+    def __init__(
+        self, store: Store, layouts: LayoutCache, *, capacity: int = 32, allow_unused: bool = False
+    ) -> None:
+        self._allow_unused = allow_unused
         self._store = store
         self._layouts = layouts
         self._plans: collections.OrderedDict[str, PlannedRefit] = collections.OrderedDict()
@@ -236,7 +239,7 @@ class PlanCache:
         dst_layouts = [(g, m, await self._layouts.get(m.layout_digest)) for g, m in target]
         started = time.perf_counter()
         try:
-            planned = await asyncio.to_thread(_build, src_layouts, dst_layouts)
+            planned = await asyncio.to_thread(_build, src_layouts, dst_layouts, self._allow_unused)
         except LayoutError as exc:
             raise RefitFailed(exc.reason, exc.message) from None
         log.info(
@@ -266,13 +269,15 @@ class PlanCache:
 
 
 def _build(
-    source: list[tuple[int, MemberRecord, Layout]], target: list[tuple[int, MemberRecord, Layout]]
+    source: list[tuple[int, MemberRecord, Layout]],
+    target: list[tuple[int, MemberRecord, Layout]],
+    allow_unused: bool = False,
 ) -> PlannedRefit:
     """Relabel each member's layout to its group rank, merge each side, plan (in a thread)."""
     src = merge_layouts(layout.relabel({m.rank: g}) for g, m, layout in source)
     dst = merge_layouts(layout.relabel({m.rank: g}) for g, m, layout in target)
     hosts = {g: m.host for g, m, _ in (*source, *target) if m.host}
-    plan = build_plan(src, dst, hosts=hosts or None)
+    plan = build_plan(src, dst, hosts=hosts or None, allow_unused=allow_unused)
     ranks = {m.member_id: g for g, m, _ in (*source, *target)}
     return PlannedRefit(
         plan, src.digest, dst.digest, ranks, {g: plan.rank_plan(g) for g in ranks.values()}

@@ -66,7 +66,7 @@ class Coordinator:
         self.events = RefitEvents()
         self.metrics = Metrics(self.membership.count_by_state)
         self.layouts = LayoutCache(store)
-        self.plans = PlanCache(store, self.layouts)
+        self.plans = PlanCache(store, self.layouts, allow_unused=settings.allow_unused_tensors)
         self._ctx = DriverContext(
             settings, store, self.membership, self.outbox, self.events, self.metrics, self.plans
         )

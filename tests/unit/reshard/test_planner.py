@@ -175,3 +175,16 @@ def test_builder_rejects_bad_boxes() -> None:
         TensorSpec.create("w", [-1], "bfloat16")
     with pytest.raises(LayoutError, match="unknown dtype 'float128'"):
         TensorSpec.create("w", [1], "float128")
+
+
+def test_source_tensor_no_destination_needs_is_a_model_mismatch() -> None:
+    b = LayoutBuilder()
+    b.add(TensorSpec.create("w", [8, 4], "bfloat16"), 0, ((0, 8), (0, 4)))
+    b.add(TensorSpec.create("model.layers.2.mlp.up_proj.weight", [4], "bfloat16"), 1, ((0, 4),))
+    target = _one("w", [8, 4], "bfloat16", 9, ((0, 8), (0, 4)))
+    with pytest.raises(
+        LayoutError,
+        match=r"'model.layers.2.mlp.up_proj.weight', rank 1: held by the source but no destination needs it",
+    ):
+        build_plan(b.build(), target)
+    assert build_plan(b.build(), target, allow_unused=True).total_bytes == 64

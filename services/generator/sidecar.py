@@ -1,0 +1,445 @@
+"""The generator sidecar (`refit-sidecar`): one per vLLM replica, next to the vLLM server.
+
+It registers the replica's controller with the coordinator, initialises the refitplane
+engine in vLLM's workers (`/init_weight_transfer_engine`), and drives every refit:
+
+    PrepareRefit   → POST /pause?mode=<keep|wait|abort>, POST /start_weight_update
+    StartTransfer  → POST /update_weights {"update_info": {"refit_id", "version"}}
+                     (each worker receives its shards and reports to the coordinator)
+                   → every rank of this replica verified?  (asked of the coordinator)
+                   → POST /finish_weight_update (post-load processing / staged reload)
+                   → still no failure? → POST /resume → report ReplicaUpdated(version)
+
+Success is read from the coordinator, never from HTTP status codes (vLLM's replies can
+belong to an earlier call after a worker error). A refit that fails before any weight was
+written resumes the engine on its old weights; one that may have written some (a live
+receive had started, or a staged reload) leaves it paused and the sidecar not ready
+(`/readyz` 503) until a later refit commits — the replica never serves a version it does
+not fully hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+
+import httpx
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from refitplane.agent.handler import NullHandler
+from refitplane.agent.messages import AbortRefitCmd, MemberInfo, PrepareRefitCmd, StartTransferCmd
+from refitplane.agent.session import AgentSession
+from refitplane.client.models import Refit
+from refitplane.client.sync import RefitClient
+from refitplane.errors import FailedPrecondition, RefitError, TransferError, Unavailable
+from refitplane.protocol import RefitState, Role
+
+log = logging.getLogger("refitplane.sidecar")
+
+_TERMINAL = {RefitState.FAILED, RefitState.CANCELLED, RefitState.COMMITTED}
+
+
+class SidecarSettings(BaseSettings):
+    """Environment (prefix REFIT_) or flags."""
+
+    model_config = SettingsConfigDict(env_prefix="REFIT_", env_file=".env", extra="ignore")
+
+    coordinator: str = Field(description="coordinator gRPC host:port")
+    job: str
+    replica_id: str
+    vllm_url: str = "http://127.0.0.1:8000"
+    pause_mode: str = "keep"
+    auth_token: str = ""
+    auth_token_file: str = ""
+    tls_ca_file: str = ""
+    host: str = ""
+    sidecar_port: int = 8090
+    sidecar_host: str = "0.0.0.0"
+    vllm_start_timeout_s: float = 900.0
+    update_timeout_s: float = 900.0
+    register_timeout_s: float = 120.0
+
+    def token(self) -> str | None:
+        if self.auth_token_file:
+            with open(self.auth_token_file) as f:
+                return f.read().strip() or None
+        return self.auth_token or None
+
+
+class EngineControl(Protocol):
+    """The engine verbs a sidecar drives (HTTP for a server, method calls in-process)."""
+
+    def healthy(self) -> bool: ...
+    def wait_healthy(self, timeout_s: float) -> None: ...
+    def init_engine(self, init_info: dict[str, Any]) -> int: ...
+    def pause(self, mode: str) -> int: ...
+    def resume(self) -> int: ...
+    def start_update(self) -> int: ...
+    def update(self, update_info: dict[str, Any]) -> int: ...
+    def finish(self, version: int) -> int: ...
+    def close(self) -> None: ...
+
+
+class VllmControl:
+    """vLLM's pause / weight-update / resume HTTP verbs (needs VLLM_SERVER_DEV_MODE=1)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 900.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=10.0)
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def healthy(self) -> bool:
+        try:
+            return self._http.get("/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    f"vLLM at {self.base_url} did not become healthy within {timeout_s:.0f} s"
+                )
+            time.sleep(1.0)
+
+    def _post(
+        self, path: str, *, body: dict[str, Any] | None = None, params: dict[str, str] | None = None
+    ) -> int:
+        try:
+            response = self._http.post(path, json=body, params=params)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"vLLM {path}: {exc}") from exc
+        if response.status_code == 404:
+            raise FailedPrecondition(f"vLLM has no {path}: start it with VLLM_SERVER_DEV_MODE=1")
+        if response.status_code >= 400:
+            # Not trusted as the outcome (see the module docstring), but worth a log line.
+            log.warning("vLLM %s answered %d: %s", path, response.status_code, response.text[:300])
+        return response.status_code
+
+    def init_engine(self, init_info: dict[str, Any]) -> int:
+        return self._post("/init_weight_transfer_engine", body={"init_info": init_info})
+
+    def pause(self, mode: str) -> int:
+        return self._post("/pause", params={"mode": mode})
+
+    def resume(self) -> int:
+        return self._post("/resume")
+
+    def start_update(self) -> int:
+        return self._post("/start_weight_update")
+
+    def update(self, update_info: dict[str, Any]) -> int:
+        return self._post("/update_weights", body={"update_info": update_info})
+
+    def finish(self, version: int) -> int:
+        return self._post("/finish_weight_update", body={"weight_version": str(version)})
+
+
+@dataclass
+class SidecarState:
+    version: int = 0
+    paused: bool = False
+    degraded: bool = False
+    refit_id: str = ""
+    # The engine may have written live weights of the current refit.
+    weights_touched: bool = False
+    last_error: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class SidecarMember(NullHandler):
+    """The replica controller's command handler."""
+
+    def __init__(
+        self,
+        control: EngineControl,
+        client: RefitClient,
+        *,
+        job: str,
+        replica_id: str,
+        default_pause_mode: str,
+        verify_wait_s: float = 30.0,
+    ) -> None:
+        self.control = control
+        self.client = client
+        self.job = job
+        self.replica_id = replica_id
+        self.default_pause_mode = default_pause_mode
+        self.verify_wait_s = verify_wait_s
+        self.state = SidecarState()
+        self.session: AgentSession | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, session: AgentSession) -> None:
+        self.session = session
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def on_prepare_refit(self, cmd: PrepareRefitCmd) -> None:
+        mode = cmd.pause_mode or self.default_pause_mode
+        with self._lock:
+            self.state.refit_id = cmd.refit_id
+            self.state.weights_touched = False
+        self.control.pause(mode)
+        self.state.paused = True
+        self.control.start_update()
+        assert self.session is not None
+        self.session.report_prepared(cmd.refit_id)
+
+    def on_start_transfer(self, cmd: StartTransferCmd) -> None:
+        live = self._receives_live()
+        self.state.weights_touched = live
+        self.control.update({"refit_id": cmd.refit_id, "version": cmd.version})
+        try:
+            self._require_ranks_verified(cmd.refit_id)
+        except TransferError:
+            self._close_update(cmd.refit_id)
+            if not self.state.weights_touched:
+                self.control.resume()
+                self.state.paused = False
+            raise
+        self.state.weights_touched = True  # finish applies staged weights, or post-processes
+        self.control.finish(cmd.version)
+        refit = self.client.get(cmd.refit_id)
+        if refit.state in {RefitState.FAILED, RefitState.CANCELLED}:
+            raise self._failed(
+                f"refit {refit.state.value} while finishing: {refit.message}", touched=True
+            )
+        self.control.resume()
+        with self._lock:
+            self.state.paused = False
+            self.state.degraded = False
+            self.state.version = cmd.version
+            self.state.last_error = ""
+        assert self.session is not None
+        self.session.report_replica_updated(cmd.refit_id, cmd.version)
+
+    def on_abort_refit(self, cmd: AbortRefitCmd) -> None:
+        with self._lock:
+            if cmd.refit_id and cmd.refit_id != self.state.refit_id:
+                return
+            touched = self.state.weights_touched
+        if not self.state.paused:
+            return
+        self._close_update(cmd.refit_id)
+        if touched:
+            self._degrade(f"refit {cmd.refit_id} aborted ({cmd.reason}) after weights were written")
+        else:
+            self.control.resume()
+            self.state.paused = False
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _close_update(self, refit_id: str) -> None:
+        """vLLM needs every started update finished: drop what was staged first, so this
+        finish applies nothing of a refit that failed somewhere in the replica."""
+        self.control.update({"refit_id": refit_id, "action": "discard"})
+        self.control.finish(self.state.version)
+
+    def _replica_ranks(self) -> list[Any]:
+        topo = self.client.topology(self.job)
+        return [
+            m for m in topo.members if m.role == Role.GENERATOR and m.replica_id == self.replica_id
+        ]
+
+    def _receives_live(self) -> bool:
+        return any(m.labels.get("receive_mode") == "live" for m in self._replica_ranks())
+
+    def _require_ranks_verified(self, refit_id: str) -> None:
+        ranks = {m.member_id for m in self._replica_ranks()}
+        deadline = time.monotonic() + self.verify_wait_s
+        while True:
+            refit: Refit = self.client.get(refit_id)
+            if refit.state in {RefitState.FAILED, RefitState.CANCELLED}:
+                raise self._failed(
+                    f"refit {refit.state.value}: {refit.reason} {refit.message}",
+                    touched=self.state.weights_touched,
+                )
+            done = {
+                r.member_id
+                for r in refit.ranks
+                if r.member_id in ranks
+                and r.tensors_total > 0
+                and r.tensors_verified == r.tensors_total
+            }
+            if ranks and done == ranks:
+                return
+            if time.monotonic() > deadline:
+                missing = sorted(ranks - done)
+                raise self._failed(
+                    f"ranks {missing} of replica {self.replica_id} did not verify the transfer",
+                    touched=self.state.weights_touched,
+                )
+            time.sleep(0.05)
+
+    def _failed(self, message: str, *, touched: bool) -> TransferError:
+        if touched:
+            self._degrade(message)
+        exc = TransferError(message)
+        exc.weights_modified = touched  # type: ignore[attr-defined]
+        return exc
+
+    def _degrade(self, message: str) -> None:
+        log.error("replica %s not ready: %s", self.replica_id, message)
+        with self._lock:
+            self.state.degraded = True
+            self.state.last_error = message
+
+
+class _HealthHandler(BaseHTTPRequestHandler):
+    sidecar: Sidecar
+
+    def do_GET(self) -> None:
+        s = self.sidecar
+        if self.path == "/healthz":
+            self._reply(200 if s.alive else 503, {"alive": s.alive})
+        elif self.path == "/readyz":
+            ready = s.ready()
+            self._reply(200 if ready else 503, {"ready": ready, **s.member.state.as_dict()})
+        elif self.path == "/status":
+            self._reply(200, {"ready": s.ready(), **s.member.state.as_dict()})
+        else:
+            self._reply(404, {"error": f"no route {self.path}"})
+
+    def _reply(self, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("health: " + format, *args)
+
+
+class Sidecar:
+    def __init__(self, settings: SidecarSettings, control: EngineControl | None = None) -> None:
+        self.settings = settings
+        token = settings.token()
+        tls = settings.tls_ca_file or None
+        self.control: EngineControl = control or VllmControl(
+            settings.vllm_url, timeout_s=settings.update_timeout_s
+        )
+        self.client = RefitClient(settings.coordinator, token=token, tls_ca=tls)
+        self.member = SidecarMember(
+            self.control,
+            self.client,
+            job=settings.job,
+            replica_id=settings.replica_id,
+            default_pause_mode=settings.pause_mode,
+        )
+        info = MemberInfo(
+            job=settings.job,
+            role=Role.GENERATOR_SIDECAR,
+            rank=0,
+            world_size=1,
+            replica_id=settings.replica_id,
+            host=settings.host,
+            device="",
+        )
+        self.session = AgentSession(
+            settings.coordinator, info, self.member, token=token, tls_ca=tls, timeout_s=30.0
+        )
+        self.member.attach(self.session)
+        self.alive = False
+        self._http: ThreadingHTTPServer | None = None
+
+    def ready(self) -> bool:
+        return self.alive and not self.member.state.degraded and self.control.healthy()
+
+    def start(self) -> None:
+        handler = type("Health", (_HealthHandler,), {"sidecar": self})
+        self._http = ThreadingHTTPServer(
+            (self.settings.sidecar_host, self.settings.sidecar_port), handler
+        )
+        threading.Thread(
+            target=self._http.serve_forever, name="sidecar-health", daemon=True
+        ).start()
+        log.info("waiting for vLLM at %s", self.settings.vllm_url)
+        self.control.wait_healthy(self.settings.vllm_start_timeout_s)
+        self.session.start()
+        self.control.init_engine(
+            {
+                "coordinator": self.settings.coordinator,
+                "job": self.settings.job,
+                "replica_id": self.settings.replica_id,
+            }
+        )
+        self._wait_workers_registered()
+        self.alive = True
+        log.info("replica %s ready for refits", self.settings.replica_id)
+
+    def _wait_workers_registered(self) -> None:
+        deadline = time.monotonic() + self.settings.register_timeout_s
+        while True:
+            ranks = self.member._replica_ranks()
+            if ranks and all(m.layout_digest for m in ranks) and len(ranks) == ranks[0].world_size:
+                return
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    f"vLLM's workers did not register with the coordinator within {self.settings.register_timeout_s:.0f} s "
+                    f'(found {len(ranks)}); is vLLM started with --weight-transfer-config \'{{"backend": "refitplane"}}\' '
+                    "and refit-plane installed in its environment? See the vLLM log"
+                )
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.session.close()
+        self.client.close()
+        self.control.close()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="refit-sidecar", description=__doc__.splitlines()[0])
+    for flag in ("coordinator", "job", "replica-id", "vllm-url", "pause-mode", "sidecar-port"):
+        parser.add_argument(f"--{flag}", help=f"overrides REFIT_{flag.upper().replace('-', '_')}")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("REFIT_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        settings = SidecarSettings(**overrides)
+    except ValueError as exc:  # pydantic's ValidationError names the missing fields
+        print(f"refit-sidecar: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    sidecar = Sidecar(settings)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        sidecar.start()
+        stop.wait()
+        return 0
+    except RefitError as exc:
+        log.error("%s", exc.message)
+        return 1
+    finally:
+        sidecar.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
