@@ -78,4 +78,12 @@ def _loader_template(owner: torch.nn.Module, pname: str, current: torch.Tensor) 
     template.__class__ = recorded.__class__
     template.__dict__.update(recorded.__dict__)
     restored: torch.Tensor = restore_layer_refs(template, owner)
+    # After a layerwise reload the recorded loader is still wrapped by vLLM's
+    # `online_process_loader`, which would process the layer and copy into the live kernel
+    # tensors: use the loader underneath, so the reference never touches the live model.
+    loader = getattr(restored, "weight_loader", None)
+    while loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
+        loader = loader.__wrapped__
+    if loader is not None:
+        restored.weight_loader = loader  # type: ignore[attr-defined]
     return restored

