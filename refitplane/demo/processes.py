@@ -1,0 +1,101 @@
+"""Child processes of the demo: each in its own process group, logging to a file, always
+stopped (SIGTERM, then SIGKILL) however the demo ends."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from refitplane.errors import Unavailable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Managed:
+    def __init__(
+        self, name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.log_path = log
+        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # The whole group: vLLM's engine core and workers too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self._log.close()
+
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def wait_for(
+    predicate: Callable[[], bool], timeout_s: float, what: str, proc: Managed | None = None
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc is not None and not proc.alive():
+            raise Unavailable(f"{what}: {proc.name} exited (log {proc.log_path}):\n{proc.tail()}")
+        if time.monotonic() > deadline:
+            raise Unavailable(
+                f"{what}: not ready within {timeout_s:.0f} s"
+                + (f" (log {proc.log_path})" if proc else "")
+            )
+        time.sleep(0.2)
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return httpx.get(url, timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return check
+
+
+def read_ports(path: Path) -> dict[str, int] | None:
+    try:
+        return {k: int(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError):
+        return None
