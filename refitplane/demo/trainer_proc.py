@@ -52,7 +52,7 @@ def _run(rank: int, cfg: TrainerConfig, commands: Any, results: Any) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
     model = load_hf_model(cfg.model_dir, dtype="float32")
     parallelize_hf_causal_lm(model, init_device_mesh("cpu", (cfg.world_size,)))

@@ -15,7 +15,8 @@ Works on CPU with Gloo as on GPUs with NCCL.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,7 @@ class _CopyToExperts(torch.autograd.Function):
 class ExpertParallelExperts(nn.Module):
     """Drop-in for transformers' fused experts module: this rank's experts only."""
 
-    def __init__(self, experts: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, experts: Any, mesh: DeviceMesh) -> None:
         super().__init__()
         self.num_experts = int(experts.num_experts)
         world = mesh.size()
@@ -74,7 +75,7 @@ class ExpertParallelExperts(nn.Module):
         self.group = mesh.get_group()
         self.per_rank = self.num_experts // world
         self.first = mesh.get_local_rank() * self.per_rank
-        self.act_fn = experts.act_fn
+        self.act_fn: Callable[[torch.Tensor], torch.Tensor] = experts.act_fn
         self.gate_up_proj = nn.Parameter(
             distribute_tensor(experts.gate_up_proj.data, mesh, [Shard(0)])
         )
@@ -83,10 +84,10 @@ class ExpertParallelExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        gate_up = self.gate_up_proj.to_local()
-        down = self.down_proj.to_local()
-        hidden_states = _CopyToExperts.apply(hidden_states, self.group)
-        top_k_weights = _CopyToExperts.apply(top_k_weights, self.group)
+        gate_up = cast(DTensor, self.gate_up_proj).to_local()
+        down = cast(DTensor, self.down_proj).to_local()
+        hidden_states = _CopyToExperts.apply(hidden_states, self.group)  # type: ignore[no-untyped-call]
+        top_k_weights = _CopyToExperts.apply(top_k_weights, self.group)  # type: ignore[no-untyped-call]
         out = torch.zeros_like(hidden_states)
         for local in range(self.per_rank):
             token_idx, slot = torch.where(top_k_index == self.first + local)
@@ -99,7 +100,7 @@ class ExpertParallelExperts(nn.Module):
             y = y * top_k_weights[token_idx, slot, None]
             out = out.index_add(0, token_idx, y.to(out.dtype))
         # Every rank saw every token: summing the per-rank partial outputs completes it.
-        summed: torch.Tensor = _SumPartials.apply(out, self.group)
+        summed: torch.Tensor = _SumPartials.apply(out, self.group)  # type: ignore[no-untyped-call]
         return summed
 
 
