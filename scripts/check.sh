@@ -2,7 +2,7 @@
 # Static checks: generated stubs fresh, ruff lint + format, mypy (strict) on the package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+PY=${PYTHON:-python}
 "$PY" scripts/gen_protos.py --check
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
