@@ -51,10 +51,11 @@ class LayoutError(InvalidArgument):
         self.rank = rank
         self.box = box
 
-
     def with_rank(self, rank: int | None) -> LayoutError:
         """The same error naming another rank (e.g. mapped back from a group rank)."""
-        return type(self)(self.detail, tensor=self.tensor, rank=rank, box=self.box, field=self.field)
+        return type(self)(
+            self.detail, tensor=self.tensor, rank=rank, box=self.box, field=self.field
+        )
 
 
 class CoverageError(LayoutError):

@@ -57,7 +57,9 @@ def generate(out: Path) -> None:
 
 def _differences(a: Path, b: Path) -> list[str]:
     names = {p.relative_to(a) for p in a.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    names |= {p.relative_to(b) for p in b.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    names |= {
+        p.relative_to(b) for p in b.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    }
     out = []
     for name in sorted(names):
         pa, pb = a / name, b / name

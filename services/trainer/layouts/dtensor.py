@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from refitplane.trainer.layouts.fused_experts import unfuse_experts
-from refitplane.trainer.layouts.held import HeldSlice, register
-from refitplane.trainer.layouts.names import NameMap, canonical_name
-from refitplane.trainer.layouts.sharding import MeshSplit, local_pieces, local_shape
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import full_box, to_slices
 from refitplane.reshard.shards import LocalShards
+from refitplane.trainer.layouts.fused_experts import unfuse_experts
+from refitplane.trainer.layouts.held import HeldSlice, register
+from refitplane.trainer.layouts.names import NameMap, canonical_name
+from refitplane.trainer.layouts.sharding import MeshSplit, local_pieces, local_shape
 
 
 def _current_rank() -> int | None:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import re
 
-from refitplane.trainer.layouts.held import HeldSlice
-
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import format_box
+from refitplane.trainer.layouts.held import HeldSlice
 
 _FUSED = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 

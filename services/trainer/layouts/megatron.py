@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
-from refitplane.trainer.layouts.dims import ModelDims
-from refitplane.trainer.layouts.held import HeldSlice, register
-from refitplane.trainer.layouts.megatron_params import MegatronParallel, megatron_param_slices
 from torch import nn
 
 from refitplane.errors import LayoutError
 from refitplane.reshard.shards import LocalShards
+from refitplane.trainer.layouts.dims import ModelDims
+from refitplane.trainer.layouts.held import HeldSlice, register
+from refitplane.trainer.layouts.megatron_params import MegatronParallel, megatron_param_slices
 
 
 def _global_rank() -> int:

@@ -25,11 +25,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from refitplane.trainer.layouts.dims import ModelDims
-from refitplane.trainer.layouts.held import HeldSlice
 
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import full_box
+from refitplane.trainer.layouts.dims import ModelDims
+from refitplane.trainer.layouts.held import HeldSlice
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 from reconstruct import save_pieces
-from refitplane.trainer.layouts import dtensor_shards
-from refitplane.trainer.layouts.dtensor import dtensor_slices
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from world import init_from_env
+
+from refitplane.trainer.layouts import dtensor_shards
+from refitplane.trainer.layouts.dtensor import dtensor_slices
 
 
 def tp_plan(model: torch.nn.Module) -> dict[str, Any]:

@@ -230,9 +230,8 @@ def check_mismatches_are_refused(model: Any, hf: Any) -> None:
     """Dims or parallel coordinates that disagree with the model fail, naming the field."""
     from dataclasses import replace
 
-    from refitplane.trainer.layouts import ModelDims, megatron_shards, parallel_from_model
-
     from refitplane.errors import LayoutError
+    from refitplane.trainer.layouts import ModelDims, megatron_shards, parallel_from_model
 
     dims = ModelDims.from_hf_config(hf)
     par = parallel_from_model(model[0] if isinstance(model, list) else model)
@@ -262,9 +261,10 @@ def check_mismatches_are_refused(model: Any, hf: Any) -> None:
 
 def run_scenario(sc: dict[str, Any], rank: int, out_dir: Path) -> None:
     from megatron.core import parallel_state as ps
-    from refitplane.trainer.layouts import megatron_shards
     from safetensors.torch import load_file
     from transformers import AutoConfig
+
+    from refitplane.trainer.layouts import megatron_shards
 
     hf = AutoConfig.from_pretrained(sc["hf_dir"])
     sd = load_file(str(Path(sc["hf_dir"]) / "model.safetensors"))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from refitplane.trainer.layouts.dims import ModelDims
 
 from refitplane.errors import LayoutError
+from refitplane.trainer.layouts.dims import ModelDims
 
 pytestmark = pytest.mark.unit
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from refitplane.trainer.layouts import dtensor_shards
 from safetensors.torch import load_file
 
 from refitplane.reshard.boxes import full_box
+from refitplane.trainer.layouts import dtensor_shards
 
 pytestmark = pytest.mark.unit
 

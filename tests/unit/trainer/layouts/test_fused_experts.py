@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from refitplane.trainer.layouts.fused_experts import is_fused_experts, unfuse_experts
-from refitplane.trainer.layouts.held import HeldSlice
 
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import full_box, to_slices
+from refitplane.trainer.layouts.fused_experts import is_fused_experts, unfuse_experts
+from refitplane.trainer.layouts.held import HeldSlice
 
 pytestmark = pytest.mark.unit
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from refitplane.trainer.layouts.dims import ModelDims
-from refitplane.trainer.layouts.held import HeldSlice, register
-from refitplane.trainer.layouts.megatron_params import MegatronParallel, megatron_param_slices
 
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import to_slices
+from refitplane.trainer.layouts.dims import ModelDims
+from refitplane.trainer.layouts.held import HeldSlice, register
+from refitplane.trainer.layouts.megatron_params import MegatronParallel, megatron_param_slices
 
 pytestmark = pytest.mark.unit
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from refitplane.trainer.layouts.names import canonical_name, strip_wrapper_prefixes
 
 pytestmark = pytest.mark.unit

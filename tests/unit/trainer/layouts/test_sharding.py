@@ -8,14 +8,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from refitplane.trainer.layouts.dtensor import mesh_splits
-from refitplane.trainer.layouts.sharding import MeshSplit, local_pieces, local_runs, local_shape
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import to_slices
+from refitplane.trainer.layouts.dtensor import mesh_splits
+from refitplane.trainer.layouts.sharding import MeshSplit, local_pieces, local_runs, local_shape
 
 pytestmark = pytest.mark.unit
 
