@@ -4,6 +4,12 @@ Rendezvous is a TCPStore that group rank 0 hosts; its address `host:port` is the
 coordinator relays to the other ranks. Each channel is its own ProcessGroupGloo over a
 prefixed view of that store. Gloo sends do not block on the receiver, and messages between
 a pair of ranks match in posting order.
+
+Gloo closes the connection to a peer whenever a wait on it times out ("Application timeout
+caused pair closure"), so a wait is never polled with short timeouts: it waits once, up to
+the deadline, on a helper thread while the caller watches the cancel event. The same
+behaviour is what `abort` uses to cut every operation still in flight: received bytes land
+in the destination buffers as they arrive, so an abort must guarantee none land later.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 from refitplane.errors import InvalidArgument, PeerFailure, TransferError, TransferTimeout
 from refitplane.reshard.transport.base import Handle, P2POp, Transport
 
+# How often a cancellable wait looks at the cancel event.
 _POLL_S = 0.05
+# A wait this short on a pending operation makes Gloo close its connection (see above).
+_CUT = timedelta(milliseconds=1)
 
 
 def create_gloo_rendezvous(host: str, world_size: int, timeout_s: float) -> tuple[TCPStore, bytes]:
@@ -81,6 +90,9 @@ class GlooTransport(Transport):
             sub = PrefixStore(f"{prefix}/ch{c}", store)
             self._groups.append(ProcessGroupGloo(sub, rank, world_size, opts))
         self._aborted = False
+        # Posted operations not yet waited for (what `abort` must cut).
+        self._pending: set[Any] = set()
+        self._pending_lock = threading.Lock()
 
     def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
         if self._aborted:
@@ -97,35 +109,77 @@ class GlooTransport(Transport):
             raise PeerFailure(
                 f"rank {self.rank}: posting on channel {channel} failed: {exc}"
             ) from exc
+        finally:
+            with self._pending_lock:
+                self._pending.update(works)
         return Handle(channel, works)
 
     def poll(self, handle: Handle) -> bool:
         return all(work.is_completed() for work in handle.payload)
 
     def wait(self, handle: Handle, deadline: float, cancel: threading.Event | None = None) -> None:
+        if cancel is None:
+            self._wait_works(handle, deadline)
+            return
+        # Wait on a helper thread (see the module docstring); a cancel returns at once and
+        # the caller's abort ends the helper's wait.
+        done = threading.Event()
+        failure: list[BaseException] = []
+
+        def wait_all() -> None:
+            try:
+                self._wait_works(handle, deadline)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait_all, name=f"gloo-wait-r{self.rank}", daemon=True).start()
+        while not done.wait(_POLL_S):
+            if cancel.is_set():
+                raise TransferError(f"rank {self.rank}: transfer cancelled")
+        if failure:
+            raise failure[0]
+
+    def _wait_works(self, handle: Handle, deadline: float) -> None:
         for work in handle.payload:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferTimeout(
+                    f"rank {self.rank}: a transfer on channel {handle.channel} did not complete in time"
+                )
+            try:
+                completed = work.wait(timedelta(seconds=remaining))
+            except RuntimeError as exc:
+                text = str(exc)
+                if self._aborted:
+                    raise TransferError(f"rank {self.rank}: transport aborted") from exc
+                if "timed out" in text.lower():
                     raise TransferTimeout(
                         f"rank {self.rank}: a transfer on channel {handle.channel} did not complete in time"
-                    )
-                if cancel is not None and cancel.is_set():
-                    raise TransferError(f"rank {self.rank}: transfer cancelled")
-                step = min(remaining, _POLL_S) if cancel is not None else remaining
-                try:
-                    if work.wait(timedelta(seconds=step)):
-                        break
-                except RuntimeError as exc:
-                    text = str(exc)
-                    if "Timed out" in text or "timed out" in text or "timeout" in text.lower():
-                        continue
-                    raise PeerFailure(
-                        f"rank {self.rank}: peer failure on channel {handle.channel}: {text}"
                     ) from exc
+                raise PeerFailure(
+                    f"rank {self.rank}: peer failure on channel {handle.channel}: {text}"
+                ) from exc
+            finally:
+                with self._pending_lock:
+                    self._pending.discard(work)
+            if not completed:
+                raise TransferTimeout(
+                    f"rank {self.rank}: a transfer on channel {handle.channel} did not complete in time"
+                )
 
     def abort(self) -> None:
         self._aborted = True
+        with self._pending_lock:
+            pending, self._pending = list(self._pending), set()
+        for work in pending:
+            # Cut the connection this operation uses: its peer fails at once, and no byte
+            # can land in a destination buffer after the abort returns.
+            try:
+                work.wait(_CUT)
+            except RuntimeError:
+                pass
         for pg in self._groups:
             try:
                 pg.abort()
