@@ -198,13 +198,16 @@ class DataPlaneMember(NullHandler):
                     bytes_total=total,
                 )
 
+        executor: Executor | None = None
         try:
-            report = self._executor_for(config).run(
-                plan, self._shards(), progress=progress, cancel=self._cancel
-            )
+            executor = self._executor_for(config)
+            report = executor.run(plan, self._shards(), progress=progress, cancel=self._cancel)
         except BaseException as exc:
-            # A receiver that got any bytes no longer holds its old weights intact.
-            modified = bool(plan.recv_bytes and received[0])
+            # A receiver that posted any receive no longer holds its old weights intact:
+            # bytes land in the parameters as they arrive, long before a group completes
+            # and progress counts them.
+            posted = executor is not None and executor.receives_posted
+            modified = bool(plan.recv_bytes) and (received[0] > 0 or posted)
             exc.weights_modified = modified  # type: ignore[attr-defined]
             self._executor = None
             self.after_transfer(prepared, None, weights_modified=modified)

@@ -94,6 +94,9 @@ class Executor:
         self.transport = transport
         self.config = config
         self.ring = StagingRing(config.max_inflight_bytes, transport.device)
+        # Whether the last run posted a receive into destination memory: from then on its
+        # bytes may change (they land as they arrive), whatever the run's outcome.
+        self.receives_posted = False
 
     def run(
         self,
@@ -104,13 +107,16 @@ class Executor:
         cancel: threading.Event | None = None,
     ) -> TransferReport:
         started = time.monotonic()
+        self.receives_posted = False
         run = _Run(self, plan, shards, progress, cancel, started + self.config.timeout_s)
         try:
             report = run.execute()
         except BaseException:
+            self.receives_posted = run.receives_posted
             self.transport.abort()
             self.ring = StagingRing(self.config.max_inflight_bytes, self.transport.device)
             raise
+        self.receives_posted = run.receives_posted
         report.seconds = time.monotonic() - started
         report.staging_peak_bytes = self.ring.peak
         return report
@@ -146,6 +152,7 @@ class _Run:
                 self.sums[link] = torch.zeros(n, dtype=torch.int64, device=self.t.device)
         self.pending: dict[int, _Group] = {}
         self.in_flight: deque[_Group] = deque()
+        self.receives_posted = False
         self.report = TransferReport()
         self.report.tensors_total = len({p.tensor for link in plan.recvs for p in link.pieces})
         self.total = plan.send_bytes + plan.recv_bytes
@@ -250,6 +257,8 @@ class _Run:
         group = self.pending.pop(channel, None)
         if group is None or not group.ops:
             return
+        # Set before posting: a failure while posting may follow a receive already posted.
+        self.receives_posted |= any(not op.send for op in group.ops)
         handle = self.t.issue(channel, group.ops, self.deadline)
         if self.t.device_ordered:
             with self.t.beside(channel):
