@@ -395,9 +395,13 @@ class JobDriver:
         return ready
 
     async def _poison(self) -> None:
+        # Store first: a write lost to a store outage leaves memory unchanged, so the
+        # caller's retry writes it again (memory first, the retry saw nothing to do and a
+        # restarted coordinator reloaded a READY group whose communicators were aborted).
         if self.group.state in (GroupState.READY, GroupState.FORMING):
-            self.group = self.group.model_copy(update={"state": GroupState.POISONED})
-            await self._store.save_group(self.group)
+            poisoned = self.group.model_copy(update={"state": GroupState.POISONED})
+            await self._store.save_group(poisoned)
+            self.group = poisoned
 
     async def _transfer(self, run: RefitRun) -> None:
         await self._enter(run, RefitState.TRANSFERRING, [RefitState.PREPARING])
@@ -496,11 +500,12 @@ class JobDriver:
         for replica in replicas:
             old = self.replicas.get(replica)
             if old is None or old.degraded != degraded:
-                record = ReplicaRecord(replica_id=replica, degraded=degraded)
-                self.replicas[replica] = record
-                changed.append(record)
+                changed.append(ReplicaRecord(replica_id=replica, degraded=degraded))
         if changed:
+            # Store first, as in `_poison`: a failed write is retried, not forgotten.
             await self._store.save_replicas(self.job, changed)
+            for record in changed:
+                self.replicas[record.replica_id] = record
 
     async def _commit(self, run: RefitRun) -> None:
         await self._enter(run, RefitState.COMMITTED, [RefitState.VERIFYING])
