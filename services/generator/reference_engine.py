@@ -89,6 +89,7 @@ class ReferenceEngine:
         device: torch.device | str = "cpu",
         host: str = "127.0.0.1",
         token: str | None = None,
+        tls_ca: str | None = None,
         version: int = 0,
     ) -> None:
         self.rank = rank
@@ -112,7 +113,9 @@ class ReferenceEngine:
             version=version,
         )
         token = token if token is not None else os.environ.get("REFIT_AUTH_TOKEN")
-        self.session = AgentSession(coordinator, info, self.member, token=token)
+        # Like the trainer agent: a coordinator serving TLS needs its CA (REFIT_TLS_CA_FILE).
+        tls_ca = tls_ca if tls_ca is not None else os.environ.get("REFIT_TLS_CA_FILE")
+        self.session = AgentSession(coordinator, info, self.member, token=token, tls_ca=tls_ca)
         self.member.attach(self.session)
 
     def start(self) -> None:
