@@ -97,8 +97,6 @@ class AgentRunner:
             from refitplane.generator.reference_engine import ReferenceEngine
             from refitplane.testing.synthetic_state import synthetic_state
 
-            if tls_ca:
-                os.environ["REFIT_TLS_CA_FILE"] = tls_ca
             self.agent = ReferenceEngine(
                 coordinator=args.coordinator,
                 job=args.job,
@@ -108,6 +106,7 @@ class AgentRunner:
                 specs=synthetic_specs(scale=args.scale),
                 initial=synthetic_state(args.version, scale=args.scale),
                 token=token,
+                tls_ca=tls_ca,
                 version=args.version,
             )
             self.shards = self.agent.shards

@@ -20,6 +20,8 @@ import contextlib
 import json
 import os
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -165,26 +167,39 @@ class Proc:
 
 
 class RedisProc(Proc):
-    """redis-server on loopback with AOF (fsync always), optionally a password."""
+    """redis-server on loopback with AOF (fsync always); optionally a password, and TLS
+    only (`tls=(cert, key)`, the cert also being the CA; clients need no certificate)."""
 
-    def __init__(self, workdir: Path, *, password: str = "", extra: Sequence[str] = ()) -> None:
+    def __init__(
+        self, workdir: Path, *, password: str = "", tls: tuple[Path, Path] | None = None
+    ) -> None:
         self.port = free_port()
         self.password = password
+        self.tls = tls
         data = workdir / "redis-data"
         data.mkdir(parents=True, exist_ok=True)
+        if tls is None:
+            ports = ["--port", str(self.port)]
+        else:
+            cert, key = tls
+            ports = [
+                "--port", "0", "--tls-port", str(self.port),
+                "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
+            ]  # fmt: skip
         argv = [
-            REDIS_SERVER,
-            "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(data),
+            REDIS_SERVER, *ports, "--bind", "127.0.0.1", "--dir", str(data),
             "--save", "", "--appendonly", "yes", "--appendfsync", "always",
             "--protected-mode", "no", "--loglevel", "warning",
             *(["--requirepass", password] if password else []),
-            *extra,
         ]  # fmt: skip
         super().__init__("redis", argv, workdir, child_env())
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        if self.tls is None:
+            return f"redis://127.0.0.1:{self.port}/0"
+        return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls[0]}"
 
     def start(self) -> None:
         self.spawn()
@@ -193,13 +208,15 @@ class RedisProc(Proc):
     def _pings(self) -> bool:
         if not self.alive():
             raise Unavailable(f"redis-server exited:\n{self.log()[-2000:]}")
-        import socket
-
         auth = f"AUTH {self.password}\r\n" if self.password else ""
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(f"{auth}PING\r\n".encode())
-                return b"+PONG" in s.recv(64)
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                sock = raw
+                if self.tls is not None:
+                    context = ssl.create_default_context(cafile=str(self.tls[0]))
+                    sock = context.wrap_socket(raw, server_hostname="127.0.0.1")
+                sock.sendall(f"{auth}PING\r\n".encode())
+                return b"+PONG" in sock.recv(64)
         except OSError:
             return False
 
@@ -325,8 +342,10 @@ class ProcCluster:
         redis_password: str = "",
         token: str = "",
         scale: int = 1,
+        agent_log_level: str = "WARNING",
     ) -> None:
         self.workdir = workdir
+        self.agent_log_level = agent_log_level
         self.job = job
         self.scale = scale
         self.token = token
@@ -387,7 +406,7 @@ class ProcCluster:
         args = [
             "--coordinator", self.coordinator.grpc_target, "--job", self.job,
             "--rank", str(rank), "--world", str(world), "--version", str(version),
-            "--scale", str(self.scale),
+            "--scale", str(self.scale), "--log-level", self.agent_log_level,
         ]  # fmt: skip
         if self.token_file is not None:
             args += ["--token-file", str(self.token_file)]
