@@ -188,6 +188,8 @@ class ReplicaSpec:
 
 
 def _replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
+    # Its own process group: vLLM's engine core and workers die with it (World.stop).
+    os.setsid()
     os.environ.update(SAFE_ENV)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -261,10 +263,26 @@ def _replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
                 )
         if sidecar is not None:
             sidecar.close()
+        from refitplane.testing.vllm_cpu import shutdown_engine
+
+        shutdown_engine(llm)
     except BaseException as exc:  # noqa: BLE001 - reported to the driver
         results.put(
             ("error", spec.replica_id, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         )
+
+
+def _stop_process(p: Any, timeout_s: float = 60) -> None:
+    """Join a child, then kill whatever is left of its process group (vLLM's children)."""
+    import signal
+
+    p.join(timeout=timeout_s)
+    if p.pid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+    if p.is_alive():
+        p.kill()
+        p.join(timeout=10)
 
 
 # --- vLLM's own NCCL engine (the baseline) ---------------------------------------------------
@@ -482,10 +500,7 @@ class World:
             with contextlib.suppress(Exception):
                 q.put(("stop", None) if name.startswith("replica-") else "stop")
         for p in self._procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+            _stop_process(p)
         self._procs.clear()
         self._queues.clear()
         if self.coordinator is not None:
@@ -598,9 +613,7 @@ def run_vllm_baseline(
             with contextlib.suppress(Exception):
                 q.put(("stop", None))
         for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+            _stop_process(p)
         if saved is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
