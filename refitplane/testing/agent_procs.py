@@ -7,7 +7,7 @@ stall, freeze or restart agents.
         --rank R --world W --control-file F [--version V]
 
 A trainer is a real `TrainerAgent` holding its tensor-parallel share of
-`synthetic_state(version)`; a generator is a real `ReferenceEngine` starting from its share of
+`synthetic_state(version)` (or of a Hugging Face checkpoint directory, `--checkpoint`); a generator is a real `ReferenceEngine` starting from its share of
 `synthetic_state(version)` (default 0). Both use the production data plane (Gloo), with
 `faulty_transport` installed so a test can arm faults. Once registered and published, the
 process serves a small control API on loopback and writes `{"port", "pid", "member_id"}` to
@@ -82,7 +82,10 @@ class AgentRunner:
         if self.role == "trainer":
             from refitplane.trainer.agent import TrainerAgent
 
-            self.shards = rank_shards(args.version, args.rank, args.world, scale=args.scale)
+            if args.checkpoint:
+                self.shards = _checkpoint_shards(args.checkpoint, args.rank, args.world)
+            else:
+                self.shards = rank_shards(args.version, args.rank, args.world, scale=args.scale)
             self.agent = TrainerAgent(
                 coordinator=args.coordinator,
                 job=args.job,
@@ -216,6 +219,17 @@ class AgentRunner:
         return (200 if result.get("served") else 409), result
 
 
+def _checkpoint_shards(path: str, rank: int, world: int) -> Any:
+    """This rank's tensor-parallel share of a Hugging Face checkpoint directory."""
+    import torch
+
+    from refitplane.generator.reference_engine import shard_state, specs_of
+    from refitplane.models.tiny import load_checkpoint
+
+    state = load_checkpoint(path)
+    return shard_state(specs_of(state), rank, world, torch.device("cpu"), state)
+
+
 def _within(fn: Callable[[], None], timeout_s: float) -> bool:
     """Run `fn` on its own thread; whether it finished within `timeout_s` (an unfinished
     call keeps its thread until it returns: the agent bounds every wait it does)."""
@@ -314,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica", default="", help="generator replica id")
     p.add_argument("--version", type=int, default=0, help="weights held at start")
     p.add_argument("--scale", type=int, default=1, help="embedding rows = 256 * scale")
+    p.add_argument(
+        "--checkpoint", default="", help="trainer: hold this HF checkpoint's TP share instead"
+    )
     p.add_argument("--control-file", type=Path, required=True)
     p.add_argument("--token-file", default="")
     p.add_argument("--tls-ca", default="")

@@ -414,13 +414,17 @@ class ProcCluster:
             args += ["--tls-ca", self.tls_ca]
         return args
 
-    def add_trainers(self, world: int, *, version: int = 0) -> list[AgentProc]:
+    def add_trainers(
+        self, world: int, *, version: int = 0, checkpoint: str | Path = ""
+    ) -> list[AgentProc]:
+        """`world` trainer ranks holding `synthetic_state(version)`, or their share of a
+        Hugging Face checkpoint directory."""
         self.trainer_world = world
         out = []
+        extra = ["--checkpoint", str(checkpoint)] if checkpoint else []
         for rank in range(world):
-            agent = AgentProc(
-                f"trainer-{rank}", "trainer", self._agent_args(rank, world, version), self.workdir
-            )
+            args = [*self._agent_args(rank, world, version), *extra]
+            agent = AgentProc(f"trainer-{rank}", "trainer", args, self.workdir)
             self.agents[agent.name] = agent
             agent.spawn()
             out.append(agent)
@@ -448,13 +452,17 @@ class ProcCluster:
     def generators(self) -> list[AgentProc]:
         return [a for a in self.agents.values() if a.role == "generator"]
 
-    def restart_agent(self, name: str, *, version: int | None = None) -> AgentProc:
-        """Start a (killed) agent again, holding `version` (trainers: the current step)."""
+    def restart_agent(
+        self, name: str, *, version: int | None = None, checkpoint: str | Path | None = None
+    ) -> AgentProc:
+        """Start a (killed) agent again, holding `version` (trainers: the current step) or
+        another checkpoint."""
         agent = self.agents[name]
         agent.stop(timeout_s=5)
-        if version is not None:
-            i = agent.argv.index("--version")
-            agent.argv[i + 1] = str(version)
+        for flag, value in (("--version", version), ("--checkpoint", checkpoint)):
+            if value is not None:
+                i = agent.argv.index(flag)
+                agent.argv[i + 1] = str(value)
         agent.spawn()
         agent.wait_started()
         return agent

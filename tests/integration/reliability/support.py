@@ -39,6 +39,15 @@ NOT_READY = "not-ready"
 RELEASE_S = 5.0
 
 
+def note(test: str, **facts: Any) -> None:
+    """One line per fault test with what it measured (`pytest -s` shows them; RELIABILITY.md
+    quotes them)."""
+    shown = ", ".join(
+        f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in facts.items()
+    )
+    print(f"[reliability] {test}: {shown}")
+
+
 @dataclass
 class World:
     cluster: ProcCluster

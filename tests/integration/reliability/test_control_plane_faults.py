@@ -22,7 +22,7 @@ from refitplane.errors import Unavailable
 from refitplane.protocol import RefitState
 from refitplane.testing.proc_cluster import wait_for
 from tests.integration.reliability.conftest import start_world
-from tests.integration.reliability.support import World
+from tests.integration.reliability.support import World, note
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -80,6 +80,8 @@ def test_coordinator_killed_mid_refit_and_restarted(world: World) -> None:
     # Nothing registered was lost: same members, never registered again.
     assert _members(world) == members
     world.check_released(failed)
+    note("coordinator killed", running=failed.reason, queued=resumed.state.value,
+         members_kept=len(members))  # fmt: skip
 
 
 def test_redis_crash_keeps_members_versions_and_refits(world: World) -> None:
@@ -111,6 +113,8 @@ def test_redis_crash_keeps_members_versions_and_refits(world: World) -> None:
         assert [(r.refit_id, r.state) for r in client.list(cluster.job, limit=100)] == refits
     assert _members(world) == members  # the agents never had to register again
     world.commit()
+    note("redis crash idle", refits_kept=len(refits), members_kept=len(members),
+         committed_version=committed)  # fmt: skip
 
 
 @pytest.mark.parametrize("outage_s", [1.0, 6.0])
@@ -145,3 +149,4 @@ def test_redis_crash_mid_refit_ends_the_refit_cleanly(world: World, outage_s: fl
         with cluster.client() as client:
             assert client.get(refit.refit_id).state is RefitState.FAILED
     world.commit()
+    note(f"redis crash mid-refit ({outage_s:g} s)", state=final.state.value, reason=final.reason)

@@ -31,7 +31,7 @@ from tests.integration.reliability.conftest import (
     SLACK_S,
     TRANSFER_TIMEOUT_S,
 )
-from tests.integration.reliability.support import COMPLETE, INTACT, NOT_READY, World
+from tests.integration.reliability.support import COMPLETE, INTACT, NOT_READY, World, note
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -61,9 +61,11 @@ def test_generator_killed_mid_transfer(world: World) -> None:
     assert final.reason in {"PEER_FAILED", "LEASE_EXPIRED"}, (final.reason, final.message)
     if final.reason == "LEASE_EXPIRED":
         assert victim_id in final.message
-    assert time.monotonic() - killed < max(TRANSFER_TIMEOUT_S, LEASE_TTL_S) + SLACK_S
+    failed_after = time.monotonic() - killed
+    assert failed_after < max(TRANSFER_TIMEOUT_S, LEASE_TTL_S) + SLACK_S
     world.check_released(final)
-    assert set(world.policies(final).values()) <= {NOT_READY, COMPLETE}
+    policies = world.policies(final)
+    assert set(policies.values()) <= {NOT_READY, COMPLETE}
     topo = {r.replica_id: r for r in cluster.topology().replicas}
     assert topo["rep-1"].state in {MemberState.LOST, MemberState.DEGRADED}, topo["rep-1"]
 
@@ -73,6 +75,8 @@ def test_generator_killed_mid_transfer(world: World) -> None:
     recovery = world.commit()
     assert recovery.group_epoch > final.group_epoch
     world.check_rebuilt(before)
+    note("generator killed", reason=final.reason, failed_after_s=failed_after,
+         policies=policies, epochs=f"{final.group_epoch}->{recovery.group_epoch}")  # fmt: skip
 
 
 def test_trainer_killed_mid_transfer(world: World) -> None:
@@ -85,7 +89,8 @@ def test_trainer_killed_mid_transfer(world: World) -> None:
     final = cluster.wait(refit.refit_id, timeout_s=TRANSFER_TIMEOUT_S + 3 * SLACK_S)
     assert final.state is RefitState.FAILED
     assert final.reason in {"PEER_FAILED", "LEASE_EXPIRED"}, (final.reason, final.message)
-    assert time.monotonic() - killed < max(TRANSFER_TIMEOUT_S, LEASE_TTL_S) + SLACK_S
+    failed_after = time.monotonic() - killed
+    assert failed_after < max(TRANSFER_TIMEOUT_S, LEASE_TTL_S) + SLACK_S
     world.check_released(final)
     # Every generator rank had posted its receives: unless its whole share came from
     # trainer 0 and verified, none may serve what it holds now.
@@ -100,6 +105,8 @@ def test_trainer_killed_mid_transfer(world: World) -> None:
     recovery = world.commit()
     assert recovery.group_epoch > final.group_epoch
     world.check_rebuilt(before)
+    note("trainer killed", reason=final.reason, failed_after_s=failed_after,
+         policies=policies, epochs=f"{final.group_epoch}->{recovery.group_epoch}")  # fmt: skip
 
 
 def test_stalled_receiver_fails_the_refit_at_the_transfer_timeout(world: World) -> None:
@@ -124,6 +131,8 @@ def test_stalled_receiver_fails_the_refit_at_the_transfer_timeout(world: World) 
     recovery = world.commit()  # the same processes, a new epoch
     assert recovery.group_epoch > final.group_epoch
     world.check_rebuilt(before)
+    note("receiver stalled", reason=final.reason, failed_after_s=elapsed, policies=policies,
+         epochs=f"{final.group_epoch}->{recovery.group_epoch}")  # fmt: skip
 
 
 def test_checksum_mismatch_fails_the_refit(world: World) -> None:
@@ -143,15 +152,18 @@ def test_checksum_mismatch_fails_the_refit(world: World) -> None:
     assert NOT_READY in policies.values()  # the rank that got the bad bytes never serves them
     recovery = world.commit()
     assert recovery.group_epoch > final.group_epoch
+    note("checksum mismatch", reason=final.reason, policies=policies)
 
 
 def test_slow_rank_still_commits(world: World) -> None:
     """A rank posting its sends 1.5 s late makes its peers wait; that is not a failure
     (Gloo closes connections on timed-out waits: the transport must not poll with them)."""
     world.cluster.agents["trainer-1"].arm(delay_s=1.5)
+    started = time.monotonic()
     final = world.commit()
     assert final.state is RefitState.COMMITTED
     assert world.cluster.agents["trainer-1"].status()["faults"]["delays"] == 1
+    note("slow rank", state=final.state.value, refit_s=time.monotonic() - started)
 
 
 def test_failure_before_any_receive_keeps_weights_intact(world: World) -> None:
@@ -175,11 +187,13 @@ def test_failure_before_any_receive_keeps_weights_intact(world: World) -> None:
         assert "trainer rank 1" in final.message
         assert PREPARE_TIMEOUT_S - 0.5 <= elapsed <= PREPARE_TIMEOUT_S + SLACK_S
         # While the slow step still holds trainer 1, the generators serve their old weights.
-        assert set(world.policies(final).values()) == {INTACT}
+        policies = world.policies(final)
+        assert set(policies.values()) == {INTACT}
         assert all(r.state is MemberState.READY for r in cluster.topology().replicas)
         assert step.result(timeout=30).status_code == 200
     world.check_released(final)
     world.commit()
+    note("prepare timeout", reason=final.reason, failed_after_s=elapsed, policies=policies)
 
 
 def test_cancel_mid_transfer_releases_everyone(world: World) -> None:
@@ -200,11 +214,14 @@ def test_cancel_mid_transfer_releases_everyone(world: World) -> None:
     assert final.reason == "CANCELLED"
     for agent in world.live_agents():
         cluster.wait_outcome(agent, refit.refit_id, timeout_s=5)
-    assert time.monotonic() - cancelled < 5, "the abort did not reach every rank at once"
+    released_after = time.monotonic() - cancelled
+    assert released_after < 5, "the abort did not reach every rank at once"
     world.check_released(final)
     # Receives were posted (nothing arrived, but bytes could have): not ready until a commit.
-    assert set(world.policies(final).values()) == {NOT_READY}
+    policies = world.policies(final)
+    assert set(policies.values()) == {NOT_READY}
     world.commit()
+    note("cancel", state=final.state.value, all_released_after_s=released_after, policies=policies)
 
 
 def test_frozen_generator_loses_its_lease_and_comes_back(world: World) -> None:
@@ -223,7 +240,8 @@ def test_frozen_generator_loses_its_lease_and_comes_back(world: World) -> None:
         assert final.reason == "LEASE_EXPIRED", (final.reason, final.message)
         assert old_id in final.message
         assert "lease expired" in final.message
-        assert time.monotonic() - started < LEASE_TTL_S + SLACK_S
+        failed_after = time.monotonic() - started
+        assert failed_after < LEASE_TTL_S + SLACK_S
         members = {m.member_id: m for m in cluster.topology().members}
         assert members[old_id].state is MemberState.LOST
     finally:
@@ -232,8 +250,10 @@ def test_frozen_generator_loses_its_lease_and_comes_back(world: World) -> None:
     assert frozen.status()["member_id"] != old_id
     cluster.wait_ready()
     world.check_released(final)
-    world.policies(final)
-    world.commit()
+    policies = world.policies(final)
+    recovery = world.commit()
+    note("generator frozen", reason=final.reason, failed_after_s=failed_after, policies=policies,
+         epochs=f"{final.group_epoch}->{recovery.group_epoch}")  # fmt: skip
 
 
 def test_duplicate_and_concurrent_triggers(world: World) -> None:
@@ -292,3 +312,5 @@ def test_duplicate_and_concurrent_triggers(world: World) -> None:
     world.check_holds(latest, weights=version)
     with cluster.client() as client:
         assert [r.refit_id for r in client.list(cluster.job, limit=2)] == [queued, first]
+    note("triggers", same_key_calls=20, refits=1, while_busy=len(later), coalesced_into=1,
+         version=latest)  # fmt: skip
