@@ -184,7 +184,7 @@ class ReplicaSpec:
     backend: str = "refitplane"
     dtype: str = "bfloat16"
     load_format: str = "dummy"
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = 0.45
 
 
 def _replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:

@@ -145,7 +145,9 @@ def _expect_unquantized(path: str, layer: Any, owned: Owned, method: str) -> Non
 def _layer_tp(ctx: LayerContext, path: str, layer: Any) -> tuple[int, int]:
     """The layer's own TP coordinates (what its loader narrows by), checked against vLLM's
     parallel state unless the layer opted out of the TP group (`disable_tp`, own group)."""
-    tp_rank, tp_size = int(layer.tp_rank), int(layer.tp_size)
+    # vLLM 0.26's VocabParallelEmbedding has no tp_rank attribute: the group's rank is it.
+    tp_rank = int(getattr(layer, "tp_rank", ctx.ranks.tp_rank))
+    tp_size = int(getattr(layer, "tp_size", ctx.ranks.tp_size))
     own_group = getattr(layer, "disable_tp", False) or getattr(layer, "parallel_group", None)
     if not own_group and (tp_rank, tp_size) != (ctx.ranks.tp_rank, ctx.ranks.tp_size):
         raise LayoutError(
