@@ -133,6 +133,9 @@ def run_ours(
                 bucket_bytes=bucket * MiB,
                 max_inflight_bytes=max(4 * bucket, 256) * MiB,
             )
+            # Untimed: a new config means a new executor (staging) or a new group, whose
+            # first transfer also connects NCCL peers (lazily).
+            world.refit()
             base = [
                 world.ask(r, ("rpc", (rw.worker_memory, ["reset"])), "rpc")
                 for r in world.replicas()

@@ -46,7 +46,7 @@ class Transport(ABC):
     device_ordered: bool = False
 
     def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
-        """Context for work that must precede the channel's next transfer (packing)."""
+        """Context for work that must precede the channel's next posted transfer (packing)."""
         return contextlib.nullcontext()
 
     def beside(self, channel: int) -> contextlib.AbstractContextManager[Any]:

@@ -86,8 +86,10 @@ class NcclTransport(Transport):
             raise
         self._streams = [torch.cuda.Stream(device=device) for _ in range(num_channels)]  # type: ignore[no-untyped-call]
         # Side streams: unpacking and checksums run there, so a channel's next group of
-        # transfers starts without waiting for them.
+        # transfers starts without waiting for them. Pack streams: packing the next group
+        # overlaps the current transfer; a group waits for its packing just before posting.
         self._side = [torch.cuda.Stream(device=device) for _ in range(num_channels)]  # type: ignore[no-untyped-call]
+        self._pack = [torch.cuda.Stream(device=device) for _ in range(num_channels)]  # type: ignore[no-untyped-call]
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -108,23 +110,24 @@ class NcclTransport(Transport):
             delay = min(delay * 2, 1e-3)
 
     def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(self._streams[channel])
+        return torch.cuda.stream(self._pack[channel])
 
     @contextlib.contextmanager
     def beside(self, channel: int) -> Iterator[None]:
         side = self._side[channel]
         side.wait_stream(self._streams[channel])
+        side.wait_stream(self._pack[channel])
         with torch.cuda.stream(side):
             yield
 
     def begin(self) -> None:
         current = torch.cuda.current_stream(self.device)
-        for s in (*self._streams, *self._side):
+        for s in (*self._streams, *self._side, *self._pack):
             s.wait_stream(current)
 
     def end(self) -> None:
         current = torch.cuda.current_stream(self.device)
-        for s in (*self._streams, *self._side):
+        for s in (*self._streams, *self._side, *self._pack):
             current.wait_stream(s)
 
     # -- transfers --------------------------------------------------------------------------
@@ -133,6 +136,7 @@ class NcclTransport(Transport):
         if not self._comms:
             raise TransferError("transport was aborted; a new group is needed")
         comm = self._comms[channel]
+        self._streams[channel].wait_stream(self._pack[channel])
         stream = self._streams[channel].cuda_stream
         nc = self._nc
         nc.group_start()

@@ -8,7 +8,7 @@ from refitplane.reshard.boxes import box_numel
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import Link, Piece, RankPlan
-from refitplane.reshard.schedule import ALIGN, link_messages, rank_schedule
+from refitplane.reshard.schedule import ALIGN, DIRECT_MIN_BYTES, link_messages, rank_schedule
 
 pytestmark = pytest.mark.unit
 
@@ -53,7 +53,7 @@ def test_messages_cover_the_link_within_buckets(
             assert c.offset >= prev_end
             prev_end = c.offset + c.nbytes
         if len(m.chunks) > 1:
-            assert all(2 * c.nbytes < bucket for c in m.chunks)
+            assert all(2 * c.nbytes < bucket and c.nbytes < DIRECT_MIN_BYTES for c in m.chunks)
     # Both ends derive the same messages.
     assert link_messages(link, specs, cfg) == msgs
 
@@ -71,3 +71,19 @@ def test_rank_schedule_orders_rounds_by_src_dst() -> None:
         assert [(m.src, m.dst) for m in msgs] == [(0, 3), (0, 5)]
         assert {m.channel for m in msgs} == {r % 2}
     assert sched.messages_per_link == {(0, 3): 4, (0, 5): 4}
+
+
+def test_large_chunks_travel_alone_whatever_the_bucket() -> None:
+    spec = TensorSpec.create("w", [8192, 4096], "bfloat16")  # 64 MiB
+    small = TensorSpec.create("n", [4096], "float32")
+    specs = {"w": spec, "n": small}
+    pieces = (
+        Piece("n", ((0, 4096),)),
+        Piece("w", ((0, 8192), (0, 4096))),
+        Piece("n", ((0, 2048),)),
+    )
+    link = Link(0, 1, pieces, sum(box_numel(p.box) * specs[p.tensor].itemsize for p in pieces))
+    msgs = link_messages(
+        link, specs, TransferConfig(bucket_bytes=1 << 30, max_inflight_bytes=1 << 31)
+    )
+    assert [[c.tensor for c in m.chunks] for m in msgs] == [["n"], ["w"], ["n"]]
