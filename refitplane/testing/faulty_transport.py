@@ -105,6 +105,14 @@ class Faults:
         with self._lock:
             setattr(self.counters, name, getattr(self.counters, name) + 1)
 
+    def transport_ended(self) -> None:
+        """A stall that fired ends with its transport, even if nobody waited on it (the
+        executor may fail elsewhere first); one armed but not fired stays armed."""
+        with self._lock:
+            if self.counters.stalled:
+                self.counters.stalled = False
+                self.stall_after_bytes = None
+
     def take_delay(self) -> float:
         """The delay to apply before posting this group (once)."""
         with self._lock:
@@ -180,6 +188,7 @@ def faulty_transport_class(faults: Faults) -> type[gloo.GlooTransport]:
             if not self._ended:
                 self._ended = True
                 faults.count(how)
+            faults.transport_ended()
             self._keep.clear()
 
         def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
