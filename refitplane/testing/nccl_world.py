@@ -3,12 +3,11 @@ an `NcclTransport` over a rendezvous the parent mints. GPU machines only."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
-import time
 from collections.abc import Callable
 from typing import Any
+
+from refitplane.testing.process_world import barrier_for, spawn_and_collect
 
 # Never let NCCL, PyTorch or NVSHMEM use NVLink multicast on shared hosts.
 SAFE_ENV = {
@@ -59,33 +58,10 @@ def run_nccl_world(
     from refitplane.reshard.transport.nccl import create_nccl_rendezvous
 
     blob = create_nccl_rendezvous(channels)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    barrier = ctx.Barrier(world, timeout=timeout_s)
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(worker, r, world, blob, channels, timeout_s, barrier, kwargs, out),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, dict[str, Any]]] = {}
-    deadline = time.monotonic() + timeout_s + 60
-    try:
-        while len(results) < world and time.monotonic() < deadline:
-            try:
-                rank, status, detail = out.get(timeout=1.0)
-                results[rank] = (status, detail)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and out.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    return results
+    barrier = barrier_for(world, timeout_s)
+    return spawn_and_collect(
+        _entry,
+        lambda r, out: (worker, r, world, blob, channels, timeout_s, barrier, kwargs, out),
+        world,
+        timeout_s + 60,
+    )

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
+
+from refitplane.testing.process_world import spawn_and_collect
 
 Worker = Callable[..., dict[str, Any]]
 
@@ -32,7 +31,6 @@ def run_world(
     The parent hosts the rendezvous store. Ranks that die without reporting are absent
     from the result. Every process is gone when this returns.
     """
-    ctx = mp.get_context("spawn")
     store = TCPStore(
         "127.0.0.1",
         0,
@@ -41,29 +39,7 @@ def run_world(
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_entry, args=(worker, r, world, store.port, kwargs, out), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, dict[str, Any]]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world and time.monotonic() < deadline:
-            try:
-                rank, status, detail = out.get(timeout=0.5)
-                results[rank] = (status, detail)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and out.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-        del store
-    return results
+    port = store.port
+    return spawn_and_collect(
+        _entry, lambda r, out: (worker, r, world, port, kwargs, out), world, timeout_s
+    )

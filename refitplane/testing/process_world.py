@@ -1,0 +1,52 @@
+"""Spawn one process per rank, collect what each reports, and make sure none outlives the
+call. The shared mechanics of the Gloo (CPU) and NCCL (GPU) test worlds."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Results = dict[int, tuple[str, dict[str, Any]]]
+
+
+def spawn_and_collect(
+    target: Callable[..., None],
+    args_for_rank: Callable[[int, Any], Sequence[Any]],
+    world: int,
+    timeout_s: float,
+) -> Results:
+    """Start `target(*args_for_rank(rank, out))` for every rank; each puts one
+    `(rank, status, detail)` on `out`. Ranks that die without reporting are absent."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=target, args=tuple(args_for_rank(r, out)), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: Results = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, status, detail = out.get(timeout=0.5)
+                results[rank] = (status, detail)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and out.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    return results
+
+
+def barrier_for(world: int, timeout_s: float) -> Any:
+    return mp.get_context("spawn").Barrier(world, timeout=timeout_s)
