@@ -533,11 +533,16 @@ class JobDriver:
             )
             for member_id in run.participants:
                 self._ctx.outbox.send(member_id, abort)
+        # A replica whose weights may have changed: one that said so, or one that was told to
+        # transfer into live parameters and did not finish (ranks receiving into staging —
+        # label receive_mode=staged — keep their weights until the reload, which reports).
         degraded = [
             r
             for r in run.replica_ranks
             if r not in run.record.replicas_done
-            and (run.transfer_started or r in run.weights_modified)
+            and (
+                r in run.weights_modified or (run.transfer_started and not _receives_staged(run, r))
+            )
         ]
         now = time.time()
         record = run.record.model_copy(
@@ -702,3 +707,11 @@ class JobDriver:
                     run.weights_modified.add(member.replica_id)
                 run.fail(body.reason, f"{member.describe()}: {body.message or body.reason}")
         return True
+
+
+def _receives_staged(run: RefitRun, replica: str) -> bool:
+    ranks = run.replica_ranks.get(replica, [])
+    return bool(ranks) and all(
+        (m := run.members.get(mid)) is not None and m.labels.get("receive_mode") == "staged"
+        for mid in ranks
+    )
