@@ -11,6 +11,8 @@ which case `run_transfer` is called from there. Abort cancels a running transfer
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +41,17 @@ from refitplane.reshard.transport.base import Transport
 log = logging.getLogger(__name__)
 
 _PROGRESS_EVERY_S = 0.5
+
+
+def local_address() -> str:
+    """An address peers can reach this process at: REFIT_HOST if set, else this host's."""
+    explicit = os.environ.get("REFIT_HOST")
+    if explicit:
+        return explicit
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 @dataclass(frozen=True)

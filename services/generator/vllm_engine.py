@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 from typing import Any
 
 import torch
@@ -39,7 +38,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from refitplane.agent.dataplane import DataPlaneMember
+from refitplane.agent.dataplane import DataPlaneMember, local_address
 from refitplane.agent.messages import MemberInfo
 from refitplane.agent.session import AgentSession
 from refitplane.errors import RefitError
@@ -154,7 +153,7 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         ranks = layout.ranks
         if ranks.dp_size > 1:
             replica = f"{replica}-dp{ranks.dp_rank}"
-        host = info.host or os.environ.get("REFIT_HOST") or _local_address()
+        host = info.host or local_address()
         shards = self.shards
         self.member = DataPlaneMember(
             lambda: shards, device=self.device, local_host=host, run_on_start=False
@@ -270,10 +269,3 @@ def _token() -> str | None:
         except OSError:
             log.error("refitplane: cannot read REFIT_AUTH_TOKEN_FILE %s", path)
     return os.environ.get("REFIT_AUTH_TOKEN") or None
-
-
-def _local_address() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from refitplane.agent.dataplane import DataPlaneMember, Prepared
+from refitplane.agent.dataplane import DataPlaneMember, Prepared, local_address
 from refitplane.agent.messages import MemberInfo, PrepareRefitCmd
 from refitplane.agent.session import AgentSession
 from refitplane.client.models import Refit
@@ -157,7 +156,7 @@ class TrainerAgent:
         self.device = torch.device(device)
         self._shards_fn = shards if callable(shards) else (lambda: shards)
         self.guard = WeightsGuard()
-        host = host or _local_address()
+        host = host or local_address()
         self.member = _TrainerMember(
             self.guard,
             self._shards_fn,
@@ -217,14 +216,3 @@ class TrainerAgent:
     def close(self) -> None:
         self.session.close()
         self.member.close()
-
-
-def _local_address() -> str:
-    """An address peers can reach this process at (REFIT_HOST wins)."""
-    explicit = os.environ.get("REFIT_HOST")
-    if explicit:
-        return explicit
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
