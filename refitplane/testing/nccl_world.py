@@ -7,14 +7,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from refitplane.testing.process_world import barrier_for, spawn_and_collect
+from refitplane.testing.process_world import SAFE_ENV, barrier_for, spawn_and_collect
 
-# Never let NCCL, PyTorch or NVSHMEM use NVLink multicast on shared hosts.
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 for _k, _v in SAFE_ENV.items():
     os.environ.setdefault(_k, _v)
 

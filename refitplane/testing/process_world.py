@@ -11,6 +11,14 @@ from typing import Any
 
 Results = dict[int, tuple[str, dict[str, Any]]]
 
+# Never let NCCL, PyTorch or NVSHMEM use NVLink multicast on shared hosts: the GPU worlds
+# set these before anything loads NCCL, in the parent and in every child.
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
 
 def spawn_and_collect(
     target: Callable[..., None],

@@ -29,12 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Never NVLink multicast on shared hosts: set before anything loads NCCL, here and in children.
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+from refitplane.testing.process_world import SAFE_ENV
+
 os.environ.update(SAFE_ENV)
 
 # Model shapes (Hugging Face Qwen3 configs); vLLM loads them with load_format="dummy".
