@@ -38,18 +38,13 @@ from typing import Any
 
 import pytest
 
+from refitplane.demo.processes import free_port
 from refitplane.testing.coordinator import TEST_SETTINGS, RunningCoordinator
 
 # `refit-coordinator`'s module, run by the interpreter under test.
 COORDINATOR_MODULE = ("-m", "refitplane.coordinator")
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:

@@ -18,11 +18,12 @@ from refitplane.agent.messages import (
     StartTransferCmd,
 )
 from refitplane.agent.simulated import Behaviour
+from refitplane.demo.processes import free_port
 from refitplane.errors import ChecksumMismatch, InvalidArgument, Unavailable
 from refitplane.protocol import MemberState, RefitState, Role
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.plan import RankPlan
-from tests.integration.conftest import free_port, row_layout, wait_until
+from tests.integration.conftest import row_layout, wait_until
 
 pytestmark = pytest.mark.integration
 

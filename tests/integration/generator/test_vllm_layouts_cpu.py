@@ -160,11 +160,12 @@ def _refit_phase(llm: Any, case: Case, root: Path) -> tuple[list[RefitRun], list
     """Refit the live engine from trainer agents through a real coordinator."""
     from refitplane.client import RefitClient
     from refitplane.coordinator.settings import Settings
+    from refitplane.demo.processes import free_port
     from refitplane.generator.offline_control import OfflineLLMControl
     from refitplane.generator.sidecar import Sidecar, SidecarSettings
     from refitplane.testing.refit_checks import check_refit
     from refitplane.testing.vllm_cpu import greedy_tokens
-    from tests.integration.conftest import TEST_SETTINGS, RunningCoordinator, free_port
+    from tests.integration.conftest import TEST_SETTINGS, RunningCoordinator
 
     settings = Settings(
         _env_file=None,  # type: ignore[call-arg]
