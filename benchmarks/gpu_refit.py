@@ -4,7 +4,8 @@
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
       python benchmarks/gpu_refit.py --model qwen3-8b --layout tp2 --out r.json
 
-For one model shape (Qwen3 configs, vLLM with load_format="dummy") and one layout
+For one model shape (Qwen3 configs, dense or the Qwen3-30B-A3B MoE; vLLM with
+load_format="dummy") and one layout
 (trainer TP2 on GPUs 0-1 → vLLM TP2 on GPUs 2-3, or → two TP1 replicas on GPUs 2 and 3):
 
 1. raw ceiling: nccl4py send/recv of exactly the plan's bytes on every link, all links at
@@ -37,24 +38,36 @@ LAYOUTS = {"tp2": (2,), "2xtp1": (1, 1)}
 
 
 def plan_links(shape: str, replica_tps: tuple[int, ...]) -> dict[tuple[int, int], int]:
-    """The plan's bytes per (trainer GPU, generator GPU) link (vLLM's Qwen3 split is the HF
-    TP split the planner sees)."""
+    """The plan's bytes per (trainer GPU, generator GPU) link: the trainer holds the HF TP
+    split (experts whole, spread over its ranks), vLLM its own TP split (every expert's
+    intermediate dimension split, as vLLM does without expert parallelism)."""
     from refitplane.generator.hf_tensor_parallel import tp_boxes
     from refitplane.reshard.layout import LayoutBuilder
     from refitplane.reshard.planner import build_plan
 
     src, dst = LayoutBuilder(), LayoutBuilder()
     first = 2
-    for ts in rw.model_spec(shape).tensor_specs():
+    for ts in rw.tensor_specs(shape):
         for r, box in tp_boxes(ts, 2).items():
             src.add(ts, r, box)
         gpu = first
         for tp in replica_tps:
-            for r, box in tp_boxes(ts, tp, range(gpu, gpu + tp)).items():
+            for r, box in vllm_tp_boxes(ts, tp, range(gpu, gpu + tp)).items():
                 dst.add(ts, r, box)
             gpu += tp
     plan = build_plan(src.build(), dst.build())
     return {(link.src, link.dst): link.nbytes for link in plan.links}
+
+
+def vllm_tp_boxes(ts: Any, tp: int, ranks: range) -> dict[int, Any]:
+    from refitplane.generator.hf_tensor_parallel import tp_boxes
+    from refitplane.reshard.placements import DeviceMesh, Shard, placement_boxes
+
+    if ".mlp.experts." not in ts.name:
+        return tp_boxes(ts, tp, ranks)
+    dim = 1 if ts.name.endswith("down_proj.weight") else 0
+    mesh = DeviceMesh.create([tp], list(ranks), tensor=ts.name)
+    return placement_boxes(ts.shape, mesh, [Shard(dim)], tensor=ts.name)
 
 
 def _ceiling_worker(

@@ -22,6 +22,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import re
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -65,33 +66,105 @@ SHAPES: dict[str, dict[str, Any]] = {
         "vocab_size": 4096,
         "tie_word_embeddings": False,
     },
+    "qwen3-30b-a3b": {
+        "kind": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_layers": 48,
+        "num_heads": 32,
+        "num_kv_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "tie_word_embeddings": False,
+    },
     "tiny": {},
 }
+
+# Weight quantization of the world's checkpoint: "" (none) or "fp8" (float8_e4m3fn linear
+# weights with one float32 `weight_scale_inv` per 128x128 block, DeepSeek-V3 / Qwen3-FP8 style).
+QUANTS = ("", "fp8")
+FP8_BLOCK = (128, 128)
+_FP8_LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
 def model_spec(shape: str, dtype: str = "bfloat16") -> Any:
     from refitplane.models.tiny import tiny_spec
 
-    return tiny_spec("qwen3", dtype=dtype, max_position_embeddings=4096, **SHAPES[shape])
+    params = dict(SHAPES[shape])
+    kind = params.pop("kind", "qwen3")
+    return tiny_spec(kind, dtype=dtype, max_position_embeddings=4096, **params)
 
 
-def write_config(spec: Any, path: Path) -> Path:
+def tensor_specs(shape: str, dtype: str = "bfloat16", quant: str = "") -> list[Any]:
+    """The checkpoint's tensors; with `quant="fp8"` every dense linear weight of the layers
+    is float8_e4m3fn and has a block-scale tensor `<name>_scale_inv` next to it."""
+    from refitplane.reshard.layout import TensorSpec
+
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quantization {quant!r} (known: {QUANTS})")
+    out: list[Any] = []
+    for ts in model_spec(shape, dtype).tensor_specs():
+        if quant == "fp8" and _FP8_LINEAR.search(ts.name):
+            rows, cols = ts.shape
+            scales = (-(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
+            out.append(TensorSpec.create(ts.name, ts.shape, "float8_e4m3fn"))
+            out.append(TensorSpec.create(f"{ts.name}_scale_inv", scales, "float32"))
+        else:
+            out.append(ts)
+    return out
+
+
+def write_config(path: Path, shape: str, dtype: str = "bfloat16", quant: str = "") -> Path:
     """config.json (+ generation config) only: vLLM starts with dummy weights."""
+    config = model_spec(shape, dtype).hf_config()
+    if quant == "fp8":
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(FP8_BLOCK),
+        }
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(spec.hf_config(), indent=2))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     return path
 
 
+def write_checkpoint(
+    path: Path, shape: str, dtype: str = "bfloat16", quant: str = "", device: str = "cuda:0"
+) -> Path:
+    """A loadable checkpoint directory holding exactly the synthetic weights the trainers
+    hold (generated on `device`, as the trainers do), for reference loads."""
+    from safetensors.torch import save_file
+
+    write_config(path, shape, dtype, quant)
+    state = {
+        ts.name: synthetic(ts.name, ts.shape, ts.dtype, device).cpu()
+        for ts in tensor_specs(shape, dtype, quant)
+    }
+    save_file(state, str(path / "model.safetensors"))
+    return path
+
+
 def synthetic(name: str, shape: Sequence[int], dtype: str, device: Any) -> Any:
-    """Deterministic weights of one tensor (same values on any CUDA device; CPU differs)."""
+    """Deterministic weights of one tensor (same values on any CUDA device; CPU differs).
+    FP8 weights hold values of about unit size; their block scales are about 0.03, so the
+    dequantized weights are of the same size as the unquantized ones."""
     import torch
 
     from refitplane.reshard.shards import torch_dtype
 
     seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "little")
     gen = torch.Generator(device=device).manual_seed(seed)
+    if name.endswith("_scale_inv"):
+        uniform = torch.rand(tuple(shape), generator=gen, device=device, dtype=torch.float32)
+        return (0.02 + 0.02 * uniform).to(torch_dtype(dtype))
     values = torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32)
+    if dtype.startswith("float8"):
+        return (values * 0.5).to(torch_dtype(dtype))
     scale = 1.0 if name.endswith("norm.weight") else 0.02
     return (values * scale + (1.0 if name.endswith("norm.weight") else 0.0)).to(torch_dtype(dtype))
 
@@ -108,6 +181,7 @@ class TrainerSpec:
     world_size: int
     device: str  # "cuda" or "cpu"
     full: bool = False  # hold every tensor whole (the baseline broadcaster)
+    quant: str = ""
 
 
 def _trainer_main(rank: int, spec: TrainerSpec, commands: Any, results: Any) -> None:
@@ -124,7 +198,7 @@ def _trainer_main(rank: int, spec: TrainerSpec, commands: Any, results: Any) -> 
         if device.type == "cuda":
             torch.cuda.set_device(device)
         shards = LocalShards()
-        for ts in model_spec(spec.shape, spec.dtype).tensor_specs():
+        for ts in tensor_specs(spec.shape, spec.dtype, spec.quant):
             box = tp_boxes(ts, spec.world_size).get(rank)
             if box is None:
                 continue
@@ -311,7 +385,7 @@ def _broadcaster_main(spec: TrainerSpec, init: dict[str, Any], commands: Any, re
         torch.cuda.set_device(0)
         tensors = [
             (ts.name, synthetic(ts.name, ts.shape, ts.dtype, "cuda"))
-            for ts in model_spec(spec.shape, spec.dtype).tensor_specs()
+            for ts in tensor_specs(spec.shape, spec.dtype, spec.quant)
         ]
         group = engine.trainer_init(init)
         results.put(("ready", "broadcaster", None))
@@ -356,6 +430,7 @@ class World:
     dtype: str = "bfloat16"
     workdir: Path = field(default_factory=lambda: Path("/tmp/refit-world"))
     job: str = "bench"
+    quant: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
     _procs: list[Any] = field(default_factory=list)
     _queues: dict[str, Any] = field(default_factory=dict)
@@ -378,7 +453,10 @@ class World:
             }
         )
         self.model_dir = model_dir or write_config(
-            model_spec(self.shape, self.dtype), self.workdir / f"model-{self.shape}"
+            self.workdir / f"model-{self.shape}{self.quant and '-' + self.quant}",
+            self.shape,
+            self.dtype,
+            self.quant,
         )
         gpu = self.trainer_ranks
         for i, tp in enumerate(self.replica_tps):
@@ -405,6 +483,7 @@ class World:
             self.job,
             self.trainer_ranks,
             self.device,
+            quant=self.quant,
         )
         names = [f"trainer-{r}" for r in range(self.trainer_ranks)]
         for r, name in enumerate(names):
@@ -530,7 +609,7 @@ def run_vllm_baseline(
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    model_dir = write_config(model_spec(shape, dtype), workdir / f"model-{shape}")
+    model_dir = write_config(workdir / f"model-{shape}", shape, dtype)
     world_size = 1 + sum(replica_tps)
     master = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": world_size}
     procs, queues = [], {}
@@ -582,7 +661,7 @@ def run_vllm_baseline(
             if tag == "error":
                 raise RuntimeError(f"{who}: {payload}")
             waiting.discard(who)
-        specs = model_spec(shape, dtype).tensor_specs()
+        specs = tensor_specs(shape, dtype)
         info = {
             "names": [s.name for s in specs],
             "dtype_names": [s.dtype for s in specs],
@@ -650,6 +729,23 @@ def check_synthetic_weights(worker: Any, shape: str, dtype: str) -> dict[str, An
         "failures": failures,
         "error": getattr(engine, "error", ""),
     }
+
+
+def parameter_digests(worker: Any) -> dict[str, str]:
+    """In a vLLM worker: name → "dtype sha256" (of shape and bytes) of every parameter and
+    buffer as the kernels read them (after post-load processing)."""
+    import itertools
+
+    import torch
+
+    model = worker.model_runner.get_model()
+    out = {}
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+        digest = hashlib.sha256(f"{tensor.dtype} {list(tensor.shape)}".encode())
+        digest.update(data.tobytes())
+        out[name] = f"{str(tensor.dtype).removeprefix('torch.')} {digest.hexdigest()}"
+    return out
 
 
 def worker_memory(worker: Any, action: str) -> int:

@@ -6,6 +6,15 @@ Each rule restates, as boxes, what the layer's `weight_loader` does with a check
 differently (LoRA wrappers, DCP / indexer variants), so it is rejected rather than guessed.
 Parameter attributes that change what the loader does (`packed_dim`, `is_sharded_weight`,
 `is_transposed`) are rejected too.
+
+Linear layers are unquantized or FP8 with block scales (`Fp8LinearMethod` with
+`weight_block_size`, an FP8-serialized checkpoint such as DeepSeek-V3's or Qwen3-FP8's): the
+checkpoint then holds `weight` in float8_e4m3fn and `weight_scale_inv`, one scale per
+`block_n x block_k` block, which the loader splits like the weight, in block units
+(`linear.py: adjust_block_scale_shard`). FP8 kernels rewrite both after loading, so those
+layers are always received into checkpoint-format staging and loaded through vLLM's
+layerwise reload (`vllm_live`); the description is in loader format, built from the layer's
+sizes rather than from the processed live parameters.
 """
 
 from __future__ import annotations
@@ -132,6 +141,50 @@ def _expect_params(path: str, owned: Owned, allowed: Sequence[str]) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _WeightFormat:
+    """How a linear layer's checkpoint stores its weight: as the live parameter's dtype
+    (`block` None) or as FP8 with one `scale_dtype` scale per `block` (rows, cols)."""
+
+    block: tuple[int, int] | None = None
+    scale_dtype: str = "float32"
+
+
+FP8_WEIGHT_DTYPE = "float8_e4m3fn"
+BLOCK_SCALE_NAME = "weight_scale_inv"
+
+
+def _linear_format(path: str, layer: Any, owned: Owned) -> _WeightFormat:
+    method = getattr(layer, "quant_method", None)
+    kind = type(method).__name__
+    if kind == "UnquantizedLinearMethod":
+        _expect_params(path, owned, ("weight", "bias"))
+        return _WeightFormat()
+    block = getattr(method, "weight_block_size", None)
+    if kind == "Fp8LinearMethod" and block is not None and len(block) == 2:
+        scale = "float8_e8m0fnu" if getattr(method, "is_scale_e8m0", False) else "float32"
+        return _WeightFormat((int(block[0]), int(block[1])), scale)
+    raise LayoutError(
+        f"layer uses quant method {kind}"
+        + (" without block scales" if kind == "Fp8LinearMethod" else "")
+        + "; linear layers must be unquantized or FP8 with block scales (weight_block_size)",
+        tensor=_join(path, sorted(owned)[0] if owned else "weight"),
+    )
+
+
+def _blocks(size: int, block: int, what: str, tensor: str) -> int:
+    """`size` in units of `block`; a shard must start and end on a block boundary."""
+    if size % block:
+        raise LayoutError(
+            f"{what} {size} is not a multiple of the FP8 block size {block}", tensor=tensor
+        )
+    return size // block
+
+
+def _ceil_blocks(size: int, block: int) -> int:
+    return -(-size // block)
+
+
 def _expect_unquantized(path: str, layer: Any, owned: Owned, method: str) -> None:
     quant = type(getattr(layer, "quant_method", None)).__name__
     if quant != method:
@@ -185,43 +238,72 @@ def _param_spec(
 def _column_bands(
     ctx: LayerContext, path: str, layer: Any, owned: Owned, bands: Sequence[_Band]
 ) -> list[DescribedParam]:
-    """A column-parallel parameter (weight rows / bias entries) stacking `bands`."""
-    _expect_params(path, owned, ("weight", "bias"))
-    _expect_unquantized(path, layer, owned, "UnquantizedLinearMethod")
+    """A column-parallel parameter (weight rows / bias entries) stacking `bands`; for FP8
+    layers also the block scales, whose rows stack the same bands in block units."""
+    fmt = _linear_format(path, layer, owned)
     cols = int(layer.input_size_per_partition)
-    total_rows = sum(b.rows for b in bands)
-    out: list[DescribedParam] = []
-    for pname, param in owned.items():
-        dtype = _dtype(param)
-        placements: list[Placement] = []
-        specs: list[TensorSpec] = []
-        offset = 0
-        for band in bands:
-            if (band.index + 1) * band.rows > band.hf_rows:
-                raise LayoutError(
-                    f"band {band.index} of {band.rows} rows exceeds the {band.hf_rows} rows "
-                    "of the checkpoint tensor",
-                    tensor=_join(path, pname),
-                )
-            hf_rows = (band.index * band.rows, (band.index + 1) * band.rows)
-            local_rows = (offset, offset + band.rows)
-            if pname == "weight":
-                spec = _param_spec(ctx, band.hf_module, pname, (band.hf_rows, cols), dtype)
-                placements.append(
-                    Placement(spec.name, (hf_rows, (0, cols)), (local_rows, (0, cols)))
-                )
-            else:
-                spec = _param_spec(ctx, band.hf_module, pname, (band.hf_rows,), dtype)
-                placements.append(Placement(spec.name, (hf_rows,), (local_rows,)))
-            specs.append(spec)
-            offset += band.rows
-        shape = (total_rows, cols) if pname == "weight" else (total_rows,)
-        out.append(
-            DescribedParam(
-                ParamLayout(_join(path, pname), shape, dtype, tuple(placements)), tuple(specs)
+    for band in bands:
+        if (band.index + 1) * band.rows > band.hf_rows:
+            raise LayoutError(
+                f"band {band.index} of {band.rows} rows exceeds the {band.hf_rows} rows "
+                "of the checkpoint tensor",
+                tensor=_join(path, "weight"),
             )
+    out: list[DescribedParam] = []
+    if "bias" in owned:
+        out.append(_stacked(ctx, path, "bias", _dtype(owned["bias"]), bands, None))
+    if fmt.block is None:
+        out.append(_stacked(ctx, path, "weight", _dtype(owned["weight"]), bands, (cols, cols)))
+        return out
+    block_n, block_k = fmt.block
+    out.append(_stacked(ctx, path, "weight", FP8_WEIGHT_DTYPE, bands, (cols, cols)))
+    scale_name = _join(path, BLOCK_SCALE_NAME)
+    scale_bands = [
+        _Band(
+            b.hf_module,
+            _blocks(b.rows, block_n, f"{b.hf_module} shard of rows", scale_name),
+            b.index,
+            _ceil_blocks(b.hf_rows, block_n),
         )
+        for b in bands
+    ]
+    # A column-parallel layer reads its whole input: the scale's columns are not split.
+    scale_cols = _ceil_blocks(cols, block_k)
+    out.append(
+        _stacked(ctx, path, BLOCK_SCALE_NAME, fmt.scale_dtype, scale_bands, (scale_cols,) * 2)
+    )
     return out
+
+
+def _stacked(
+    ctx: LayerContext,
+    path: str,
+    pname: str,
+    dtype: str,
+    bands: Sequence[_Band],
+    cols: tuple[int, int] | None,
+) -> DescribedParam:
+    """One parameter whose rows stack `bands` of checkpoint tensors `<band>.<pname>`; `cols`
+    is (local columns, checkpoint columns), None for 1-D parameters."""
+    placements: list[Placement] = []
+    specs: list[TensorSpec] = []
+    offset = 0
+    for band in bands:
+        hf_rows = (band.index * band.rows, (band.index + 1) * band.rows)
+        local_rows = (offset, offset + band.rows)
+        if cols is None:
+            spec = _param_spec(ctx, band.hf_module, pname, (band.hf_rows,), dtype)
+            placements.append(Placement(spec.name, (hf_rows,), (local_rows,)))
+        else:
+            local, hf = cols
+            spec = _param_spec(ctx, band.hf_module, pname, (band.hf_rows, hf), dtype)
+            placements.append(Placement(spec.name, (hf_rows, (0, local)), (local_rows, (0, local))))
+        specs.append(spec)
+        offset += band.rows
+    shape = (offset,) if cols is None else (offset, cols[0])
+    return DescribedParam(
+        ParamLayout(_join(path, pname), shape, dtype, tuple(placements)), tuple(specs)
+    )
 
 
 # --- rules -----------------------------------------------------------------------------------
@@ -271,53 +353,97 @@ def _column_parallel(
 
 
 def _row_parallel(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> list[DescribedParam]:
-    """`RowParallelLinear.weight_loader`: weight columns split by TP; the bias is whole."""
-    _expect_params(path, owned, ("weight", "bias"))
-    _expect_unquantized(path, layer, owned, "UnquantizedLinearMethod")
+    """`RowParallelLinear.weight_loader`: weight columns split by TP; the bias is whole. FP8
+    block scales split their columns the same way, in block units."""
+    fmt = _linear_format(path, layer, owned)
     tp_rank, _ = _layer_tp(ctx, path, layer)
     rows, cols = int(layer.output_size_per_partition), int(layer.input_size_per_partition)
     out = []
-    for pname, param in owned.items():
-        dtype = _dtype(param)
-        if pname == "weight":
-            spec = _param_spec(ctx, path, pname, (rows, int(layer.input_size)), dtype)
-            hf_cols = (tp_rank * cols, (tp_rank + 1) * cols)
-            placement = Placement(spec.name, ((0, rows), hf_cols), ((0, rows), (0, cols)))
-            shape: tuple[int, ...] = (rows, cols)
-        else:
-            spec = _param_spec(ctx, path, pname, (rows,), dtype)
-            placement = Placement(spec.name, ((0, rows),), ((0, rows),))
-            shape = (rows,)
+    if "bias" in owned:
+        dtype = _dtype(owned["bias"])
+        spec = _param_spec(ctx, path, "bias", (rows,), dtype)
+        placement = Placement(spec.name, ((0, rows),), ((0, rows),))
         out.append(
-            DescribedParam(ParamLayout(_join(path, pname), shape, dtype, (placement,)), (spec,))
+            DescribedParam(ParamLayout(_join(path, "bias"), (rows,), dtype, (placement,)), (spec,))
+        )
+    weight_dtype = _dtype(owned["weight"]) if fmt.block is None else FP8_WEIGHT_DTYPE
+    out.append(
+        _column_slice(
+            ctx, path, "weight", weight_dtype, (rows, rows), (cols, int(layer.input_size)), tp_rank
+        )
+    )
+    if fmt.block is not None:
+        block_n, block_k = fmt.block
+        scale_name = _join(path, BLOCK_SCALE_NAME)
+        scale_rows = _ceil_blocks(rows, block_n)
+        local_cols = _blocks(cols, block_k, "input columns per rank", scale_name)
+        hf_cols = _ceil_blocks(int(layer.input_size), block_k)
+        out.append(
+            _column_slice(
+                ctx,
+                path,
+                BLOCK_SCALE_NAME,
+                fmt.scale_dtype,
+                (scale_rows, scale_rows),
+                (local_cols, hf_cols),
+                tp_rank,
+            )
         )
     return out
+
+
+def _column_slice(
+    ctx: LayerContext,
+    path: str,
+    pname: str,
+    dtype: str,
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    tp_rank: int,
+) -> DescribedParam:
+    """Columns `[tp_rank * local, (tp_rank + 1) * local)` of a `(rows, hf columns)`
+    checkpoint tensor; `rows` and `cols` are (local, checkpoint) sizes."""
+    (local_rows, hf_rows), (local_cols, hf_cols) = rows, cols
+    spec = _param_spec(ctx, path, pname, (hf_rows, hf_cols), dtype)
+    hf_box = ((0, local_rows), (tp_rank * local_cols, (tp_rank + 1) * local_cols))
+    placement = Placement(spec.name, hf_box, ((0, local_rows), (0, local_cols)))
+    return DescribedParam(
+        ParamLayout(_join(path, pname), (local_rows, local_cols), dtype, (placement,)), (spec,)
+    )
 
 
 def _replicated_linear(
     ctx: LayerContext, path: str, layer: Any, owned: Owned
 ) -> list[DescribedParam]:
-    _expect_params(path, owned, ("weight", "bias"))
-    _expect_unquantized(path, layer, owned, "UnquantizedLinearMethod")
+    fmt = _linear_format(path, layer, owned)
     if path.rpartition(".")[2] in ctx.packed:
         raise LayoutError("fused replicated linear layers are not supported", tensor=path)
-    shapes = {
-        "weight": (int(layer.output_size), int(layer.input_size)),
-        "bias": (int(layer.output_size),),
-    }
-    return [_whole(ctx, path, pname, param, shapes[pname]) for pname, param in owned.items()]
+    rows, cols = int(layer.output_size), int(layer.input_size)
+    out = []
+    if "bias" in owned:
+        out.append(_whole(ctx, path, "bias", _dtype(owned["bias"]), (rows,)))
+    if fmt.block is None:
+        out.append(_whole(ctx, path, "weight", _dtype(owned["weight"]), (rows, cols)))
+    else:
+        block_n, block_k = fmt.block
+        out.append(_whole(ctx, path, "weight", FP8_WEIGHT_DTYPE, (rows, cols)))
+        scale_shape = (_ceil_blocks(rows, block_n), _ceil_blocks(cols, block_k))
+        out.append(_whole(ctx, path, BLOCK_SCALE_NAME, fmt.scale_dtype, scale_shape))
+    return out
 
 
 def _replicated(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> list[DescribedParam]:
     """Norms: every rank holds the whole tensor (the live shape is the loader's shape)."""
     _expect_params(path, owned, ("weight", "bias"))
-    return [_whole(ctx, path, pname, param, tuple(param.shape)) for pname, param in owned.items()]
+    return [
+        _whole(ctx, path, pname, _dtype(param), tuple(param.shape))
+        for pname, param in owned.items()
+    ]
 
 
 def _whole(
-    ctx: LayerContext, path: str, pname: str, param: torch.Tensor, shape: tuple[int, ...]
+    ctx: LayerContext, path: str, pname: str, dtype: str, shape: tuple[int, ...]
 ) -> DescribedParam:
-    dtype = _dtype(param)
     spec = _param_spec(ctx, path, pname, shape, dtype)
     placement = Placement(spec.name, _full(shape), _full(shape))
     return DescribedParam(ParamLayout(_join(path, pname), shape, dtype, (placement,)), (spec,))

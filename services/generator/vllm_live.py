@@ -10,7 +10,10 @@ breaks that in ways the shape does not always show, so the rules are a whitelist
   logits from a oneDNN copy of the LM head (a tied embedding included), made once at load;
 - MoE expert weights are reordered in place by every unquantized backend except Triton
   (CPU VNNI prepack, FlashInfer's `[w3; w1]` swap and block layout, ROCm AITER shuffle),
-  so the shape stays and the content does not match the loader format.
+  so the shape stays and the content does not match the loader format;
+- quantized layers (FP8 with block scales) are rewritten by their kernels' post-load
+  processing (scales transposed or requantized, weights padded or repacked), and may even
+  have renamed parameters, so they are never written in place.
 
 Everything else (norms, embeddings, unquantized linears and Triton MoE on GPUs) is read by
 the kernels as loaded.
@@ -52,10 +55,15 @@ def live_storage(model: torch.nn.Module, layout: VllmLayout) -> LiveStorage:
     writable: dict[str, torch.Tensor] = {}
     blocked: dict[str, str] = {}
     for name, described in layout.params.items():
-        tensor = live[name]
         owner = model.get_submodule(name.rpartition(".")[0])
-        reason = None
-        if tuple(tensor.shape) != described.shape or dtype_name(tensor.dtype) != described.dtype:
+        method = type(getattr(owner, "quant_method", None)).__name__
+        tensor = live.get(name)
+        reason: str | None = None
+        if method.startswith("Fp8"):
+            reason = f"{method} rewrites its parameters after loading"
+        elif tensor is None:
+            reason = "post-load processing removed it"
+        elif tuple(tensor.shape) != described.shape or dtype_name(tensor.dtype) != described.dtype:
             reason = (
                 f"post-load processing replaced it ({list(tensor.shape)} "
                 f"{dtype_name(tensor.dtype)} live, {list(described.shape)} {described.dtype} "
@@ -70,8 +78,8 @@ def live_storage(model: torch.nn.Module, layout: VllmLayout) -> LiveStorage:
             backend_name = getattr(backend, "name", str(backend))
             if backend_name not in _IN_PLACE_MOE_BACKENDS:
                 reason = f"MoE backend {backend_name} reorders expert weights after loading"
-        if reason is None:
+        if reason is None and tensor is not None:
             writable[name] = tensor
         else:
-            blocked[name] = reason
+            blocked[name] = reason or "no live tensor"
     return LiveStorage(writable, blocked)

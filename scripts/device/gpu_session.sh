@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One GPU session, step by step, on a device machine (4x H200 for the vLLM cases). Prepare
+# here first:
+#     TRIM=1 bash ../shared/device/stage_vllm.sh      # vLLM 0.26 in .stage/p1..p3
+#     bash scripts/device/stage_wheels.sh             # nccl4py, grpc, ... into .whl/
+#     python3 -m pip wheel -q --no-deps . -w .whl     # this project (its vLLM plugin entry point)
+# then send, back to back (a machine goes back after 30 s idle):
+#     carry .stage/p1:          bash scripts/device/gpu_session.sh stage
+#     carry .stage/p2:          bash scripts/device/gpu_session.sh stage
+#     carry .stage/p3 + .whl:   bash scripts/device/gpu_session.sh tests
+#     (nothing carried):        bash scripts/device/gpu_session.sh bench qwen3-8b tp2 [gpu_refit args]
+# Logs and JSON results go to $OUT (the device tool brings them back).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+
+stage() {
+  mkdir -p /tmp/vstage && cp -a .stage/p* /tmp/vstage/ && du -sb /tmp/vstage/p*
+}
+
+setup() {
+  # shellcheck disable=SC1090
+  . "$(ls -d .stage/p3 /tmp/vstage/p3 2>/dev/null | head -n1)/install_vllm_on_device.sh" || return 1
+  if [ ! -f /tmp/site/.refit_installed ]; then
+    [ -d .whl ] || { echo "carry .whl with the first setup" >&2; return 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || return 1
+    touch /tmp/site/.refit_installed
+  fi
+  python3 -c "import refitplane, vllm, nccl; print('refitplane', refitplane.__file__, 'vllm', vllm.__version__)"
+}
+
+step=${1:-}
+shift || true
+case "$step" in
+  stage) stage ;;
+  tests)
+    setup || exit 1
+    nvidia-smi --query-gpu=index,name,memory.total --format=csv
+    python3 -m pytest tests/gpu -v -rs -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest-gpu.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
+  bench)
+    setup || exit 1
+    model=$1 layout=$2
+    shift 2
+    python3 benchmarks/gpu_refit.py --model "$model" --layout "$layout" \
+      --out "$OUT/gpu_refit-$model-$layout.json" "$@" 2>&1 | tee "$OUT/gpu_refit-$model-$layout.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
+  *) echo "usage: $0 stage | tests [pytest args] | bench MODEL LAYOUT [gpu_refit args]" >&2; exit 2 ;;
+esac
