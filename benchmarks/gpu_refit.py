@@ -127,7 +127,7 @@ def run_ours(
     shape: str,
     replica_tps: tuple[int, ...],
     device: str,
-    sweep: list[tuple[int, int]],
+    sweep: list[tuple[int, int, int]],
     repeats: int,
     workdir: Path,
 ) -> dict[str, Any]:
@@ -137,14 +137,15 @@ def run_ours(
         device=device,
         replica_tps=replica_tps,
         workdir=workdir,
-        settings={"num_channels": max(s for s, _ in sweep)},
+        settings={"num_channels": max(s for s, _, _ in sweep)},
     ) as world:
         world.refit()  # warm up: group formation, plan, first-touch allocations
-        for streams, bucket in sweep:
+        for streams, bucket, direct in sweep:
             world.configure(
                 num_channels=streams,
                 bucket_bytes=bucket * MiB,
                 max_inflight_bytes=max(4 * bucket, 256) * MiB,
+                direct_min_bytes=direct * MiB,
             )
             # Untimed: a new config means a new executor (staging) or a new group, whose
             # first transfer also connects NCCL peers (lazily).
@@ -173,6 +174,7 @@ def run_ours(
                 {
                     "streams": streams,
                     "bucket_mib": bucket,
+                    "direct_mib": direct,
                     "total_s": [r.seconds for r in results],
                     "transfer_s": [r.transfer_s for r in results],
                     "bytes": results[0].bytes_total,
@@ -183,7 +185,7 @@ def run_ours(
                 }
             )
             print(
-                f"  refitplane streams={streams} bucket={bucket}MiB: total {statistics.median(rows[-1]['total_s']):.3f} s, data plane {statistics.median(rows[-1]['transfer_s']):.3f} s, {rows[-1]['verified']} verified, gen +{gen_extra / MiB:.0f} MiB",
+                f"  refitplane streams={streams} bucket={bucket}MiB direct>={direct}MiB: total {statistics.median(rows[-1]['total_s']):.3f} s, data plane {statistics.median(rows[-1]['transfer_s']):.3f} s, {rows[-1]['verified']} verified, gen +{gen_extra / MiB:.0f} MiB",
                 flush=True,
             )
     return {"rows": rows}
@@ -196,6 +198,13 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--buckets", type=int, nargs="+", default=[64, 256, 1024], help="MiB")
+    parser.add_argument(
+        "--direct",
+        type=int,
+        nargs="+",
+        default=[16],
+        help="MiB: chunks at least this large travel alone (REFIT_DIRECT_MIN_BYTES)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's nccl engine")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/gpu-refit"))
@@ -226,7 +235,7 @@ def main() -> int:
             f"  raw nccl4py ceiling: {ceiling_s:.3f} s, {out['ceiling_gbs_per_dest']:.1f} GB/s per destination GPU",
             flush=True,
         )
-    sweep = [(s, b) for s in args.streams for b in args.buckets]
+    sweep = [(s, b, d) for s in args.streams for b in args.buckets for d in args.direct]
     out["ours"] = run_ours(args.model, tps, args.device, sweep, args.repeats, args.workdir)
     if args.device == "cuda" and not args.no_baseline:
         out["vllm_nccl"] = rw.run_vllm_baseline(args.model, tps, first_gpu=2, workdir=args.workdir)
@@ -251,14 +260,14 @@ def _summary(out: dict[str, Any]) -> None:
         f"\n{out['model']} {out['layout']} ({out['bytes'] / 2**30:.2f} GiB) on {out.get('gpu', out['device'])}"
     )
     print(
-        f"  {'streams':>7} {'bucket':>7} {'data s':>8} {'total s':>8} {'GB/s/dst':>9} {'% ceil':>7} {'gen +MiB':>9} {'trn +MiB':>9} {'verified':>9}"
+        f"  {'streams':>7} {'bucket':>7} {'direct':>7} {'data s':>8} {'total s':>8} {'GB/s/dst':>9} {'% ceil':>7} {'gen +MiB':>9} {'trn +MiB':>9} {'verified':>9}"
     )
     for r in rows:
         d = statistics.median(r["transfer_s"])
         gbs = per_dest_gbs(links, d)
         pct = 100 * out["ceiling_s"] / d if "ceiling_s" in out else float("nan")
         print(
-            f"  {r['streams']:>7} {r['bucket_mib']:>5}Mi {d:>8.3f} {statistics.median(r['total_s']):>8.3f} {gbs:>9.1f} {pct:>6.1f}% {r['generator_extra_mib']:>9.0f} {r['trainer_extra_mib']:>9.0f} {r['verified']:>9}"
+            f"  {r['streams']:>7} {r['bucket_mib']:>5}Mi {r['direct_mib']:>5}Mi {d:>8.3f} {statistics.median(r['total_s']):>8.3f} {gbs:>9.1f} {pct:>6.1f}% {r['generator_extra_mib']:>9.0f} {r['trainer_extra_mib']:>9.0f} {r['verified']:>9}"
         )
     print(
         f"  best: data plane {data_s:.3f} s ({per_dest_gbs(links, data_s):.1f} GB/s per destination GPU), trigger→committed {total_s:.3f} s"
@@ -275,6 +284,7 @@ def _summary(out: dict[str, Any]) -> None:
     out["best"] = {
         "streams": best["streams"],
         "bucket_mib": best["bucket_mib"],
+        "direct_mib": best["direct_mib"],
         "data_s": data_s,
         "total_s": total_s,
     }

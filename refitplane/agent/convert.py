@@ -17,7 +17,7 @@ from refitplane.agent import messages as m
 from refitplane.errors import InvalidArgument, LayoutError
 from refitplane.protocol import Backend, MemberState, RefitState, Role
 from refitplane.reshard.boxes import Box
-from refitplane.reshard.config import TransferConfig
+from refitplane.reshard.config import DIRECT_MIN_BYTES, TransferConfig
 from refitplane.reshard.layout import Layout, LayoutBuilder, TensorSpec
 from refitplane.reshard.plan import Link, Piece, RankPlan
 
@@ -208,6 +208,7 @@ def config_to_proto(config: TransferConfig) -> cpb.TransferConfig:
         max_inflight_bytes=config.max_inflight_bytes,
         timeout_s=config.timeout_s,
         verify_checksums=config.verify_checksums,
+        direct_min_bytes=config.direct_min_bytes,
     )
 
 
@@ -218,6 +219,8 @@ def config_from_proto(msg: cpb.TransferConfig) -> TransferConfig:
         max_inflight_bytes=msg.max_inflight_bytes,
         timeout_s=msg.timeout_s,
         verify_checksums=msg.verify_checksums,
+        # 0: a coordinator that predates the field; use the default.
+        direct_min_bytes=msg.direct_min_bytes or DIRECT_MIN_BYTES,
     )
 
 

@@ -369,13 +369,15 @@ def hf_greedy_tokens(
     if max_new_tokens < 0:
         raise InvalidArgument(f"max_new_tokens is {max_new_tokens}", field="max_new_tokens")
     generated: list[int] = []
-    ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long)
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long, device=device)
     past = None
     while len(generated) < max_new_tokens:
         out = model(input_ids=ids, past_key_values=past, use_cache=True)
         token = int(out.logits[0, -1].float().argmax())
         generated.append(token)
-        ids, past = torch.tensor([[token]], dtype=torch.long), out.past_key_values
+        ids = torch.tensor([[token]], dtype=torch.long, device=device)
+        past = out.past_key_values
     return generated
 
 
@@ -388,7 +390,8 @@ def greedy_margin(
     Two engines computing in bf16 agree on greedy tokens only where that gap exceeds their
     rounding differences; tests that compare vLLM with transformers pick checkpoints with
     a clear margin (`confident_seed`)."""
-    ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long)
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long, device=device)
     past = None
     margin = float("inf")
     for _ in range(max_new_tokens):

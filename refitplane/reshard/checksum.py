@@ -12,6 +12,12 @@ The index weight makes swapped, shifted or transposed data change the sum; wrapp
 integer arithmetic is associative, so any reduction order gives the same value. On CUDA a
 Triton kernel computes S0 and S1 in one pass at memory bandwidth; elsewhere (and as the
 reference) torch does it in bounded slabs. Results stay on the device (no host sync).
+
+The data plane checksums hundreds of messages per refit, so the per-message host cost
+matters as much as the kernel: `accumulate_sums` adds a buffer's (S0, S1) into one row of
+a preallocated table with a single kernel launch (the kernel's blocks add their partial
+sums atomically), and both ends compare tables. `checksum` folds (S0, S1, n) into one
+value for everything else.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ _BLOCK = 1024
 _ITERS = 16
 
 _kernel: Any = None
+_atomic_kernel: Any = None
 
 
 def _triton_kernel() -> Any:
@@ -62,6 +69,37 @@ def _triton_kernel() -> Any:
     return _kernel
 
 
+def _triton_atomic_kernel() -> Any:
+    """The same sums, added straight into `out_ptr[0:2]` (int64 atomics): one launch per
+    buffer, no partials to reduce. None where Triton cannot run."""
+    global _atomic_kernel
+    if _atomic_kernel is not None:
+        return _atomic_kernel or None
+    if _triton_kernel() is None:
+        _atomic_kernel = False
+        return None
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _sums_into(x_ptr, n_words, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+        pid = tl.program_id(0).to(tl.int64)
+        acc0 = tl.zeros([BLOCK], dtype=tl.int64)
+        acc1 = tl.zeros([BLOCK], dtype=tl.int64)
+        base = pid * BLOCK * ITERS
+        for it in range(ITERS):
+            offs = base + it * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            mask = offs < n_words
+            x = tl.load(x_ptr + offs, mask=mask, other=0)
+            acc0 += x
+            acc1 += x * offs
+        tl.atomic_add(out_ptr, tl.sum(acc0, axis=0))
+        tl.atomic_add(out_ptr + 1, tl.sum(acc1, axis=0))
+
+    _atomic_kernel = _sums_into
+    return _atomic_kernel
+
+
 def _sums_triton(words: torch.Tensor, kernel: Any) -> tuple[torch.Tensor, torch.Tensor]:
     n = words.numel()
     programs = -(-n // (_BLOCK * _ITERS))
@@ -82,8 +120,9 @@ def _sums_torch(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s0, s1
 
 
-def checksum(buf: torch.Tensor, *, use_triton: bool = True) -> torch.Tensor:
-    """Checksum of a contiguous 1-D uint8 tensor, as a 0-d int64 tensor on its device."""
+def accumulate_sums(buf: torch.Tensor, out: torch.Tensor, *, use_triton: bool = True) -> None:
+    """Add (S0, S1) of a contiguous 1-D uint8 tensor into `out`, an int64 tensor of two
+    elements on the buffer's device (a row of a zeroed table). Asynchronous on CUDA."""
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
         raise ValueError("checksum needs a contiguous 1-D uint8 tensor")
     n = buf.numel()
@@ -92,22 +131,37 @@ def checksum(buf: torch.Tensor, *, use_triton: bool = True) -> torch.Tensor:
     if nwords and buf.storage_offset() % 8:
         # int64 views need 8-byte alignment; the schedule aligns chunks, so this is rare.
         buf = buf.clone()
-    s0 = torch.zeros((), dtype=torch.int64, device=device)
-    s1 = torch.zeros((), dtype=torch.int64, device=device)
     if nwords:
         words = buf[: nwords * 8].view(torch.int64)
-        kernel = _triton_kernel() if use_triton and device.type == "cuda" else None
-        s0, s1 = _sums_triton(words, kernel) if kernel is not None else _sums_torch(words)
+        on_cuda = use_triton and device.type == "cuda"
+        atomic = _triton_atomic_kernel() if on_cuda else None
+        if atomic is not None and out.is_contiguous():
+            programs = -(-nwords // (_BLOCK * _ITERS))
+            atomic[(programs,)](words, nwords, out, BLOCK=_BLOCK, ITERS=_ITERS)
+        else:
+            kernel = _triton_kernel() if on_cuda else None
+            s0, s1 = _sums_triton(words, kernel) if kernel is not None else _sums_torch(words)
+            out += torch.stack((s0, s1))
     if n % 8:
         tail = buf[nwords * 8 :].to(torch.int64)
         shifts = torch.arange(0, 8 * tail.numel(), 8, dtype=torch.int64, device=device)
         last = (tail << shifts).sum()
-        s0 = s0 + last
-        s1 = s1 + last * nwords
-    length_term = (n * _C) & ((1 << 64) - 1)
+        out += torch.stack((last, last * nwords))
+
+
+def fold_sums(sums: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The checksum of a buffer of `nbytes` whose (S0, S1) are `sums`, as a 0-d int64."""
+    length_term = (nbytes * _C) & ((1 << 64) - 1)
     if length_term >= 1 << 63:
         length_term -= 1 << 64
-    return s1 * _A + s0 * _B + length_term
+    return sums[1] * _A + sums[0] * _B + length_term
+
+
+def checksum(buf: torch.Tensor, *, use_triton: bool = True) -> torch.Tensor:
+    """Checksum of a contiguous 1-D uint8 tensor, as a 0-d int64 tensor on its device."""
+    sums = torch.zeros(2, dtype=torch.int64, device=buf.device)
+    accumulate_sums(buf, sums, use_triton=use_triton)
+    return fold_sums(sums, buf.numel())
 
 
 def checksum_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from refitplane.errors import InvalidArgument
 
 MiB = 1 << 20
+DIRECT_MIN_BYTES = 16 * MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,10 @@ class TransferConfig:
     timeout_s: float = 300.0
     # Compare per-chunk checksums of sender and receiver before reporting success.
     verify_checksums: bool = True
+    # Chunks at least this large (or half a bucket) travel alone, straight from/to parameter
+    # memory where the view is contiguous; smaller ones are packed (two extra copies each,
+    # but fewer, larger messages).
+    direct_min_bytes: int = DIRECT_MIN_BYTES
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1:
@@ -34,5 +39,7 @@ class TransferConfig:
                 f"bucket_bytes ({self.bucket_bytes})",
                 field="max_inflight_bytes",
             )
+        if self.direct_min_bytes < 1:
+            raise InvalidArgument("direct_min_bytes must be positive", field="direct_min_bytes")
         if not self.timeout_s > 0:
             raise InvalidArgument("timeout_s must be positive", field="timeout_s")

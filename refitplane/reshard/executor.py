@@ -35,7 +35,7 @@ from refitplane.errors import (
     TransferTimeout,
 )
 from refitplane.reshard.boxes import Box, box_numel, box_shape, format_box
-from refitplane.reshard.checksum import checksum
+from refitplane.reshard.checksum import accumulate_sums
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.schedule import Message, RankSchedule, rank_schedule
@@ -145,11 +145,11 @@ class _Run:
         self.schedule: RankSchedule = rank_schedule(plan, self.cfg)
         self.views = self._resolve_views(shards)
         self.verify = self.cfg.verify_checksums
-        # One checksum per message, per link, indexed by the message's round.
+        # One (S0, S1) row per message, per link, indexed by the message's round.
         self.sums: dict[Link, torch.Tensor] = {}
         if self.verify:
             for link, n in self.schedule.messages_per_link.items():
-                self.sums[link] = torch.zeros(n, dtype=torch.int64, device=self.t.device)
+                self.sums[link] = torch.zeros((n, 2), dtype=torch.int64, device=self.t.device)
         self.pending: dict[int, _Group] = {}
         self.in_flight: deque[_Group] = deque()
         self.receives_posted = False
@@ -234,9 +234,9 @@ class _Run:
                     for chunk, view in zip(m.chunks, views, strict=True):
                         self._typed(buf, chunk.offset, chunk.tensor, chunk.box).copy_(view)
             if self.verify:
-                # Off the transfer's path: reads the packed (or parameter) bytes.
-                with self.t.beside(m.channel):
-                    self.sums[(m.src, m.dst)][m.round] = checksum(buf)
+                # Posted with the group, off the transfer's path: reads the packed (or
+                # parameter) bytes, which stay untouched until the group completes.
+                group.posts.append(self._summer(m, buf))
         else:
             group.posts.append(self._unpacker(m, views, buf, direct))
         group.ops.append(P2POp(sending, m.dst if sending else m.src, buf))
@@ -319,16 +319,26 @@ class _Run:
         part = buf[offset : offset + nbytes]
         return part.view(torch_dtype(self.plan.specs[tensor].dtype)).view(box_shape(box))
 
+    def _summer(self, m: Message, buf: torch.Tensor) -> Callable[[], None]:
+        row = self.sums[(m.src, m.dst)][m.round]
+
+        def sum_message() -> None:
+            accumulate_sums(buf, row)
+
+        return sum_message
+
     def _unpacker(
         self, m: Message, views: list[torch.Tensor], buf: torch.Tensor, direct: bool
     ) -> Callable[[], None]:
+        row = self.sums[(m.src, m.dst)][m.round] if self.verify else None
+
         def unpack() -> None:
             if not direct:
                 for chunk, view in zip(m.chunks, views, strict=True):
                     view.copy_(self._typed(buf, chunk.offset, chunk.tensor, chunk.box))
-            if self.verify:
+            if row is not None:
                 # Direct receives landed in parameter memory: this reads the parameters.
-                self.sums[(m.src, m.dst)][m.round] = checksum(buf)
+                accumulate_sums(buf, row)
 
         return unpack
 
@@ -354,7 +364,8 @@ class _Run:
         failed: set[str] = set()
         messages = self._recv_messages()
         for link, theirs in sorted(remote.items()):
-            bad = (self.sums[link].cpu() != theirs.cpu()).nonzero().flatten().tolist()
+            differs = (self.sums[link].cpu() != theirs.cpu()).any(dim=1)
+            bad = differs.nonzero().flatten().tolist()
             for round_index, m in enumerate(messages[link]):
                 names = {c.tensor for c in m.chunks}
                 (failed if round_index in bad else verified).update(names)

@@ -4,7 +4,7 @@ Both ends of a link derive the same messages from the same link and config, so b
 always match (a mismatch is how NCCL P2P hangs). Cutting rules, per link in piece order:
 
 - a piece larger than `bucket_bytes` is cut into row blocks of at most `bucket_bytes`;
-- a chunk of at least half a bucket, or of at least `DIRECT_MIN_BYTES`, travels alone, so
+- a chunk of at least half a bucket, or of at least `config.direct_min_bytes`, travels alone, so
   it can go straight from/to parameter memory when that side's view is contiguous (packing
   costs two extra copies of every byte; NCCL runs near its peak from a few tens of MiB);
 - smaller chunks are packed together up to `bucket_bytes`.
@@ -27,8 +27,6 @@ from refitplane.reshard.plan import Link, RankPlan
 
 # Chunks start at multiples of this inside a message (checksums read 8-byte words).
 ALIGN = 16
-# Chunks at least this large travel alone (whatever the bucket size).
-DIRECT_MIN_BYTES = 16 << 20
 
 
 def _align(n: int) -> int:
@@ -85,7 +83,7 @@ def link_messages(
             current, filled = [], 0
 
     for index, (tensor, box, nbytes) in enumerate(link_chunks(link, specs, bucket)):
-        if 2 * nbytes >= bucket or nbytes >= DIRECT_MIN_BYTES:
+        if 2 * nbytes >= bucket or nbytes >= config.direct_min_bytes:
             flush()
             current, filled = [Chunk(tensor, box, nbytes, 0, index)], nbytes
             flush()

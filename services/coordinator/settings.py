@@ -54,6 +54,7 @@ class Settings(BaseSettings):
     num_channels: int = Field(2, ge=1, le=64)
     max_inflight_bytes: int = Field(256 * MiB, ge=1)
     verify_checksums: bool = True
+    direct_min_bytes: int = Field(16 * MiB, ge=1)
     # Accept trainer tensors that no generator needs (else the refit fails: model mismatch).
     allow_unused_tensors: bool = False
     # Empty: any job that has registered members.
@@ -131,6 +132,7 @@ class Settings(BaseSettings):
             max_inflight_bytes=self.max_inflight_bytes,
             timeout_s=self.transfer_timeout_s,
             verify_checksums=self.verify_checksums,
+            direct_min_bytes=self.direct_min_bytes,
         )
 
     @property

@@ -190,6 +190,7 @@ def test_settings_env(default: Rendered) -> None:
     assert plain["REFIT_MAX_INFLIGHT_BYTES"] == str(256 * 2**20)
     assert plain["REFIT_PAUSE_MODE"] == "keep"
     assert plain["REFIT_VERIFY_CHECKSUMS"] == "true"
+    assert plain["REFIT_DIRECT_MIN_BYTES"] == str(16 * 2**20)
     assert "REFIT_AUTH_TOKEN" not in env, "the token must come from a mounted file"
     assert "REFIT_TRIGGER_RATE_PER_S" not in env, "null keeps the coordinator's default"
 

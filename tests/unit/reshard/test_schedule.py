@@ -8,7 +8,7 @@ from refitplane.reshard.boxes import box_numel
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import Link, Piece, RankPlan
-from refitplane.reshard.schedule import ALIGN, DIRECT_MIN_BYTES, link_messages, rank_schedule
+from refitplane.reshard.schedule import ALIGN, link_messages, rank_schedule
 
 pytestmark = pytest.mark.unit
 
@@ -53,7 +53,7 @@ def test_messages_cover_the_link_within_buckets(
             assert c.offset >= prev_end
             prev_end = c.offset + c.nbytes
         if len(m.chunks) > 1:
-            assert all(2 * c.nbytes < bucket and c.nbytes < DIRECT_MIN_BYTES for c in m.chunks)
+            assert all(2 * c.nbytes < bucket and c.nbytes < cfg.direct_min_bytes for c in m.chunks)
     # Both ends derive the same messages.
     assert link_messages(link, specs, cfg) == msgs
 
@@ -87,3 +87,20 @@ def test_large_chunks_travel_alone_whatever_the_bucket() -> None:
         link, specs, TransferConfig(bucket_bytes=1 << 30, max_inflight_bytes=1 << 31)
     )
     assert [[c.tensor for c in m.chunks] for m in msgs] == [["n"], ["w"], ["n"]]
+
+
+def test_direct_threshold_decides_what_is_packed() -> None:
+    spec = TensorSpec.create("w", [4096, 4096], "bfloat16")  # 32 MiB
+    small = TensorSpec.create("n", [4096], "float32")
+    specs = {"w": spec, "n": small}
+    pieces = (Piece("n", ((0, 4096),)), Piece("w", ((0, 4096), (0, 4096))))
+    link = Link(0, 1, pieces, sum(box_numel(p.box) * specs[p.tensor].itemsize for p in pieces))
+    big = 1 << 30
+    alone = link_messages(link, specs, TransferConfig(bucket_bytes=big, max_inflight_bytes=big))
+    assert [[c.tensor for c in m.chunks] for m in alone] == [["n"], ["w"]]  # 32 MiB >= 16 MiB
+    packed = link_messages(
+        link,
+        specs,
+        TransferConfig(bucket_bytes=big, max_inflight_bytes=big, direct_min_bytes=64 << 20),
+    )
+    assert [[c.tensor for c in m.chunks] for m in packed] == [["n", "w"]]

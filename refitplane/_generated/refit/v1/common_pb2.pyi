@@ -339,11 +339,14 @@ class TransferConfig(_message.Message):
     MAX_INFLIGHT_BYTES_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     VERIFY_CHECKSUMS_FIELD_NUMBER: _builtins.int
+    DIRECT_MIN_BYTES_FIELD_NUMBER: _builtins.int
     bucket_bytes: _builtins.int
     num_channels: _builtins.int
     max_inflight_bytes: _builtins.int
     timeout_s: _builtins.float
     verify_checksums: _builtins.bool
+    direct_min_bytes: _builtins.int
+    """Chunks at least this large travel alone, straight from/to parameter memory (0: default)."""
     def __init__(
         self,
         *,
@@ -352,10 +355,11 @@ class TransferConfig(_message.Message):
         max_inflight_bytes: _builtins.int = ...,
         timeout_s: _builtins.float = ...,
         verify_checksums: _builtins.bool = ...,
+        direct_min_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_bytes", b"bucket_bytes", "max_inflight_bytes", b"max_inflight_bytes", "num_channels", b"num_channels", "timeout_s", b"timeout_s", "verify_checksums", b"verify_checksums"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_bytes", b"bucket_bytes", "direct_min_bytes", b"direct_min_bytes", "max_inflight_bytes", b"max_inflight_bytes", "num_channels", b"num_channels", "timeout_s", b"timeout_s", "verify_checksums", b"verify_checksums"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
