@@ -351,11 +351,11 @@ class _Run:
         for link in sorted(self.sums):
             src, dst = link
             if src == self.rank:
-                ops.append(P2POp(True, dst, self.sums[link].view(torch.uint8)))
+                ops.append(P2POp(True, dst, self.sums[link].view(-1).view(torch.uint8)))
             else:
                 theirs = torch.empty_like(self.sums[link])
                 remote[link] = theirs
-                ops.append(P2POp(False, src, theirs.view(torch.uint8)))
+                ops.append(P2POp(False, src, theirs.view(-1).view(torch.uint8)))
         if ops:
             with self.t.channel_context(0):
                 handle = self.t.fence(self.t.issue(0, ops, self.deadline))

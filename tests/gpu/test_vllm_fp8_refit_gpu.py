@@ -24,6 +24,9 @@ pytestmark = [
 PROMPT = (1, 2, 3, 4, 5, 6, 7)
 NEW_TOKENS = 8
 SHAPE = "qwen3-small"
+# KV-cache quantization scales: not in the checkpoint (so no refit sends them); vLLM keeps
+# whatever its first load left there, and reads them only with an FP8 KV cache.
+KV_SCALES = ("._k_scale", "._v_scale", "._q_scale", "._prob_scale")
 
 
 def test_fp8_block_refit_equals_a_checkpoint_load(tmp_path: Path) -> None:
@@ -49,7 +52,7 @@ def test_fp8_block_refit_equals_a_checkpoint_load(tmp_path: Path) -> None:
     assert len(refit_digests) == len(loaded_digests) == 2  # one per TP worker
     for worker, (got, want) in enumerate(zip(refit_digests, loaded_digests, strict=True)):
         assert got.keys() == want.keys()
-        differ = sorted(name for name in want if got[name] != want[name])
+        differ = sorted(n for n in want if got[n] != want[n] and not n.endswith(KV_SCALES))
         assert differ == [], (worker, differ[:5])
         assert any(d.startswith("float8_e4m3fn ") for d in got.values())  # FP8 kernels
     assert refit_tokens == loaded_tokens
