@@ -185,9 +185,7 @@ def test_device_ordered_path_is_exact(scenario: str) -> None:
     # One channel: completing groups inside `issue` needs every earlier op posted (see
     # OrderedGlooTransport).
     config = {"bucket_bytes": 512, "max_inflight_bytes": 2048, "num_channels": 1, "timeout_s": 60}
-    results = run_world(
-        _rank_worker, sc.world_size, scenario=scenario, config=config, ordered=True
-    )
+    results = run_world(_rank_worker, sc.world_size, scenario=scenario, config=config, ordered=True)
     assert sorted(results) == list(range(sc.world_size)), results
     for rank, (status, detail) in results.items():
         assert status == "ok", (rank, detail)
