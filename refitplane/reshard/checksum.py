@@ -34,11 +34,12 @@ _BLOCK = 1024
 _ITERS = 16
 
 _kernel: Any = None
-_atomic_kernel: Any = None
 
 
 def _triton_kernel() -> Any:
-    """Compile-on-first-use Triton kernel, or None where Triton cannot run."""
+    """Compile-on-first-use Triton kernel, or None where Triton cannot run. It adds a
+    buffer's (S0, S1) straight into `out_ptr[0:2]` (int64 atomics, one per block): one
+    launch per buffer, no partial sums to reduce."""
     global _kernel
     if _kernel is not None:
         return _kernel or None
@@ -50,37 +51,6 @@ def _triton_kernel() -> Any:
         return None
 
     # Triton reads the signature: no Python annotations inside the kernel.
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _sums(x_ptr, n_words, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
-        pid = tl.program_id(0).to(tl.int64)
-        acc0 = tl.zeros([BLOCK], dtype=tl.int64)
-        acc1 = tl.zeros([BLOCK], dtype=tl.int64)
-        base = pid * BLOCK * ITERS
-        for it in range(ITERS):
-            offs = base + it * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-            mask = offs < n_words
-            x = tl.load(x_ptr + offs, mask=mask, other=0)
-            acc0 += x
-            acc1 += x * offs
-        tl.store(out_ptr + pid * 2, tl.sum(acc0, axis=0))
-        tl.store(out_ptr + pid * 2 + 1, tl.sum(acc1, axis=0))
-
-    _kernel = _sums
-    return _kernel
-
-
-def _triton_atomic_kernel() -> Any:
-    """The same sums, added straight into `out_ptr[0:2]` (int64 atomics): one launch per
-    buffer, no partials to reduce. None where Triton cannot run."""
-    global _atomic_kernel
-    if _atomic_kernel is not None:
-        return _atomic_kernel or None
-    if _triton_kernel() is None:
-        _atomic_kernel = False
-        return None
-    import triton
-    import triton.language as tl
-
     @triton.jit  # type: ignore[untyped-decorator]
     def _sums_into(x_ptr, n_words, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
         pid = tl.program_id(0).to(tl.int64)
@@ -96,16 +66,18 @@ def _triton_atomic_kernel() -> Any:
         tl.atomic_add(out_ptr, tl.sum(acc0, axis=0))
         tl.atomic_add(out_ptr + 1, tl.sum(acc1, axis=0))
 
-    _atomic_kernel = _sums_into
-    return _atomic_kernel
+    _kernel = _sums_into
+    return _kernel
+
+
+def _launch(kernel: Any, words: torch.Tensor, out: torch.Tensor) -> None:
+    programs = -(-words.numel() // (_BLOCK * _ITERS))
+    kernel[(programs,)](words, words.numel(), out, BLOCK=_BLOCK, ITERS=_ITERS)
 
 
 def _sums_triton(words: torch.Tensor, kernel: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    n = words.numel()
-    programs = -(-n // (_BLOCK * _ITERS))
-    partial = torch.empty((programs, 2), dtype=torch.int64, device=words.device)
-    kernel[(programs,)](words, n, partial, BLOCK=_BLOCK, ITERS=_ITERS)
-    sums = partial.sum(dim=0)
+    sums = torch.zeros(2, dtype=torch.int64, device=words.device)
+    _launch(kernel, words, sums)
     return sums[0], sums[1]
 
 
@@ -133,13 +105,10 @@ def accumulate_sums(buf: torch.Tensor, out: torch.Tensor, *, use_triton: bool = 
         buf = buf.clone()
     if nwords:
         words = buf[: nwords * 8].view(torch.int64)
-        on_cuda = use_triton and device.type == "cuda"
-        atomic = _triton_atomic_kernel() if on_cuda else None
-        if atomic is not None and out.is_contiguous():
-            programs = -(-nwords // (_BLOCK * _ITERS))
-            atomic[(programs,)](words, nwords, out, BLOCK=_BLOCK, ITERS=_ITERS)
+        kernel = _triton_kernel() if use_triton and device.type == "cuda" else None
+        if kernel is not None and out.is_contiguous():
+            _launch(kernel, words, out)
         else:
-            kernel = _triton_kernel() if on_cuda else None
             s0, s1 = _sums_triton(words, kernel) if kernel is not None else _sums_torch(words)
             out += torch.stack((s0, s1))
     if n % 8:
