@@ -253,10 +253,10 @@ def _column_bands(
     if "bias" in owned:
         out.append(_stacked(ctx, path, "bias", _dtype(owned["bias"]), bands, None))
     if fmt.block is None:
-        out.append(_stacked(ctx, path, "weight", _dtype(owned["weight"]), bands, (cols, cols)))
+        out.append(_stacked(ctx, path, "weight", _dtype(owned["weight"]), bands, cols))
         return out
     block_n, block_k = fmt.block
-    out.append(_stacked(ctx, path, "weight", FP8_WEIGHT_DTYPE, bands, (cols, cols)))
+    out.append(_stacked(ctx, path, "weight", FP8_WEIGHT_DTYPE, bands, cols))
     scale_name = _join(path, BLOCK_SCALE_NAME)
     scale_bands = [
         _Band(
@@ -269,9 +269,7 @@ def _column_bands(
     ]
     # A column-parallel layer reads its whole input: the scale's columns are not split.
     scale_cols = _ceil_blocks(cols, block_k)
-    out.append(
-        _stacked(ctx, path, BLOCK_SCALE_NAME, fmt.scale_dtype, scale_bands, (scale_cols,) * 2)
-    )
+    out.append(_stacked(ctx, path, BLOCK_SCALE_NAME, fmt.scale_dtype, scale_bands, scale_cols))
     return out
 
 
@@ -281,10 +279,10 @@ def _stacked(
     pname: str,
     dtype: str,
     bands: Sequence[_Band],
-    cols: tuple[int, int] | None,
+    cols: int | None,
 ) -> DescribedParam:
-    """One parameter whose rows stack `bands` of checkpoint tensors `<band>.<pname>`; `cols`
-    is (local columns, checkpoint columns), None for 1-D parameters."""
+    """One parameter whose rows stack `bands` of checkpoint tensors `<band>.<pname>`, every
+    one whole along its `cols` columns (None for 1-D parameters)."""
     placements: list[Placement] = []
     specs: list[TensorSpec] = []
     offset = 0
@@ -295,12 +293,11 @@ def _stacked(
             spec = _param_spec(ctx, band.hf_module, pname, (band.hf_rows,), dtype)
             placements.append(Placement(spec.name, (hf_rows,), (local_rows,)))
         else:
-            local, hf = cols
-            spec = _param_spec(ctx, band.hf_module, pname, (band.hf_rows, hf), dtype)
-            placements.append(Placement(spec.name, (hf_rows, (0, local)), (local_rows, (0, local))))
+            spec = _param_spec(ctx, band.hf_module, pname, (band.hf_rows, cols), dtype)
+            placements.append(Placement(spec.name, (hf_rows, (0, cols)), (local_rows, (0, cols))))
         specs.append(spec)
         offset += band.rows
-    shape = (offset,) if cols is None else (offset, cols[0])
+    shape = (offset,) if cols is None else (offset, cols)
     return DescribedParam(
         ParamLayout(_join(path, pname), shape, dtype, tuple(placements)), tuple(specs)
     )
@@ -360,16 +357,11 @@ def _row_parallel(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> lis
     rows, cols = int(layer.output_size_per_partition), int(layer.input_size_per_partition)
     out = []
     if "bias" in owned:
-        dtype = _dtype(owned["bias"])
-        spec = _param_spec(ctx, path, "bias", (rows,), dtype)
-        placement = Placement(spec.name, ((0, rows),), ((0, rows),))
-        out.append(
-            DescribedParam(ParamLayout(_join(path, "bias"), (rows,), dtype, (placement,)), (spec,))
-        )
+        out.append(_whole(ctx, path, "bias", _dtype(owned["bias"]), (rows,)))
     weight_dtype = _dtype(owned["weight"]) if fmt.block is None else FP8_WEIGHT_DTYPE
     out.append(
         _column_slice(
-            ctx, path, "weight", weight_dtype, (rows, rows), (cols, int(layer.input_size)), tp_rank
+            ctx, path, "weight", weight_dtype, rows, (cols, int(layer.input_size)), tp_rank
         )
     )
     if fmt.block is not None:
@@ -384,7 +376,7 @@ def _row_parallel(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> lis
                 path,
                 BLOCK_SCALE_NAME,
                 fmt.scale_dtype,
-                (scale_rows, scale_rows),
+                scale_rows,
                 (local_cols, hf_cols),
                 tp_rank,
             )
@@ -397,18 +389,18 @@ def _column_slice(
     path: str,
     pname: str,
     dtype: str,
-    rows: tuple[int, int],
+    rows: int,
     cols: tuple[int, int],
     tp_rank: int,
 ) -> DescribedParam:
-    """Columns `[tp_rank * local, (tp_rank + 1) * local)` of a `(rows, hf columns)`
-    checkpoint tensor; `rows` and `cols` are (local, checkpoint) sizes."""
-    (local_rows, hf_rows), (local_cols, hf_cols) = rows, cols
-    spec = _param_spec(ctx, path, pname, (hf_rows, hf_cols), dtype)
-    hf_box = ((0, local_rows), (tp_rank * local_cols, (tp_rank + 1) * local_cols))
-    placement = Placement(spec.name, hf_box, ((0, local_rows), (0, local_cols)))
+    """Columns `[tp_rank * local, (tp_rank + 1) * local)` of a `(rows, checkpoint columns)`
+    checkpoint tensor, all its rows; `cols` is (local, checkpoint) columns."""
+    local_cols, hf_cols = cols
+    spec = _param_spec(ctx, path, pname, (rows, hf_cols), dtype)
+    hf_box = ((0, rows), (tp_rank * local_cols, (tp_rank + 1) * local_cols))
+    placement = Placement(spec.name, hf_box, ((0, rows), (0, local_cols)))
     return DescribedParam(
-        ParamLayout(_join(path, pname), (local_rows, local_cols), dtype, (placement,)), (spec,)
+        ParamLayout(_join(path, pname), (rows, local_cols), dtype, (placement,)), (spec,)
     )
 
 
