@@ -13,10 +13,23 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from refitplane.errors import Unavailable
+
+
+def reap_group(proc: subprocess.Popen[Any], timeout_s: float) -> None:
+    """After a SIGTERM: wait up to `timeout_s` for `proc` (a session leader), then SIGKILL
+    whatever is left of its process group (vLLM's engine core and workers too) and reap it."""
+    if proc.poll() is None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
 
 
 def free_port() -> int:
@@ -53,15 +66,7 @@ class Managed:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        # The whole group: vLLM's engine core and workers too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
+        reap_group(self.proc, timeout_s)
         self._log.close()
 
 

@@ -16,7 +16,6 @@ same address and the agents reconnect by themselves.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -34,7 +33,7 @@ import httpx
 
 from refitplane.client import RefitClient
 from refitplane.client.models import Refit, Topology
-from refitplane.demo.processes import free_port, read_ports
+from refitplane.demo.processes import free_port, read_ports, reap_group
 from refitplane.errors import Unavailable
 from refitplane.protocol import RefitState
 from refitplane.testing.agent_procs import process_resources
@@ -152,14 +151,7 @@ class Proc:
             return None
         if self.alive():
             self.terminate()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
+        reap_group(self.proc, timeout_s)
         return self.proc.returncode
 
     def resources(self) -> dict[str, int]:
