@@ -38,36 +38,12 @@ LAYOUTS = {"tp2": (2,), "2xtp1": (1, 1)}
 
 
 def plan_links(shape: str, replica_tps: tuple[int, ...]) -> dict[tuple[int, int], int]:
-    """The plan's bytes per (trainer GPU, generator GPU) link: the trainer holds the HF TP
-    split (experts whole, spread over its ranks), vLLM its own TP split (every expert's
-    intermediate dimension split, as vLLM does without expert parallelism)."""
-    from refitplane.generator.hf_tensor_parallel import tp_boxes
-    from refitplane.reshard.layout import LayoutBuilder
+    """The plan's bytes per (trainer GPU, generator GPU) link (layouts: `model_layouts`)."""
     from refitplane.reshard.planner import build_plan
+    from refitplane.testing.model_layouts import model_layouts
 
-    src, dst = LayoutBuilder(), LayoutBuilder()
-    first = 2
-    for ts in rw.tensor_specs(shape):
-        for r, box in tp_boxes(ts, 2).items():
-            src.add(ts, r, box)
-        gpu = first
-        for tp in replica_tps:
-            for r, box in vllm_tp_boxes(ts, tp, range(gpu, gpu + tp)).items():
-                dst.add(ts, r, box)
-            gpu += tp
-    plan = build_plan(src.build(), dst.build())
+    plan = build_plan(*model_layouts(shape, replica_tps))
     return {(link.src, link.dst): link.nbytes for link in plan.links}
-
-
-def vllm_tp_boxes(ts: Any, tp: int, ranks: range) -> dict[int, Any]:
-    from refitplane.generator.hf_tensor_parallel import tp_boxes
-    from refitplane.reshard.placements import DeviceMesh, Shard, placement_boxes
-
-    if ".mlp.experts." not in ts.name:
-        return tp_boxes(ts, tp, ranks)
-    dim = 1 if ts.name.endswith("down_proj.weight") else 0
-    mesh = DeviceMesh.create([tp], list(ranks), tensor=ts.name)
-    return placement_boxes(ts.shape, mesh, [Shard(dim)], tensor=ts.name)
 
 
 def _ceiling_worker(

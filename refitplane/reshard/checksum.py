@@ -13,15 +13,16 @@ integer arithmetic is associative, so any reduction order gives the same value. 
 Triton kernel computes S0 and S1 in one pass at memory bandwidth; elsewhere (and as the
 reference) torch does it in bounded slabs. Results stay on the device (no host sync).
 
-The data plane checksums hundreds of messages per refit, so the per-message host cost
-matters as much as the kernel: `accumulate_sums` adds a buffer's (S0, S1) into one row of
-a preallocated table with a single kernel launch (the kernel's blocks add their partial
-sums atomically), and both ends compare tables. `checksum` folds (S0, S1, n) into one
+The data plane checksums hundreds of messages per refit, so the host cost matters as much
+as the kernel: `accumulate_sums_many` adds each buffer's (S0, S1) into its row of a
+preallocated table with a single kernel launch for a whole group of messages (the
+kernel's blocks add their partial sums atomically), and both ends compare tables. `checksum` folds (S0, S1, n) into one
 value for everything else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,14 +33,17 @@ _C = 0x2545F4914F6CDD1D
 _SLAB = 1 << 20  # words per torch step: bounds its temporary memory to ~16 MiB
 _BLOCK = 1024
 _ITERS = 16
+_WORDS_PER_PROGRAM = _BLOCK * _ITERS
 
 _kernel: Any = None
 
 
 def _triton_kernel() -> Any:
-    """Compile-on-first-use Triton kernel, or None where Triton cannot run. It adds a
-    buffer's (S0, S1) straight into `out_ptr[0:2]` (int64 atomics, one per block): one
-    launch per buffer, no partial sums to reduce."""
+    """Compile-on-first-use Triton kernel, or None where Triton cannot run. One launch sums
+    many buffers: a table row per buffer (word address, word count, output address, first
+    program) maps each program to a buffer (binary search on the first-program column), and
+    the program adds its part's (S0, S1) into that buffer's output pair (int64 atomics): no
+    partial sums to reduce, one launch per group of messages."""
     global _kernel
     if _kernel is not None:
         return _kernel or None
@@ -52,11 +56,22 @@ def _triton_kernel() -> Any:
 
     # Triton reads the signature: no Python annotations inside the kernel.
     @triton.jit  # type: ignore[untyped-decorator]
-    def _sums_into(x_ptr, n_words, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+    def _sums_into(tab, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
         pid = tl.program_id(0).to(tl.int64)
+        lo = pid * 0
+        hi = lo + n
+        for _ in tl.static_range(STEPS):  # the last entry whose first program <= pid
+            mid = (lo + hi) // 2
+            right = tl.load(tab + mid * 4 + 3) <= pid
+            lo = tl.where(right, mid, lo)
+            hi = tl.where(right, hi, mid)
+        row = tab + lo * 4
+        x_ptr = tl.load(row).to(tl.pointer_type(tl.int64))
+        n_words = tl.load(row + 1)
+        out_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int64))
+        base = (pid - tl.load(row + 3)) * BLOCK * ITERS
         acc0 = tl.zeros([BLOCK], dtype=tl.int64)
         acc1 = tl.zeros([BLOCK], dtype=tl.int64)
-        base = pid * BLOCK * ITERS
         for it in range(ITERS):
             offs = base + it * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             mask = offs < n_words
@@ -70,15 +85,27 @@ def _triton_kernel() -> Any:
     return _kernel
 
 
-def _launch(kernel: Any, words: torch.Tensor, out: torch.Tensor) -> None:
-    programs = -(-words.numel() // (_BLOCK * _ITERS))
-    kernel[(programs,)](words, words.numel(), out, BLOCK=_BLOCK, ITERS=_ITERS)
+def _launch_table(kernel: Any, table: list[int], programs: int, device: torch.device) -> None:
+    """One launch over `table` (4 ints per buffer, see `_triton_kernel`)."""
+    entries = len(table) // 4
+    pinned = device.type == "cuda"
+    host = torch.tensor(table, dtype=torch.int64, pin_memory=pinned)
+    table_dev = host.to(device, non_blocking=pinned)
+    steps = max(1, entries.bit_length())
+    kernel[(programs,)](table_dev, entries, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=steps)
 
 
-def _sums_triton(words: torch.Tensor, kernel: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    sums = torch.zeros(2, dtype=torch.int64, device=words.device)
-    _launch(kernel, words, sums)
-    return sums[0], sums[1]
+def _launch(kernel: Any, words: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+    """Add each 1-D int64 `words[i]`'s (S0, S1) into `outs[i]` (two contiguous int64), one launch."""
+    table: list[int] = []
+    programs = 0
+    for w, out in zip(words, outs, strict=True):
+        n = w.numel()
+        if n:
+            table += [w.data_ptr(), n, out.data_ptr(), programs]
+            programs += -(-n // _WORDS_PER_PROGRAM)
+    if programs:
+        _launch_table(kernel, table, programs, words[0].device)
 
 
 def _sums_torch(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,30 +119,61 @@ def _sums_torch(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s0, s1
 
 
-def accumulate_sums(buf: torch.Tensor, out: torch.Tensor, *, use_triton: bool = True) -> None:
-    """Add (S0, S1) of a contiguous 1-D uint8 tensor into `out`, an int64 tensor of two
-    elements on the buffer's device (a row of a zeroed table). Asynchronous on CUDA."""
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-        raise ValueError("checksum needs a contiguous 1-D uint8 tensor")
+def _accumulate_torch(buf: torch.Tensor, out: torch.Tensor) -> None:
+    """The reference path (any device, any alignment, any length)."""
     n = buf.numel()
     nwords = n // 8
-    device = buf.device
     if nwords and buf.storage_offset() % 8:
-        # int64 views need 8-byte alignment; the schedule aligns chunks, so this is rare.
-        buf = buf.clone()
+        buf = buf.clone()  # int64 views need 8-byte alignment
     if nwords:
-        words = buf[: nwords * 8].view(torch.int64)
-        kernel = _triton_kernel() if use_triton and device.type == "cuda" else None
-        if kernel is not None and out.is_contiguous():
-            _launch(kernel, words, out)
-        else:
-            s0, s1 = _sums_triton(words, kernel) if kernel is not None else _sums_torch(words)
-            out += torch.stack((s0, s1))
+        s0, s1 = _sums_torch(buf[: nwords * 8].view(torch.int64))
+        out += torch.stack((s0, s1))
     if n % 8:
         tail = buf[nwords * 8 :].to(torch.int64)
-        shifts = torch.arange(0, 8 * tail.numel(), 8, dtype=torch.int64, device=device)
+        shifts = torch.arange(0, 8 * tail.numel(), 8, dtype=torch.int64, device=buf.device)
         last = (tail << shifts).sum()
         out += torch.stack((last, last * nwords))
+
+
+def accumulate_sums_many(
+    bufs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], *, use_triton: bool = True
+) -> None:
+    """Add (S0, S1) of each contiguous 1-D uint8 `bufs[i]` into `outs[i]`, an int64 tensor of
+    two elements on the buffer's device (a row of a zeroed table). Asynchronous on CUDA,
+    where every whole-word, 8-byte aligned buffer (every message the schedule cuts) goes
+    into one kernel launch; anything else takes the torch path. Called once per group of
+    messages, so the per-buffer work here is a handful of attribute reads."""
+    kernel = _triton_kernel() if use_triton else None
+    table: list[int] = []
+    programs = 0
+    device: torch.device | None = None
+    for buf, out in zip(bufs, outs, strict=True):
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError("checksum needs a contiguous 1-D uint8 tensor")
+        n = buf.numel()
+        ptr = buf.data_ptr()
+        if (
+            kernel is not None
+            and buf.is_cuda
+            and not n % 8
+            and not ptr % 8
+            and out.is_contiguous()
+            and (device is None or buf.device == device)
+        ):
+            if n:
+                table += [ptr, n // 8, out.data_ptr(), programs]
+                programs += -(-n // (8 * _WORDS_PER_PROGRAM))
+                device = buf.device
+        else:
+            _accumulate_torch(buf, out)
+    if programs:
+        assert device is not None
+        _launch_table(kernel, table, programs, device)
+
+
+def accumulate_sums(buf: torch.Tensor, out: torch.Tensor, *, use_triton: bool = True) -> None:
+    """`accumulate_sums_many` for one buffer."""
+    accumulate_sums_many([buf], [out], use_triton=use_triton)
 
 
 def fold_sums(sums: torch.Tensor, nbytes: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ from refitplane.errors import (
     TransferTimeout,
 )
 from refitplane.reshard.boxes import Box, box_numel, box_shape, format_box
-from refitplane.reshard.checksum import accumulate_sums
+from refitplane.reshard.checksum import accumulate_sums_many
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.schedule import Message, RankSchedule, rank_schedule
@@ -58,6 +58,10 @@ class TransferReport:
     tensors_total: int = 0
     tensors_verified: int = 0
     staging_peak_bytes: int = 0
+    # Host-side timeline, from the start of `run`: schedule and views resolved; every
+    # transfer posted (the rest of `seconds` is waiting for the devices and verifying).
+    prepared_seconds: float = 0.0
+    posted_seconds: float = 0.0
 
 
 @dataclass
@@ -65,7 +69,11 @@ class _Group:
     """Ops of one channel waiting to be posted together, or posted and in flight."""
 
     ops: list[P2POp] = field(default_factory=list)
-    posts: list[Callable[[], None]] = field(default_factory=list)
+    # Work after the transfer: unpacking (receiver), then one checksum launch for every
+    # message buffer of the group into its row (`sum_rows[i]` for `sum_bufs[i]`).
+    unpacks: list[Callable[[], None]] = field(default_factory=list)
+    sum_bufs: list[torch.Tensor] = field(default_factory=list)
+    sum_rows: list[torch.Tensor] = field(default_factory=list)
     slices: list[int] = field(default_factory=list)
     nbytes: int = 0
     staged: int = 0
@@ -74,6 +82,27 @@ class _Group:
 
 
 Link = tuple[int, int]
+
+
+@dataclass
+class _Prepared:
+    """A rank plan's schedule and resolved views, kept while plan and shards stay the same
+    (refits of one job repeat the same plan: resolving hundreds of views costs ms)."""
+
+    plan: RankPlan
+    shards: LocalShards
+    shards_version: int
+    schedule: RankSchedule
+    views: dict[Message, list[torch.Tensor]]
+
+    def serves(self, plan: RankPlan, shards: LocalShards) -> bool:
+        same_plan = plan is self.plan or (
+            bool(plan.plan_digest)
+            and plan.plan_digest == self.plan.plan_digest
+            and plan.rank == self.plan.rank
+        )
+        return same_plan and shards is self.shards and shards.version == self.shards_version
+
 
 # Post a channel's batched ops once they reach this many bucket sizes (or ops): fewer,
 # larger NCCL groups cost fewer launches; batching never delays a wait (all pending ops
@@ -97,6 +126,7 @@ class Executor:
         # Whether the last run posted a receive into destination memory: from then on its
         # bytes may change (they land as they arrive), whatever the run's outcome.
         self.receives_posted = False
+        self._prepared: _Prepared | None = None
 
     def run(
         self,
@@ -108,7 +138,9 @@ class Executor:
     ) -> TransferReport:
         started = time.monotonic()
         self.receives_posted = False
-        run = _Run(self, plan, shards, progress, cancel, started + self.config.timeout_s)
+        prepared = self._prepare(plan, shards)
+        run = _Run(self, prepared, progress, cancel, started)
+        run.report.prepared_seconds = time.monotonic() - started
         try:
             report = run.execute()
         except BaseException:
@@ -121,6 +153,37 @@ class Executor:
         report.staging_peak_bytes = self.ring.peak
         return report
 
+    def _prepare(self, plan: RankPlan, shards: LocalShards) -> _Prepared:
+        if self._prepared is None or not self._prepared.serves(plan, shards):
+            self._prepared = None  # let go of the old views first
+            schedule = rank_schedule(plan, self.config)
+            views = _resolve_views(plan, schedule, shards)
+            self._prepared = _Prepared(plan, shards, shards.version, schedule, views)
+        return self._prepared
+
+
+def _resolve_views(
+    plan: RankPlan, schedule: RankSchedule, shards: LocalShards
+) -> dict[Message, list[torch.Tensor]]:
+    """Every message's local views, each checked against the plan before any byte moves."""
+    for name, spec in plan.specs.items():
+        try:
+            local = shards.spec(name)
+        except KeyError:
+            raise LayoutError(
+                f"the plan moves this tensor but rank {plan.rank} registered no storage for it",
+                tensor=name,
+                rank=plan.rank,
+            ) from None
+        if local != spec:
+            raise LayoutError(
+                f"plan expects {list(spec.shape)} {spec.dtype}, rank {plan.rank} holds "
+                f"{list(local.shape)} {local.dtype}",
+                tensor=name,
+                rank=plan.rank,
+            )
+    return {m: [shards.view(c.tensor, c.box) for c in m.chunks] for m in schedule.messages}
+
 
 class _Run:
     """State of one execution (kept out of `Executor` so nothing leaks between refits)."""
@@ -128,22 +191,22 @@ class _Run:
     def __init__(
         self,
         executor: Executor,
-        plan: RankPlan,
-        shards: LocalShards,
+        prepared: _Prepared,
         progress: ProgressFn | None,
         cancel: threading.Event | None,
-        deadline: float,
+        started: float,
     ) -> None:
         self.t = executor.transport
         self.cfg = executor.config
         self.ring = executor.ring
-        self.plan = plan
+        self.plan = plan = prepared.plan
         self.rank = plan.rank
         self.progress = progress
         self.cancel = cancel
-        self.deadline = deadline
-        self.schedule: RankSchedule = rank_schedule(plan, self.cfg)
-        self.views = self._resolve_views(shards)
+        self.started = started
+        self.deadline = started + self.cfg.timeout_s
+        self.schedule = prepared.schedule
+        self.views = prepared.views
         self.verify = self.cfg.verify_checksums
         # One (S0, S1) row per message, per link, indexed by the message's round.
         self.sums: dict[Link, torch.Tensor] = {}
@@ -160,30 +223,6 @@ class _Run:
         self.group_bytes = GROUP_BUCKETS * self.cfg.bucket_bytes
         # Keep two groups per channel in flight within the staging budget.
         self.group_staged = max(1, self.cfg.max_inflight_bytes // (2 * self.cfg.num_channels))
-
-    # -- preparation: every view resolved and checked before any byte moves ----------------
-
-    def _resolve_views(self, shards: LocalShards) -> dict[Message, list[torch.Tensor]]:
-        for name, spec in self.plan.specs.items():
-            try:
-                local = shards.spec(name)
-            except KeyError:
-                raise LayoutError(
-                    f"the plan moves this tensor but rank {self.rank} registered no storage for it",
-                    tensor=name,
-                    rank=self.rank,
-                ) from None
-            if local != spec:
-                raise LayoutError(
-                    f"plan expects {list(spec.shape)} {spec.dtype}, rank {self.rank} holds "
-                    f"{list(local.shape)} {local.dtype}",
-                    tensor=name,
-                    rank=self.rank,
-                )
-        views: dict[Message, list[torch.Tensor]] = {}
-        for m in self.schedule.messages:
-            views[m] = [shards.view(c.tensor, c.box) for c in m.chunks]
-        return views
 
     # -- main loop ----------------------------------------------------------------------------
 
@@ -203,6 +242,7 @@ class _Run:
                 self._flush(channel)
             self._retire_completed()
         self._flush_all()
+        self.report.posted_seconds = time.monotonic() - self.started
         while self.in_flight:
             self._complete_oldest()
         if self.verify:
@@ -233,12 +273,14 @@ class _Run:
                 with self.t.channel_context(m.channel):
                     for chunk, view in zip(m.chunks, views, strict=True):
                         self._typed(buf, chunk.offset, chunk.tensor, chunk.box).copy_(view)
-            if self.verify:
-                # Posted with the group, off the transfer's path: reads the packed (or
-                # parameter) bytes, which stay untouched until the group completes.
-                group.posts.append(self._summer(m, buf))
-        else:
-            group.posts.append(self._unpacker(m, views, buf, direct))
+        elif not direct:
+            group.unpacks.append(self._unpacker(m, views, buf))
+        if self.verify:
+            # Summed with the group, off the transfer's path: the sender reads the packed
+            # (or parameter) bytes, which stay untouched until the group completes; the
+            # receiver what arrived (for direct messages, the parameters themselves).
+            group.sum_bufs.append(buf)
+            group.sum_rows.append(self.sums[(m.src, m.dst)][m.round])
         group.ops.append(P2POp(sending, m.dst if sending else m.src, buf))
         group.nbytes += m.nbytes
         payload = sum(c.nbytes for c in m.chunks)
@@ -262,17 +304,10 @@ class _Run:
         handle = self.t.issue(channel, group.ops, self.deadline)
         if self.t.device_ordered:
             with self.t.beside(channel):
-                for p in group.posts:
-                    p()
+                self._after_transfer(group)
             handle = self.t.fence(handle)
-        elif group.posts:
-            posts = group.posts
-
-            def post() -> None:
-                for p in posts:
-                    p()
-
-            group.post = post
+        elif group.unpacks or group.sum_bufs:
+            group.post = lambda: self._after_transfer(group)
         group.handle = handle
         group.ops = []
         self.in_flight.append(group)
@@ -319,28 +354,21 @@ class _Run:
         part = buf[offset : offset + nbytes]
         return part.view(torch_dtype(self.plan.specs[tensor].dtype)).view(box_shape(box))
 
-    def _summer(self, m: Message, buf: torch.Tensor) -> Callable[[], None]:
-        row = self.sums[(m.src, m.dst)][m.round]
-
-        def sum_message() -> None:
-            accumulate_sums(buf, row)
-
-        return sum_message
-
     def _unpacker(
-        self, m: Message, views: list[torch.Tensor], buf: torch.Tensor, direct: bool
+        self, m: Message, views: list[torch.Tensor], buf: torch.Tensor
     ) -> Callable[[], None]:
-        row = self.sums[(m.src, m.dst)][m.round] if self.verify else None
-
         def unpack() -> None:
-            if not direct:
-                for chunk, view in zip(m.chunks, views, strict=True):
-                    view.copy_(self._typed(buf, chunk.offset, chunk.tensor, chunk.box))
-            if row is not None:
-                # Direct receives landed in parameter memory: this reads the parameters.
-                accumulate_sums(buf, row)
+            for chunk, view in zip(m.chunks, views, strict=True):
+                view.copy_(self._typed(buf, chunk.offset, chunk.tensor, chunk.box))
 
         return unpack
+
+    @staticmethod
+    def _after_transfer(group: _Group) -> None:
+        for unpack in group.unpacks:
+            unpack()
+        if group.sum_bufs:
+            accumulate_sums_many(group.sum_bufs, group.sum_rows)
 
     def _verify(self) -> None:
         # Order channel 0 after every channel's packing/unpacking, then swap vectors.

@@ -66,6 +66,8 @@ class LocalShards:
     def __init__(self) -> None:
         self._views: dict[str, list[ShardView]] = {}
         self._specs: dict[str, TensorSpec] = {}
+        # Bumped by every `add`: whoever caches views of these shards checks it.
+        self.version = 0
 
     def add(self, spec: TensorSpec, box: Box, tensor: torch.Tensor) -> None:
         """Register `tensor` (a view of local memory) as holding `box` of `spec`."""
@@ -99,6 +101,7 @@ class LocalShards:
                     box=format_box(box),
                 )
         views.append(ShardView(spec, box, tensor))
+        self.version += 1
 
     def __iter__(self) -> Iterator[ShardView]:
         for name in sorted(self._views):

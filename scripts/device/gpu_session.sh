@@ -9,6 +9,7 @@
 #     carry .stage/p2:          bash scripts/device/gpu_session.sh stage
 #     carry .stage/p3 + .whl:   bash scripts/device/gpu_session.sh tests
 #     (nothing carried):        bash scripts/device/gpu_session.sh bench qwen3-8b tp2 [gpu_refit args]
+#     (nothing carried):        bash scripts/device/gpu_session.sh model qwen3-8b tp2 [model_refit args]
 # Logs and JSON results go to $OUT (the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -51,5 +52,13 @@ case "$step" in
       --out "$OUT/gpu_refit-$model-$layout.json" "$@" 2>&1 | tee "$OUT/gpu_refit-$model-$layout.log"
     exit "${PIPESTATUS[0]}"
     ;;
-  *) echo "usage: $0 stage | tests [pytest args] | bench MODEL LAYOUT [gpu_refit args]" >&2; exit 2 ;;
+  model)
+    setup || exit 1
+    model=$1 layout=$2
+    shift 2
+    python3 benchmarks/model_refit.py --model "$model" --layout "$layout" \
+      --out "$OUT/model_refit-$model-$layout.json" "$@" 2>&1 | tee "$OUT/model_refit-$model-$layout.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
+  *) echo "usage: $0 stage | tests [pytest args] | bench|model MODEL LAYOUT [benchmark args]" >&2; exit 2 ;;
 esac

@@ -20,3 +20,21 @@ def test_triton_equals_torch(n: int) -> None:
     assert int(fast) == int(slow)
     if n <= 1 << 26:
         assert int(cs.checksum(buf.cpu())) == int(fast)  # and the CPU path agrees
+
+
+def test_one_launch_for_many_buffers_equals_torch() -> None:
+    """A group's buffers in one call: whole-word aligned ones share one launch, odd lengths
+    and odd offsets take the torch path; every row gets exactly its buffer's sums."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    arena = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda", generator=gen)
+    spans = [(0, 8), (64, 1 << 20), (3, 4096), (1 << 21, 5), (1 << 22, 24 << 20), (100, 0)]
+    bufs = [arena[o : o + n] for o, n in spans]
+    table = torch.zeros((len(bufs), 2), dtype=torch.int64, device="cuda")
+    cs.accumulate_sums_many(bufs, [table[i] for i in range(len(bufs))])
+    cs.accumulate_sums_many(bufs[:2], [table[0], table[1]])  # it adds
+    for i, buf in enumerate(bufs):
+        ref = torch.zeros(2, dtype=torch.int64, device="cuda")
+        cs.accumulate_sums(buf, ref, use_triton=False)
+        if i < 2:
+            ref = ref * 2
+        assert table[i].tolist() == ref.tolist(), (i, spans[i])

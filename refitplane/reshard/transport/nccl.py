@@ -25,7 +25,7 @@ UID_BYTES = 128
 
 
 def _nccl() -> tuple[Any, Any]:
-    """nccl4py's core module and its result codes (imported lazily: GPU machines only)."""
+    """nccl4py's core module and its bindings (imported lazily: GPU machines only)."""
     try:
         import nccl.core as nc
         from nccl.bindings import nccl as nb
@@ -33,13 +33,17 @@ def _nccl() -> tuple[Any, Any]:
         raise TransferError(
             "the NCCL backend needs nccl4py (pip install 'refit-plane[nccl]')"
         ) from exc
-    return nc, nb.Result
+    return nc, nb
 
 
 def create_nccl_rendezvous(num_channels: int) -> bytes:
     """Mint one unique id per channel (on group rank 0; needs libnccl, not a GPU)."""
     nc, _ = _nccl()
     return b"".join(bytes(nc.get_unique_id()) for _ in range(num_channels))
+
+
+def _stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device, priority=priority)  # type: ignore[no-untyped-call]
 
 
 class NcclTransport(Transport):
@@ -62,10 +66,12 @@ class NcclTransport(Transport):
             )
         if not 0 <= rank < world_size:
             raise InvalidArgument(f"rank {rank} outside group of {world_size}", field="group_rank")
-        nc, result = _nccl()
+        nc, nb = _nccl()
         self._nc = nc
-        self._in_progress = result.InProgress
-        self._success = result.Success
+        self._nb = nb
+        self._uint8 = int(nc.NcclDataType.UINT8)
+        self._in_progress = nb.Result.InProgress
+        self._success = nb.Result.Success
         self.rank = rank
         self.world_size = world_size
         self.num_channels = num_channels
@@ -84,12 +90,16 @@ class NcclTransport(Transport):
         except BaseException:
             self.abort()
             raise
-        self._streams = [torch.cuda.Stream(device=device) for _ in range(num_channels)]  # type: ignore[no-untyped-call]
+        # Transfer and pack streams run at high priority: when checksums or unpacking (side
+        # streams, default priority) fill the GPU, the SMs that free up go to NCCL first.
+        # (Lower is higher; torch maps values beyond the device's range to its end.)
+        high = -8
+        self._streams = [_stream(device, high) for _ in range(num_channels)]
         # Side streams: unpacking and checksums run there, so a channel's next group of
         # transfers starts without waiting for them. Pack streams: packing the next group
         # overlaps the current transfer; a group waits for its packing just before posting.
-        self._side = [torch.cuda.Stream(device=device) for _ in range(num_channels)]  # type: ignore[no-untyped-call]
-        self._pack = [torch.cuda.Stream(device=device) for _ in range(num_channels)]  # type: ignore[no-untyped-call]
+        self._side = [_stream(device, 0) for _ in range(num_channels)]
+        self._pack = [_stream(device, high) for _ in range(num_channels)]
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -135,19 +145,28 @@ class NcclTransport(Transport):
     def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
         if not self._comms:
             raise TransferError("transport was aborted; a new group is needed")
+        for op in ops:
+            buf = op.buffer
+            if buf.dtype != torch.uint8 or buf.device != self.device or not buf.is_contiguous():
+                raise InvalidArgument(
+                    f"rank {self.rank}: NCCL buffers must be contiguous uint8 on {self.device}, "
+                    f"got {buf.dtype} on {buf.device}",
+                    field="buffer",
+                )
         comm = self._comms[channel]
         self._streams[channel].wait_stream(self._pack[channel])
         stream = self._streams[channel].cuda_stream
-        nc = self._nc
-        nc.group_start()
+        # nccl4py's `Communicator.send` resolves the buffer (DLPack, dtype table, device
+        # check) on every call, tens of microseconds; a refit posts hundreds of ops, so
+        # they go to the bindings with the pointer checked above.
+        nb, handle, uint8 = self._nb, comm._comm, self._uint8
+        nb.group_start()
         try:
             for op in ops:
-                if op.send:
-                    comm.send(op.buffer, op.peer, stream=stream)
-                else:
-                    comm.recv(op.buffer, op.peer, stream=stream)
+                post = nb.send if op.send else nb.recv
+                post(op.buffer.data_ptr(), op.buffer.numel(), uint8, op.peer, handle, stream)
         finally:
-            nc.group_end()
+            nb.group_end()
         # The first ops to a peer wait for it to connect: bounded by the refit's deadline.
         self._settle(comm, deadline, f"posting on channel {channel}")
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -54,6 +54,8 @@ def _rank_worker(
         shards = make_shards(layout, rank, fill=is_source)
         if mode == "reference":
             reference_refit(transport, sc.source, sc.target, shards, timeout_s=cfg.timeout_s)
+        elif mode == "repeat":
+            result.update(_repeat_refits(transport, cfg, sc, layout, rank, shards))
         else:
             plan = build_plan(sc.source, sc.target)
 
@@ -75,6 +77,31 @@ def _rank_worker(
             result[f"mismatches_{mode}"] = check_received(sc.target, rank, shards)
     transport.close()
     return result
+
+
+def _repeat_refits(
+    transport: Any, cfg: TransferConfig, sc: Any, layout: Any, rank: int, shards: Any
+) -> dict[str, Any]:
+    """Three refits on one executor: the second reuses the first's schedule and views; the
+    third gets a new shards registry, which is resolved afresh. Destinations are wiped
+    before each, so every refit must deliver every byte again."""
+    plan = build_plan(sc.source, sc.target).rank_plan(rank)
+    ex = Executor(transport, cfg)
+    is_source = rank in sc.source.ranks()
+    reused, mismatches = [], []
+    for attempt in range(3):
+        if attempt == 2:
+            shards = make_shards(layout, rank, fill=is_source)
+        elif not is_source:
+            for sv in shards:
+                sv.tensor.zero_()
+        before = ex._prepared
+        report = ex.run(plan, shards)
+        reused.append(before is not None and ex._prepared is before)
+        assert report.tensors_verified == report.tensors_total
+        if not is_source:
+            mismatches.append(check_received(sc.target, rank, shards))
+    return {"reused": reused, "repeat_mismatches": mismatches}
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -174,6 +201,19 @@ def test_stalled_peer_times_out() -> None:
         assert status == "error", (r, detail)
         assert detail["type"] in {"TransferTimeout", "PeerFailure"}, (r, detail)
     assert elapsed < 40
+
+
+def test_repeated_refits_reuse_the_schedule_and_stay_exact() -> None:
+    sc = SCENARIOS["tp4_to_two_tp1"]()
+    config = {"bucket_bytes": 512, "max_inflight_bytes": 2048, "num_channels": 2, "timeout_s": 60}
+    results = run_world(
+        _rank_worker, sc.world_size, scenario="tp4_to_two_tp1", modes=("repeat",), config=config
+    )
+    for rank, (status, detail) in sorted(results.items()):
+        assert status == "ok", (rank, detail)
+        assert detail["reused"] == [False, True, False], (rank, detail["reused"])
+    for rank in sc.target.ranks():
+        assert results[rank][1]["repeat_mismatches"] == [[], [], []]
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))

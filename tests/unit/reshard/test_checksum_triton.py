@@ -19,18 +19,25 @@ _INTERPRET = """
 import torch
 from refitplane.reshard import checksum as cs
 kernel = cs._triton_kernel()
-for n in (1, 7, 1024, 16 * 1024 + 3, 3 * 16 * 1024):
-    words = torch.randint(-2**62, 2**62, (n,), dtype=torch.int64, generator=torch.Generator().manual_seed(n))
-    fast = [int(x) for x in cs._sums_triton(words, kernel)]
-    slow = [int(x) for x in cs._sums_torch(words)]
-    assert fast == slow, (n, fast, slow)
+sizes = (1, 7, 1024, 16 * 1024 + 3, 3 * 16 * 1024, 0, 5 * 16 * 1024 - 1)
+words = [
+    torch.randint(-2**62, 2**62, (n,), dtype=torch.int64, generator=torch.Generator().manual_seed(n))
+    for n in sizes
+]
+slow = [[int(x) for x in cs._sums_torch(w)] for w in words]
+for w, expected in zip(words, slow):
     table = torch.zeros((3, 2), dtype=torch.int64)
-    cs._launch(kernel, words, table[1])
-    cs._launch(kernel, words, table[2])
-    cs._launch(kernel, words, table[2])
+    cs._launch(kernel, [w], [table[1]])
+    cs._launch(kernel, [w], [table[2]])
+    cs._launch(kernel, [w], [table[2]])
     assert table[0].tolist() == [0, 0]  # only the given row is written
-    assert table[1].tolist() == slow, (n, table[1].tolist(), slow)
-    assert table[2].tolist() == [(2 * x + 2**63) % 2**64 - 2**63 for x in slow]  # it adds
+    assert table[1].tolist() == expected, (w.numel(), table[1].tolist(), expected)
+    assert table[2].tolist() == [(2 * x + 2**63) % 2**64 - 2**63 for x in expected]  # it adds
+# One launch for every buffer: each lands in its own row, whatever the sizes around it.
+table = torch.zeros((len(words) + 1, 2), dtype=torch.int64)
+cs._launch(kernel, words, [table[i + 1] for i in range(len(words))])
+assert table[0].tolist() == [0, 0]
+assert [table[i + 1].tolist() for i in range(len(words))] == slow
 print("ok")
 """
 
@@ -58,14 +65,16 @@ def test_kernel_compiles_for_hopper() -> None:
 
     kernel = cs._triton_kernel()
     signature = {
-        "x_ptr": "*i64",
-        "n_words": "i64",
-        "out_ptr": "*i64",
+        "tab": "*i64",
+        "n": "i64",
         "BLOCK": "constexpr",
         "ITERS": "constexpr",
+        "STEPS": "constexpr",
     }
     src = ASTSource(
-        fn=kernel, signature=signature, constexprs={"BLOCK": cs._BLOCK, "ITERS": cs._ITERS}
+        fn=kernel,
+        signature=signature,
+        constexprs={"BLOCK": cs._BLOCK, "ITERS": cs._ITERS, "STEPS": 7},
     )
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
