@@ -85,14 +85,67 @@ def _triton_kernel() -> Any:
     return _kernel
 
 
-def _launch_table(kernel: Any, table: list[int], programs: int, device: torch.device) -> None:
-    """One launch over `table` (4 ints per buffer, see `_triton_kernel`)."""
+class LaunchTables:
+    """Room for the launch tables of one transfer, allocated before it starts.
+
+    While NCCL kernels are in flight, the data plane must not allocate page-locked host
+    memory or device memory: CUDA serializes streams around both, and a rank whose next
+    transfer cannot start while an earlier one waits for a peer deadlocks with that peer.
+    So a transfer reserves room for every table it will upload (one entry per message) up
+    front, and each group's table goes to its own slice (pinned host → device, async).
+    Constructing one also compiles and loads the kernel (module loading may synchronize)."""
+
+    def __init__(self, device: torch.device, entries: int) -> None:
+        self.capacity = 4 * max(1, entries)
+        self.host = torch.empty(self.capacity, dtype=torch.int64, pin_memory=True)
+        self.device_table = torch.empty(self.capacity, dtype=torch.int64, device=device)
+        self.used = 0
+        kernel = _triton_kernel()
+        if kernel is not None:
+            probe = torch.zeros(3, dtype=torch.int64, device=device)
+            table = [probe.data_ptr(), 1, probe[1:].data_ptr(), 0]
+            self._launch(kernel, table, 1)
+            torch.cuda.current_stream(device).synchronize()
+            self.used = 0
+
+    def reset(self) -> None:
+        """Start a new transfer (the previous one has completed)."""
+        self.used = 0
+
+    def _launch(self, kernel: Any, table: list[int], programs: int) -> None:
+        n = len(table)
+        if self.used + n > self.capacity:
+            raise RuntimeError(
+                f"checksum launch tables full ({self.capacity // 4} entries reserved)"
+            )
+        host = self.host[self.used : self.used + n]
+        host.copy_(torch.tensor(table, dtype=torch.int64))
+        dev = self.device_table[self.used : self.used + n]
+        dev.copy_(host, non_blocking=True)
+        self.used += n
+        kernel[(programs,)](dev, n // 4, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=_steps(n // 4))
+
+
+def _steps(entries: int) -> int:
+    """Binary-search steps that find any of `entries` table rows."""
+    return max(1, entries.bit_length())
+
+
+def _launch_table(
+    kernel: Any,
+    table: list[int],
+    programs: int,
+    device: torch.device,
+    tables: LaunchTables | None = None,
+) -> None:
+    """One launch over `table` (4 ints per buffer, see `_triton_kernel`): through the
+    transfer's reserved `tables`, or (outside transfers) through a fresh device copy."""
+    if tables is not None:
+        tables._launch(kernel, table, programs)
+        return
     entries = len(table) // 4
-    pinned = device.type == "cuda"
-    host = torch.tensor(table, dtype=torch.int64, pin_memory=pinned)
-    table_dev = host.to(device, non_blocking=pinned)
-    steps = max(1, entries.bit_length())
-    kernel[(programs,)](table_dev, entries, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=steps)
+    table_dev = torch.tensor(table, dtype=torch.int64).to(device)
+    kernel[(programs,)](table_dev, entries, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=_steps(entries))
 
 
 def _launch(kernel: Any, words: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
@@ -136,13 +189,18 @@ def _accumulate_torch(buf: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def accumulate_sums_many(
-    bufs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], *, use_triton: bool = True
+    bufs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    *,
+    use_triton: bool = True,
+    tables: LaunchTables | None = None,
 ) -> None:
     """Add (S0, S1) of each contiguous 1-D uint8 `bufs[i]` into `outs[i]`, an int64 tensor of
     two elements on the buffer's device (a row of a zeroed table). Asynchronous on CUDA,
     where every whole-word, 8-byte aligned buffer (every message the schedule cuts) goes
     into one kernel launch; anything else takes the torch path. Called once per group of
-    messages, so the per-buffer work here is a handful of attribute reads."""
+    messages, so the per-buffer work here is a handful of attribute reads. Inside a
+    transfer, pass its `LaunchTables` (see there why)."""
     kernel = _triton_kernel() if use_triton else None
     table: list[int] = []
     programs = 0
@@ -168,7 +226,7 @@ def accumulate_sums_many(
             _accumulate_torch(buf, out)
     if programs:
         assert device is not None
-        _launch_table(kernel, table, programs, device)
+        _launch_table(kernel, table, programs, device, tables)
 
 
 def accumulate_sums(buf: torch.Tensor, out: torch.Tensor, *, use_triton: bool = True) -> None:

@@ -35,7 +35,7 @@ from refitplane.errors import (
     TransferTimeout,
 )
 from refitplane.reshard.boxes import Box, box_numel, box_shape, format_box
-from refitplane.reshard.checksum import accumulate_sums_many
+from refitplane.reshard.checksum import LaunchTables, accumulate_sums_many
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.schedule import Message, RankSchedule, rank_schedule
@@ -94,6 +94,8 @@ class _Prepared:
     shards_version: int
     schedule: RankSchedule
     views: dict[Message, list[torch.Tensor]]
+    # Reserved checksum launch tables (verified runs on CUDA), one entry per message.
+    tables: LaunchTables | None = None
 
     def serves(self, plan: RankPlan, shards: LocalShards) -> bool:
         same_plan = plan is self.plan or (
@@ -158,7 +160,11 @@ class Executor:
             self._prepared = None  # let go of the old views first
             schedule = rank_schedule(plan, self.config)
             views = _resolve_views(plan, schedule, shards)
-            self._prepared = _Prepared(plan, shards, shards.version, schedule, views)
+            tables = None
+            if self.config.verify_checksums and self.transport.device.type == "cuda":
+                count = sum(len(r) for r in schedule.rounds)
+                tables = LaunchTables(self.transport.device, count)
+            self._prepared = _Prepared(plan, shards, shards.version, schedule, views, tables)
         return self._prepared
 
 
@@ -207,6 +213,9 @@ class _Run:
         self.deadline = started + self.cfg.timeout_s
         self.schedule = prepared.schedule
         self.views = prepared.views
+        self.tables = prepared.tables
+        if self.tables is not None:
+            self.tables.reset()
         self.verify = self.cfg.verify_checksums
         # One (S0, S1) row per message, per link, indexed by the message's round.
         self.sums: dict[Link, torch.Tensor] = {}
@@ -363,12 +372,11 @@ class _Run:
 
         return unpack
 
-    @staticmethod
-    def _after_transfer(group: _Group) -> None:
+    def _after_transfer(self, group: _Group) -> None:
         for unpack in group.unpacks:
             unpack()
         if group.sum_bufs:
-            accumulate_sums_many(group.sum_bufs, group.sum_rows)
+            accumulate_sums_many(group.sum_bufs, group.sum_rows, tables=self.tables)
 
     def _verify(self) -> None:
         # Order channel 0 after every channel's packing/unpacking, then swap vectors.

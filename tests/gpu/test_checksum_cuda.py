@@ -38,3 +38,25 @@ def test_one_launch_for_many_buffers_equals_torch() -> None:
         if i < 2:
             ref = ref * 2
         assert table[i].tolist() == ref.tolist(), (i, spans[i])
+
+
+def test_reserved_launch_tables_serve_a_whole_transfer() -> None:
+    """Groups launched through a transfer's reserved tables (no allocation while NCCL runs)
+    sum like the torch path; a table that would overflow its reservation is refused."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    bufs = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=gen)
+        for n in (8 << 20, 1 << 20, 4096, 24 << 20)
+    ]
+    tables = cs.LaunchTables(torch.device("cuda"), entries=len(bufs))
+    rows = torch.zeros((len(bufs), 2), dtype=torch.int64, device="cuda")
+    cs.accumulate_sums_many(bufs[:2], [rows[0], rows[1]], tables=tables)
+    cs.accumulate_sums_many(bufs[2:], [rows[2], rows[3]], tables=tables)
+    for i, buf in enumerate(bufs):
+        ref = torch.zeros(2, dtype=torch.int64, device="cuda")
+        cs.accumulate_sums(buf, ref, use_triton=False)
+        assert rows[i].tolist() == ref.tolist(), i
+    with pytest.raises(RuntimeError, match="tables full"):
+        cs.accumulate_sums_many(bufs[:1], [rows[0]], tables=tables)
+    tables.reset()
+    cs.accumulate_sums_many(bufs[:1], [rows[0]], tables=tables)
