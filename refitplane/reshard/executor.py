@@ -10,9 +10,16 @@ exceeds `max_inflight_bytes`. On GPU, packing, the transfer and unpacking are or
 the channel's CUDA stream without host waits; on CPU (Gloo) unpacking happens when a group
 completes.
 
+Nothing in the posting loop allocates device or page-locked memory (CUDA serializes all
+streams around such allocations, and a rank whose next NCCL group cannot start while an
+earlier one waits for a peer can deadlock with it): the staging ring, the checksum tables
+and the checksum kernel's launch tables are all in place before the first byte moves. The
+schedule and resolved views are kept for the next refit while plan and shards stay the
+same.
+
 With verification on, both ends checksum every message (the sender what it sends, the
-receiver what arrived: its parameters themselves for direct messages) and, after the last
-message, senders ship their checksum vectors; a receiver raises `ChecksumMismatch` naming
+receiver what arrived: its parameters themselves for direct messages; one kernel launch
+per group of messages) and, after the last message, senders ship their checksum vectors; a receiver raises `ChecksumMismatch` naming
 the sender, tensors and boxes before anyone reports success. Any error aborts the
 transport: the group must be rebuilt before the next refit.
 """
