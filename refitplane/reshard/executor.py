@@ -83,6 +83,7 @@ class _Group:
     sum_rows: list[torch.Tensor] = field(default_factory=list)
     slices: list[int] = field(default_factory=list)
     nbytes: int = 0
+    payload: int = 0  # tensor bytes (nbytes less packing alignment)
     staged: int = 0
     handle: Handle | None = None
     post: Callable[[], None] | None = None
@@ -300,6 +301,7 @@ class _Run:
         group.ops.append(P2POp(sending, m.dst if sending else m.src, buf))
         group.nbytes += m.nbytes
         payload = sum(c.nbytes for c in m.chunks)
+        group.payload += payload
         r = self.report
         r.messages += 1
         if direct:
@@ -353,7 +355,7 @@ class _Run:
             group.post()
         for token in group.slices:
             self.ring.release(token)
-        self.done += group.nbytes
+        self.done += group.payload
         if self.progress is not None:
             self.progress(self.done, self.total)
 
