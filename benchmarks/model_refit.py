@@ -269,7 +269,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from refitplane.testing.nccl_world import run_nccl_world
+    from refitplane.testing.nccl_world import ranks_or_report, run_nccl_world
 
     results = run_nccl_world(
         _worker,
@@ -283,11 +283,9 @@ def main() -> int:
         repeats=args.repeats,
         profile=args.profile,
     )
-    for rank, (status, detail) in sorted(results.items()):
-        if status != "ok":
-            print(f"rank {rank} failed: {detail}", file=sys.stderr)
-            return 1
-    ranks = [results[r][1] for r in range(4)]
+    ranks = ranks_or_report(results, 4)
+    if ranks is None:
+        return 1
 
     def slowest(key: str, rows: list[dict[str, Any]] | None = None) -> float:
         src = rows if rows is not None else ranks

@@ -20,7 +20,7 @@ import statistics
 import sys
 from typing import Any
 
-from refitplane.testing.nccl_world import run_nccl_world
+from refitplane.testing.nccl_world import ranks_or_report, run_nccl_world
 
 MiB = 1 << 20
 
@@ -112,11 +112,10 @@ def main() -> int:
         buckets=args.buckets,
         repeats=args.repeats,
     )
-    for rank, (status, detail) in sorted(results.items()):
-        if status != "ok":
-            print(f"rank {rank} failed: {detail}", file=sys.stderr)
-            return 1
-    send, recv = results[0][1], results[1][1]
+    ranks = ranks_or_report(results, 2)
+    if ranks is None:
+        return 1
+    send, recv = ranks
     summary: dict[str, Any] = {
         "device": recv["device"],
         "python": platform.python_version(),

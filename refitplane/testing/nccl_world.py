@@ -59,3 +59,21 @@ def run_nccl_world(
         world,
         timeout_s + 60,
     )
+
+
+def ranks_or_report(
+    results: dict[int, tuple[str, dict[str, Any]]], world: int
+) -> list[dict[str, Any]] | None:
+    """Every rank's result in rank order; None (after printing what failed) if any rank
+    failed or never reported."""
+    import sys
+
+    missing = [r for r in range(world) if r not in results]
+    for rank in missing:
+        print(f"rank {rank} never reported", file=sys.stderr)
+    failed = [(r, d) for r, (status, d) in sorted(results.items()) if status != "ok"]
+    for rank, detail in failed:
+        print(f"rank {rank} failed: {detail}", file=sys.stderr)
+    if missing or failed:
+        return None
+    return [results[r][1] for r in range(world)]

@@ -44,20 +44,13 @@ case "$step" in
     python3 -m pytest tests/gpu -v -rs -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest-gpu.log"
     exit "${PIPESTATUS[0]}"
     ;;
-  bench)
+  bench | model)
     setup || exit 1
+    script=$([ "$step" = bench ] && echo gpu_refit || echo model_refit)
     model=$1 layout=$2
     shift 2
-    python3 benchmarks/gpu_refit.py --model "$model" --layout "$layout" \
-      --out "$OUT/gpu_refit-$model-$layout.json" "$@" 2>&1 | tee "$OUT/gpu_refit-$model-$layout.log"
-    exit "${PIPESTATUS[0]}"
-    ;;
-  model)
-    setup || exit 1
-    model=$1 layout=$2
-    shift 2
-    python3 benchmarks/model_refit.py --model "$model" --layout "$layout" \
-      --out "$OUT/model_refit-$model-$layout.json" "$@" 2>&1 | tee "$OUT/model_refit-$model-$layout.log"
+    python3 "benchmarks/$script.py" --model "$model" --layout "$layout" \
+      --out "$OUT/$script-$model-$layout.json" "$@" 2>&1 | tee "$OUT/$script-$model-$layout.log"
     exit "${PIPESTATUS[0]}"
     ;;
   *) echo "usage: $0 stage | tests [pytest args] | bench|model MODEL LAYOUT [benchmark args]" >&2; exit 2 ;;
