@@ -266,6 +266,7 @@ class SidecarMember(NullHandler):
     def _require_ranks_verified(self, refit_id: str) -> None:
         ranks = {m.member_id for m in self._replica_ranks()}
         deadline = time.monotonic() + self.verify_wait_s
+        delay = 0.002  # the ranks' reports usually land first: look again soon, then back off
         while True:
             refit: Refit = self.client.get(refit_id)
             if refit.state in {RefitState.FAILED, RefitState.CANCELLED}:
@@ -288,7 +289,8 @@ class SidecarMember(NullHandler):
                     f"ranks {missing} of replica {self.replica_id} did not verify the transfer",
                     touched=self.state.weights_touched,
                 )
-            time.sleep(0.05)
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
 
     def _failed(self, message: str, *, touched: bool) -> TransferError:
         if touched:

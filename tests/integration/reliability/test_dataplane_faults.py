@@ -202,9 +202,18 @@ def test_cancel_mid_transfer_releases_everyone(world: World) -> None:
     world.step(version)
     for name in ("trainer-0", "trainer-1"):
         cluster.agents[name].arm(stall_after_bytes=0, stall_until="abort")
+    posted_before = {g.name: g.status()["faults"]["bytes_posted"] for g in cluster.generators}
     refit = world.trigger(version)
     cluster.wait_state(refit.refit_id, RefitState.TRANSFERRING)
     world.wait_stalled(cluster.agents["trainer-0"])
+    # Cancel once every generator rank has posted receives (a rank still starting its run
+    # when the abort comes posts none, and rightly reports its weights intact).
+    for g in cluster.generators:
+        wait_for(
+            f"{g.name} to post receives",
+            lambda g=g: g.status()["faults"]["bytes_posted"] > posted_before[g.name],
+            30,
+        )
     cancelled = time.monotonic()
     # Over REST, as an operator would.
     response = httpx.post(f"{cluster.coordinator.http_url}/v1/refits/{refit.refit_id}/cancel")
