@@ -95,11 +95,13 @@ Link = tuple[int, int]
 @dataclass
 class _Prepared:
     """A rank plan's schedule and resolved views, kept while plan and shards stay the same
-    (refits of one job repeat the same plan: resolving hundreds of views costs ms)."""
+    (refits of one job repeat the same plan: resolving hundreds of views costs ms), also
+    across registries rebuilt over the same memory."""
 
     plan: RankPlan
     shards: LocalShards
     shards_version: int
+    fingerprint: tuple[tuple[object, ...], ...]
     schedule: RankSchedule
     views: dict[Message, list[torch.Tensor]]
     # Reserved checksum launch tables (verified runs on CUDA), one entry per message.
@@ -111,7 +113,16 @@ class _Prepared:
             and plan.plan_digest == self.plan.plan_digest
             and plan.rank == self.plan.rank
         )
-        return same_plan and shards is self.shards and shards.version == self.shards_version
+        if not same_plan:
+            return False
+        if shards is self.shards and shards.version == self.shards_version:
+            return True
+        # A new registry over the same memory (the cached views keep the old memory alive,
+        # so equal addresses mean the same memory).
+        if shards.fingerprint() == self.fingerprint:
+            self.shards, self.shards_version = shards, shards.version
+            return True
+        return False
 
 
 # Post a channel's batched ops once they reach this many bucket sizes (or ops): fewer,
@@ -172,7 +183,9 @@ class Executor:
             if self.config.verify_checksums and self.transport.device.type == "cuda":
                 count = sum(len(r) for r in schedule.rounds)
                 tables = LaunchTables(self.transport.device, count)
-            self._prepared = _Prepared(plan, shards, shards.version, schedule, views, tables)
+            self._prepared = _Prepared(
+                plan, shards, shards.version, shards.fingerprint(), schedule, views, tables
+            )
         return self._prepared
 
 

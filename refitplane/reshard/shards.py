@@ -110,6 +110,15 @@ class LocalShards:
     def __len__(self) -> int:
         return sum(len(v) for v in self._views.values())
 
+    def fingerprint(self) -> tuple[tuple[object, ...], ...]:
+        """What views resolved from these shards depend on: every registered box with the
+        memory behind it. Two registries over the same parameters (a trainer that rebuilds
+        its `LocalShards` each refit) have equal fingerprints."""
+        return tuple(
+            (sv.spec, sv.box, sv.tensor.data_ptr(), sv.tensor.stride(), sv.tensor.device)
+            for sv in self
+        )
+
     def names(self) -> list[str]:
         return sorted(self._views)
 
