@@ -40,10 +40,12 @@ _kernel: Any = None
 
 def _triton_kernel() -> Any:
     """Compile-on-first-use Triton kernel, or None where Triton cannot run. One launch sums
-    many buffers: a table row per buffer (word address, word count, output address, first
-    program) maps each program to a buffer (binary search on the first-program column), and
-    the program adds its part's (S0, S1) into that buffer's output pair (int64 atomics): no
-    partial sums to reduce, one launch per group of messages."""
+    many buffers: a table row per buffer (8-byte aligned address, byte count, output
+    address, first program) maps each program to a buffer (binary search on the
+    first-program column), and the program adds its part's (S0, S1) into that buffer's
+    output pair (int64 atomics): no partial sums to reduce, one launch per group of
+    messages. A last partial word (1-7 bytes) is read bytewise by the program whose range
+    holds it, zero-padded like the reference."""
     global _kernel
     if _kernel is not None:
         return _kernel or None
@@ -66,8 +68,10 @@ def _triton_kernel() -> Any:
             lo = tl.where(right, mid, lo)
             hi = tl.where(right, hi, mid)
         row = tab + lo * 4
-        x_ptr = tl.load(row).to(tl.pointer_type(tl.int64))
-        n_words = tl.load(row + 1)
+        address = tl.load(row)
+        x_ptr = address.to(tl.pointer_type(tl.int64))
+        n_bytes = tl.load(row + 1)
+        n_words = n_bytes // 8  # whole words; a tail of n_bytes % 8 bytes follows
         out_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int64))
         base = (pid - tl.load(row + 3)) * BLOCK * ITERS
         acc0 = tl.zeros([BLOCK], dtype=tl.int64)
@@ -78,8 +82,14 @@ def _triton_kernel() -> Any:
             x = tl.load(x_ptr + offs, mask=mask, other=0)
             acc0 += x
             acc1 += x * offs
-        tl.atomic_add(out_ptr, tl.sum(acc0, axis=0))
-        tl.atomic_add(out_ptr + 1, tl.sum(acc1, axis=0))
+        lane = tl.arange(0, 8).to(tl.int64)
+        mine = (n_words >= base) & (n_words < base + BLOCK * ITERS)
+        tail_mask = lane < tl.where(mine, n_bytes - n_words * 8, 0)
+        byte_ptr = address.to(tl.pointer_type(tl.uint8))
+        tail_bytes = tl.load(byte_ptr + n_words * 8 + lane, mask=tail_mask, other=0)
+        tail = tl.sum(tail_bytes.to(tl.int64) << (lane * 8), axis=0)
+        tl.atomic_add(out_ptr, tl.sum(acc0, axis=0) + tail)
+        tl.atomic_add(out_ptr + 1, tl.sum(acc1, axis=0) + tail * n_words)
 
     _kernel = _sums_into
     return _kernel
@@ -103,7 +113,7 @@ class LaunchTables:
         kernel = _triton_kernel()
         if kernel is not None:
             probe = torch.zeros(3, dtype=torch.int64, device=device)
-            table = [probe.data_ptr(), 1, probe[1:].data_ptr(), 0]
+            table = [probe.data_ptr(), 8, probe[1:].data_ptr(), 0]
             self._launch(kernel, table, 1)
             torch.cuda.current_stream(device).synchronize()
             self.used = 0
@@ -148,17 +158,23 @@ def _launch_table(
     kernel[(programs,)](table_dev, entries, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=_steps(entries))
 
 
-def _launch(kernel: Any, words: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
-    """Add each 1-D int64 `words[i]`'s (S0, S1) into `outs[i]` (two contiguous int64), one launch."""
+def _programs(n_bytes: int) -> int:
+    """Programs that cover a buffer of `n_bytes` (its words, a partial last one included)."""
+    return -(-n_bytes // (8 * _WORDS_PER_PROGRAM))
+
+
+def _launch(kernel: Any, bufs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+    """Add each 8-byte aligned 1-D uint8 `bufs[i]`'s (S0, S1) into `outs[i]` (two contiguous
+    int64), one launch."""
     table: list[int] = []
     programs = 0
-    for w, out in zip(words, outs, strict=True):
-        n = w.numel()
+    for buf, out in zip(bufs, outs, strict=True):
+        n = buf.numel()
         if n:
-            table += [w.data_ptr(), n, out.data_ptr(), programs]
-            programs += -(-n // _WORDS_PER_PROGRAM)
+            table += [buf.data_ptr(), n, out.data_ptr(), programs]
+            programs += _programs(n)
     if programs:
-        _launch_table(kernel, table, programs, words[0].device)
+        _launch_table(kernel, table, programs, bufs[0].device)
 
 
 def _sums_torch(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,8 +213,9 @@ def accumulate_sums_many(
 ) -> None:
     """Add (S0, S1) of each contiguous 1-D uint8 `bufs[i]` into `outs[i]`, an int64 tensor of
     two elements on the buffer's device (a row of a zeroed table). Asynchronous on CUDA,
-    where every whole-word, 8-byte aligned buffer (every message the schedule cuts) goes
-    into one kernel launch; anything else takes the torch path. Called once per group of
+    where every 8-byte aligned buffer (every message the schedule cuts, unless a parameter
+    view itself starts off a word) goes into one kernel launch; anything else takes the
+    torch path. Called once per group of
     messages, so the per-buffer work here is a handful of attribute reads. Inside a
     transfer, pass its `LaunchTables` (see there why)."""
     kernel = _triton_kernel() if use_triton else None
@@ -213,14 +230,13 @@ def accumulate_sums_many(
         if (
             kernel is not None
             and buf.is_cuda
-            and not n % 8
             and not ptr % 8
             and out.is_contiguous()
             and (device is None or buf.device == device)
         ):
             if n:
-                table += [ptr, n // 8, out.data_ptr(), programs]
-                programs += -(-n // (8 * _WORDS_PER_PROGRAM))
+                table += [ptr, n, out.data_ptr(), programs]
+                programs += _programs(n)
                 device = buf.device
         else:
             _accumulate_torch(buf, out)

@@ -13,7 +13,9 @@ completes.
 Nothing in the posting loop allocates device or page-locked memory (CUDA serializes all
 streams around such allocations, and a rank whose next NCCL group cannot start while an
 earlier one waits for a peer can deadlock with it): the staging ring, the checksum tables
-and the checksum kernel's launch tables are all in place before the first byte moves. The
+and the checksum kernel's launch tables are all in place before the first byte moves.
+(One exception: a direct message whose parameter view starts off an 8-byte boundary is
+checksummed by the torch path, which allocates temporaries; staged messages never are.) The
 schedule and resolved views are kept for the next refit while plan and shards stay the
 same.
 

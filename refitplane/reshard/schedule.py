@@ -7,8 +7,7 @@ always match (a mismatch is how NCCL P2P hangs). Cutting rules, per link in piec
 - a chunk of at least half a bucket, or of at least `config.direct_min_bytes`, travels alone, so
   it can go straight from/to parameter memory when that side's view is contiguous (packing
   costs two extra copies of every byte; NCCL runs near its peak from a few tens of MiB);
-- smaller chunks are packed together up to `bucket_bytes` (a packed message is padded to
-  whole 8-byte words; both ends send/receive the padding, whatever it holds).
+- smaller chunks are packed together up to `bucket_bytes`.
 
 Message `i` of a link belongs to round `i` and to channel `i % num_channels`. Every rank
 processes its messages in the global order (round, src, dst); ops of a round may be grouped,
@@ -32,10 +31,6 @@ ALIGN = 16
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _whole_words(n: int) -> int:
-    return (n + 7) // 8 * 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +77,8 @@ def link_messages(
         nonlocal current, filled
         if current:
             r = len(messages)
-            # A packed message (two or more chunks: staged on both ends) ends on a whole
-            # 8-byte word, so its checksum never takes the byte-tail path (which allocates);
-            # a lone chunk may travel straight from/to parameter memory on one end, so its
-            # size is its own.
-            size = _whole_words(filled) if len(current) > 1 else filled
             messages.append(
-                Message(link.src, link.dst, r, r % config.num_channels, tuple(current), size)
+                Message(link.src, link.dst, r, r % config.num_channels, tuple(current), filled)
             )
             current, filled = [], 0
 
@@ -98,7 +88,7 @@ def link_messages(
             current, filled = [Chunk(tensor, box, nbytes, 0, index)], nbytes
             flush()
             continue
-        if current and _whole_words(_align(filled) + nbytes) > bucket:
+        if _align(filled) + nbytes > bucket:
             flush()
         offset = _align(filled)
         current.append(Chunk(tensor, box, nbytes, offset, index))

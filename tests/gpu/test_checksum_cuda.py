@@ -23,8 +23,9 @@ def test_triton_equals_torch(n: int) -> None:
 
 
 def test_one_launch_for_many_buffers_equals_torch() -> None:
-    """A group's buffers in one call: whole-word aligned ones share one launch, odd lengths
-    and odd offsets take the torch path; every row gets exactly its buffer's sums."""
+    """A group's buffers in one call: 8-byte aligned ones (any length, partial last words
+    included) share one launch, odd offsets take the torch path; every row gets exactly
+    its buffer's sums."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     arena = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda", generator=gen)
     spans = [(0, 8), (64, 1 << 20), (3, 4096), (1 << 21, 5), (1 << 22, 24 << 20), (100, 0)]

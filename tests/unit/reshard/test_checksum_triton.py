@@ -19,25 +19,33 @@ _INTERPRET = """
 import torch
 from refitplane.reshard import checksum as cs
 kernel = cs._triton_kernel()
-sizes = (1, 7, 1024, 16 * 1024 + 3, 3 * 16 * 1024, 0, 5 * 16 * 1024 - 1)
-words = [
-    torch.randint(-2**62, 2**62, (n,), dtype=torch.int64, generator=torch.Generator().manual_seed(n))
+wpp = 8 * cs._WORDS_PER_PROGRAM  # bytes per program
+sizes = (1, 7, 8, 13, 1024 * 8, wpp + 3, 3 * wpp, 0, 5 * wpp - 8, 2 * wpp + 7)
+bufs = [
+    torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     for n in sizes
 ]
-slow = [[int(x) for x in cs._sums_torch(w)] for w in words]
-for w, expected in zip(words, slow):
+
+def reference(buf):
+    out = torch.zeros(2, dtype=torch.int64)
+    cs._accumulate_torch(buf, out)
+    return out.tolist()
+
+slow = [reference(b) for b in bufs]
+for b, expected in zip(bufs, slow):
     table = torch.zeros((3, 2), dtype=torch.int64)
-    cs._launch(kernel, [w], [table[1]])
-    cs._launch(kernel, [w], [table[2]])
-    cs._launch(kernel, [w], [table[2]])
+    cs._launch(kernel, [b], [table[1]])
+    cs._launch(kernel, [b], [table[2]])
+    cs._launch(kernel, [b], [table[2]])
     assert table[0].tolist() == [0, 0]  # only the given row is written
-    assert table[1].tolist() == expected, (w.numel(), table[1].tolist(), expected)
+    assert table[1].tolist() == expected, (b.numel(), table[1].tolist(), expected)
     assert table[2].tolist() == [(2 * x + 2**63) % 2**64 - 2**63 for x in expected]  # it adds
-# One launch for every buffer: each lands in its own row, whatever the sizes around it.
-table = torch.zeros((len(words) + 1, 2), dtype=torch.int64)
-cs._launch(kernel, words, [table[i + 1] for i in range(len(words))])
+# One launch for every buffer: each lands in its own row, whatever the sizes around it
+# (partial last words included).
+table = torch.zeros((len(bufs) + 1, 2), dtype=torch.int64)
+cs._launch(kernel, bufs, [table[i + 1] for i in range(len(bufs))])
 assert table[0].tolist() == [0, 0]
-assert [table[i + 1].tolist() for i in range(len(words))] == slow
+assert [table[i + 1].tolist() for i in range(len(bufs))] == slow
 print("ok")
 """
 
