@@ -15,15 +15,16 @@ streams around such allocations, and a rank whose next NCCL group cannot start w
 earlier one waits for a peer can deadlock with it): the staging ring, the checksum tables
 and the checksum kernel's launch tables are all in place before the first byte moves.
 (One exception: a direct message whose parameter view starts off an 8-byte boundary is
-checksummed by the torch path, which allocates temporaries; staged messages never are.) The
-schedule and resolved views are kept for the next refit while plan and shards stay the
-same.
+checksummed by the torch path, which allocates temporaries; staged messages never are.)
+The schedule and resolved views are kept for the next refit while plan and shards (or the
+memory behind them) stay the same.
 
 With verification on, both ends checksum every message (the sender what it sends, the
 receiver what arrived: its parameters themselves for direct messages; one kernel launch
-per group of messages) and, after the last message, senders ship their checksum vectors; a receiver raises `ChecksumMismatch` naming
-the sender, tensors and boxes before anyone reports success. Any error aborts the
-transport: the group must be rebuilt before the next refit.
+per group of messages) and, after the last message, senders ship their checksum vectors;
+a receiver raises `ChecksumMismatch` naming the sender, tensors and boxes before anyone
+reports success. Any error aborts the transport: the group must be rebuilt before the next
+refit.
 """
 
 from __future__ import annotations
