@@ -16,8 +16,8 @@ reference) torch does it in bounded slabs. Results stay on the device (no host s
 The data plane checksums hundreds of messages per refit, so the host cost matters as much
 as the kernel: `accumulate_sums_many` adds each buffer's (S0, S1) into its row of a
 preallocated table with a single kernel launch for a whole group of messages (the
-kernel's blocks add their partial sums atomically), and both ends compare tables. `checksum` folds (S0, S1, n) into one
-value for everything else.
+kernel's blocks add their partial sums atomically), and both ends compare tables.
+`checksum` folds (S0, S1, n) into one value for everything else.
 """
 
 from __future__ import annotations
@@ -113,16 +113,16 @@ class LaunchTables:
         kernel = _triton_kernel()
         if kernel is not None:
             probe = torch.zeros(3, dtype=torch.int64, device=device)
-            table = [probe.data_ptr(), 8, probe[1:].data_ptr(), 0]
-            self._launch(kernel, table, 1)
+            _launch_table(kernel, [probe.data_ptr(), 8, probe[1:].data_ptr(), 0], 1, device, self)
             torch.cuda.current_stream(device).synchronize()
-            self.used = 0
+            self.reset()
 
     def reset(self) -> None:
         """Start a new transfer (the previous one has completed)."""
         self.used = 0
 
-    def _launch(self, kernel: Any, table: list[int], programs: int) -> None:
+    def upload(self, table: list[int]) -> torch.Tensor:
+        """`table` on the device, in this transfer's next free slice (no allocation)."""
         n = len(table)
         if self.used + n > self.capacity:
             raise RuntimeError(
@@ -133,12 +133,7 @@ class LaunchTables:
         dev = self.device_table[self.used : self.used + n]
         dev.copy_(host, non_blocking=True)
         self.used += n
-        kernel[(programs,)](dev, n // 4, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=_steps(n // 4))
-
-
-def _steps(entries: int) -> int:
-    """Binary-search steps that find any of `entries` table rows."""
-    return max(1, entries.bit_length())
+        return dev
 
 
 def _launch_table(
@@ -148,31 +143,34 @@ def _launch_table(
     device: torch.device,
     tables: LaunchTables | None = None,
 ) -> None:
-    """One launch over `table` (4 ints per buffer, see `_triton_kernel`): through the
-    transfer's reserved `tables`, or (outside transfers) through a fresh device copy."""
-    if tables is not None:
-        tables._launch(kernel, table, programs)
-        return
+    """One launch over `table` (4 ints per buffer, see `_triton_kernel`), uploaded through
+    the transfer's reserved `tables`, or (outside transfers) as a fresh device copy."""
     entries = len(table) // 4
-    table_dev = torch.tensor(table, dtype=torch.int64).to(device)
-    kernel[(programs,)](table_dev, entries, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=_steps(entries))
+    if tables is not None:
+        table_dev = tables.upload(table)
+    else:
+        table_dev = torch.tensor(table, dtype=torch.int64).to(device)
+    steps = max(1, entries.bit_length())  # binary-search steps that reach any row
+    kernel[(programs,)](table_dev, entries, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=steps)
 
 
-def _programs(n_bytes: int) -> int:
-    """Programs that cover a buffer of `n_bytes` (its words, a partial last one included)."""
-    return -(-n_bytes // (8 * _WORDS_PER_PROGRAM))
-
-
-def _launch(kernel: Any, bufs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
-    """Add each 8-byte aligned 1-D uint8 `bufs[i]`'s (S0, S1) into `outs[i]` (two contiguous
-    int64), one launch."""
+def _table(bufs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """The launch table for 8-byte aligned 1-D uint8 `bufs` summing into `outs`, and how
+    many programs cover them (empty buffers get no row)."""
     table: list[int] = []
     programs = 0
     for buf, out in zip(bufs, outs, strict=True):
         n = buf.numel()
         if n:
             table += [buf.data_ptr(), n, out.data_ptr(), programs]
-            programs += _programs(n)
+            programs += -(-n // (8 * _WORDS_PER_PROGRAM))  # words, a partial last one too
+    return table, programs
+
+
+def _launch(kernel: Any, bufs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+    """Add each 8-byte aligned 1-D uint8 `bufs[i]`'s (S0, S1) into `outs[i]` (two contiguous
+    int64), one launch."""
+    table, programs = _table(bufs, outs)
     if programs:
         _launch_table(kernel, table, programs, bufs[0].device)
 
@@ -215,34 +213,28 @@ def accumulate_sums_many(
     two elements on the buffer's device (a row of a zeroed table). Asynchronous on CUDA,
     where every 8-byte aligned buffer (every message the schedule cuts, unless a parameter
     view itself starts off a word) goes into one kernel launch; anything else takes the
-    torch path. Called once per group of
-    messages, so the per-buffer work here is a handful of attribute reads. Inside a
-    transfer, pass its `LaunchTables` (see there why)."""
+    torch path. Called once per group of messages, so the per-buffer work here is a
+    handful of attribute reads. Inside a transfer, pass its `LaunchTables` (see there why)."""
     kernel = _triton_kernel() if use_triton else None
-    table: list[int] = []
-    programs = 0
-    device: torch.device | None = None
+    fast_bufs: list[torch.Tensor] = []
+    fast_outs: list[torch.Tensor] = []
     for buf, out in zip(bufs, outs, strict=True):
         if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
             raise ValueError("checksum needs a contiguous 1-D uint8 tensor")
-        n = buf.numel()
-        ptr = buf.data_ptr()
         if (
             kernel is not None
             and buf.is_cuda
-            and not ptr % 8
+            and not buf.data_ptr() % 8
             and out.is_contiguous()
-            and (device is None or buf.device == device)
+            and (not fast_bufs or buf.device == fast_bufs[0].device)
         ):
-            if n:
-                table += [ptr, n, out.data_ptr(), programs]
-                programs += _programs(n)
-                device = buf.device
+            fast_bufs.append(buf)
+            fast_outs.append(out)
         else:
             _accumulate_torch(buf, out)
+    table, programs = _table(fast_bufs, fast_outs)
     if programs:
-        assert device is not None
-        _launch_table(kernel, table, programs, device, tables)
+        _launch_table(kernel, table, programs, fast_bufs[0].device, tables)
 
 
 def accumulate_sums(buf: torch.Tensor, out: torch.Tensor, *, use_triton: bool = True) -> None:
