@@ -122,10 +122,7 @@ class _Prepared:
             return True
         # A new registry over the same memory (the cached views keep the old memory alive,
         # so equal addresses mean the same memory).
-        if shards.fingerprint() == self.fingerprint:
-            self.shards, self.shards_version = shards, shards.version
-            return True
-        return False
+        return shards.fingerprint() == self.fingerprint
 
 
 # Post a channel's batched ops once they reach this many bucket sizes (or ops): fewer,
@@ -178,17 +175,20 @@ class Executor:
         return report
 
     def _prepare(self, plan: RankPlan, shards: LocalShards) -> _Prepared:
-        if self._prepared is None or not self._prepared.serves(plan, shards):
-            self._prepared = None  # let go of the old views first
-            schedule = rank_schedule(plan, self.config)
-            views = _resolve_views(plan, schedule, shards)
-            tables = None
-            if self.config.verify_checksums and self.transport.device.type == "cuda":
-                count = sum(len(r) for r in schedule.rounds)
-                tables = LaunchTables(self.transport.device, count)
-            self._prepared = _Prepared(
-                plan, shards, shards.version, shards.fingerprint(), schedule, views, tables
-            )
+        kept = self._prepared
+        if kept is not None and kept.serves(plan, shards):
+            kept.shards, kept.shards_version = shards, shards.version  # next time: identity
+            return kept
+        self._prepared = None  # let go of the old views first
+        schedule = rank_schedule(plan, self.config)
+        views = _resolve_views(plan, schedule, shards)
+        tables = None
+        if self.config.verify_checksums and self.transport.device.type == "cuda":
+            count = sum(len(r) for r in schedule.rounds)
+            tables = LaunchTables(self.transport.device, count)
+        self._prepared = _Prepared(
+            plan, shards, shards.version, shards.fingerprint(), schedule, views, tables
+        )
         return self._prepared
 
 
