@@ -4,6 +4,7 @@ an `NcclTransport` over a rendezvous the parent mints. GPU machines only."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -66,8 +67,6 @@ def ranks_or_report(
 ) -> list[dict[str, Any]] | None:
     """Every rank's result in rank order; None (after printing what failed) if any rank
     failed or never reported."""
-    import sys
-
     missing = [r for r in range(world) if r not in results]
     for rank in missing:
         print(f"rank {rank} never reported", file=sys.stderr)

@@ -67,7 +67,6 @@ class NcclTransport(Transport):
         if not 0 <= rank < world_size:
             raise InvalidArgument(f"rank {rank} outside group of {world_size}", field="group_rank")
         nc, nb = _nccl()
-        self._nc = nc
         self._nb = nb
         self._uint8 = int(nc.NcclDataType.UINT8)
         self._in_progress = nb.Result.InProgress
