@@ -11,19 +11,12 @@ produce the same greedy tokens."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-import pytest
+from tests.gpu.vllm_case import NEW_TOKENS, PROMPT, SHAPE, VLLM_ON_FOUR_GPUS
 
-pytestmark = [
-    pytest.mark.gpu(count=4),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
-]
+pytestmark = VLLM_ON_FOUR_GPUS
 
-PROMPT = (1, 2, 3, 4, 5, 6, 7)
-NEW_TOKENS = 8
-SHAPE = "qwen3-small"
 # KV-cache quantization scales: not in the checkpoint (so no refit sends them); vLLM keeps
 # whatever its first load left there, and reads them only with an FP8 KV cache.
 KV_SCALES = ("._k_scale", "._v_scale", "._q_scale", "._prob_scale")

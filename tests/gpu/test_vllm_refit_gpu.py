@@ -7,19 +7,13 @@ from the same weights (float32 on both sides, so no bf16 near-ties)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-pytestmark = [
-    pytest.mark.gpu(count=4),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
-]
+from tests.gpu.vllm_case import NEW_TOKENS, PROMPT, SHAPE, VLLM_ON_FOUR_GPUS
 
-PROMPT = (1, 2, 3, 4, 5, 6, 7)
-NEW_TOKENS = 8
-SHAPE = "qwen3-small"
+pytestmark = VLLM_ON_FOUR_GPUS
 
 
 def _reference_tokens() -> list[int]:
