@@ -5,8 +5,9 @@
       python benchmarks/gpu_refit.py --model qwen3-8b --layout tp2 --out r.json
 
 For one model shape (Qwen3 configs, dense or the Qwen3-30B-A3B MoE; vLLM with
-load_format="dummy") and one layout
-(trainer TP2 on GPUs 0-1 → vLLM TP2 on GPUs 2-3, or → two TP1 replicas on GPUs 2 and 3):
+load_format="dummy") and one layout (`model_layouts.GPU_LAYOUTS`: trainer TP2 on GPUs 0-1 →
+vLLM TP2 on GPUs 2-3, or → two TP1 replicas on GPUs 2 and 3; or, on two GPUs, trainer TP1 on
+GPU 0 → vLLM TP1 on GPU 1):
 
 1. raw ceiling: nccl4py send/recv of exactly the plan's bytes on every link, all links at
    once (one group per rank, 1 GiB messages);
@@ -32,17 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from refitplane.testing import refit_world as rw
+from refitplane.testing.model_layouts import GPU_LAYOUTS, GpuLayout
 
 MiB = 1 << 20
-LAYOUTS = {"tp2": (2,), "2xtp1": (1, 1)}
 
 
-def plan_links(shape: str, replica_tps: tuple[int, ...]) -> dict[tuple[int, int], int]:
+def plan_links(shape: str, layout: GpuLayout) -> dict[tuple[int, int], int]:
     """The plan's bytes per (trainer GPU, generator GPU) link (layouts: `model_layouts`)."""
     from refitplane.reshard.planner import build_plan
     from refitplane.testing.model_layouts import model_layouts
 
-    plan = build_plan(*model_layouts(shape, replica_tps))
+    plan = build_plan(*model_layouts(shape, layout))
     return {(link.src, link.dst): link.nbytes for link in plan.links}
 
 
@@ -101,19 +102,22 @@ def per_dest_gbs(links: dict[tuple[int, int], int], seconds: float) -> float:
 
 def run_ours(
     shape: str,
-    replica_tps: tuple[int, ...],
+    layout: GpuLayout,
     device: str,
     sweep: list[tuple[int, int, int]],
     repeats: int,
     workdir: Path,
+    gpu_memory_utilization: float,
 ) -> dict[str, Any]:
     rows = []
     with rw.refit_world(
         shape=shape,
         device=device,
-        replica_tps=replica_tps,
+        trainer_ranks=layout.trainer_tp,
+        replica_tps=layout.replica_tps,
         workdir=workdir,
         settings={"num_channels": max(s for s, _, _ in sweep)},
+        gpu_memory_utilization=gpu_memory_utilization,
     ) as world:
         world.refit()  # warm up: group formation, plan, first-touch allocations
         for streams, bucket, direct in sweep:
@@ -153,6 +157,7 @@ def run_ours(
                     "direct_mib": direct,
                     "total_s": [r.seconds for r in results],
                     "transfer_s": [r.transfer_s for r in results],
+                    "phases": [r.phases for r in results],
                     "bytes": results[0].bytes_total,
                     "verified": f"{results[0].tensors_verified}/{results[0].tensors_total}",
                     "failed": [f"{r.state} {r.reason}" for r in bad],
@@ -170,7 +175,7 @@ def run_ours(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-8b", choices=sorted(rw.SHAPES))
-    parser.add_argument("--layout", default="tp2", choices=sorted(LAYOUTS))
+    parser.add_argument("--layout", default="tp2", choices=sorted(GPU_LAYOUTS))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--buckets", type=int, nargs="+", default=[64, 256, 1024], help="MiB")
@@ -183,11 +188,17 @@ def main() -> int:
     )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's nccl engine")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.45,
+        help="vLLM's share of each generator GPU (raise it for models over ~40%% of a GPU)",
+    )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/gpu-refit"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    tps = LAYOUTS[args.layout]
-    links = plan_links(args.model, tps)
+    layout = GPU_LAYOUTS[args.layout]
+    links = plan_links(args.model, layout)
     total = sum(links.values())
     out: dict[str, Any] = {
         "model": args.model,
@@ -204,7 +215,7 @@ def main() -> int:
         import torch
 
         out["gpu"] = torch.cuda.get_device_name(0)
-        ceiling_s = raw_ceiling(links, 2 + sum(tps), args.repeats)
+        ceiling_s = raw_ceiling(links, layout.gpus, args.repeats)
         out["ceiling_s"] = ceiling_s
         out["ceiling_gbs_per_dest"] = per_dest_gbs(links, ceiling_s)
         print(
@@ -212,9 +223,23 @@ def main() -> int:
             flush=True,
         )
     sweep = [(s, b, d) for s in args.streams for b in args.buckets for d in args.direct]
-    out["ours"] = run_ours(args.model, tps, args.device, sweep, args.repeats, args.workdir)
+    out["ours"] = run_ours(
+        args.model,
+        layout,
+        args.device,
+        sweep,
+        args.repeats,
+        args.workdir,
+        args.gpu_memory_utilization,
+    )
     if args.device == "cuda" and not args.no_baseline:
-        out["vllm_nccl"] = rw.run_vllm_baseline(args.model, tps, first_gpu=2, workdir=args.workdir)
+        out["vllm_nccl"] = rw.run_vllm_baseline(
+            args.model,
+            layout.replica_tps,
+            first_gpu=layout.trainer_tp,
+            workdir=args.workdir,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
         print(
             f"  vLLM nccl engine: {statistics.median(out['vllm_nccl']['replica_seconds']):.3f} s per refit",
             flush=True,
@@ -245,6 +270,14 @@ def _summary(out: dict[str, Any]) -> None:
         print(
             f"  {r['streams']:>7} {r['bucket_mib']:>5}Mi {r['direct_mib']:>5}Mi {d:>8.3f} {statistics.median(r['total_s']):>8.3f} {gbs:>9.1f} {pct:>6.1f}% {r['generator_extra_mib']:>9.0f} {r['trainer_extra_mib']:>9.0f} {r['verified']:>9}"
         )
+    phases = {
+        name: statistics.median(p.get(name, 0.0) for p in best["phases"])
+        for name in best["phases"][0]
+    }
+    print(
+        "  best row's phases (median): "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items())
+    )
     print(
         f"  best: data plane {data_s:.3f} s ({per_dest_gbs(links, data_s):.1f} GB/s per destination GPU), trigger→committed {total_s:.3f} s"
     )

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""The data plane alone on a model-shaped plan, 4 GPUs, against the raw ceiling of the same links.
+"""The data plane alone on a model-shaped plan, against the raw ceiling of the same links.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
       python benchmarks/model_refit.py --model qwen3-8b --layout tp2 --out results.json
 
-Trainer TP2 on GPUs 0-1 → generator TP2 (or two TP1 replicas) on GPUs 2-3, Qwen3 shapes,
+Layouts (`--layout`, see `model_layouts.GPU_LAYOUTS`): trainer TP2 on GPUs 0-1 → generator
+TP2 or two TP1 replicas on GPUs 2-3 (4 GPUs), or trainer TP1 → TP1 (2 GPUs); Qwen3 shapes,
 bf16; no vLLM and no control plane: what the executor itself costs, and where. In one
 world, one run:
 
@@ -35,8 +36,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from refitplane.testing.model_layouts import GPU_LAYOUTS
+
 MiB = 1 << 20
-LAYOUTS = {"tp2": (2,), "2xtp1": (1, 1)}
 
 
 def _shards(layout: Any, rank: int, device: Any, fill: bool) -> Any:
@@ -166,10 +168,11 @@ def _worker(
     from refitplane.testing.model_layouts import model_layouts
 
     device = transport.device
-    source, target = model_layouts(model, LAYOUTS[layout])
+    trainers = GPU_LAYOUTS[layout].trainer_tp
+    source, target = model_layouts(model, GPU_LAYOUTS[layout])
     plan = build_plan(source, target)
     rp = plan.rank_plan(rank)
-    shards = _shards(source if rank < 2 else target, rank, device, fill=rank < 2)
+    shards = _shards(source if rank < trainers else target, rank, device, fill=rank < trainers)
     bucket = bucket_mib * MiB
     out: dict[str, Any] = {"rank": rank, "device": torch.cuda.get_device_name(device)}
 
@@ -243,7 +246,7 @@ def _worker(
                     "verified": f"{reports[-1].tensors_verified}/{reports[-1].tensors_total}",
                 }
             )
-            if profile and verify and s == max(streams) and rank in (0, 2):
+            if profile and verify and s == max(streams) and rank in (0, trainers):
                 prof = cProfile.Profile()
                 barrier_ok = _timed(barrier, partial(prof.runcall, ex.run, rp, shards))
                 text = io.StringIO()
@@ -260,7 +263,7 @@ def _worker(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-8b")
-    parser.add_argument("--layout", default="tp2", choices=sorted(LAYOUTS))
+    parser.add_argument("--layout", default="tp2", choices=sorted(GPU_LAYOUTS))
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--bucket", type=int, default=256, help="MiB")
     parser.add_argument("--direct", type=int, default=16, help="MiB (REFIT_DIRECT_MIN_BYTES)")
@@ -271,9 +274,10 @@ def main() -> int:
 
     from refitplane.testing.nccl_world import ranks_or_report, run_nccl_world
 
+    gpus = GPU_LAYOUTS[args.layout].gpus
     results = run_nccl_world(
         _worker,
-        4,
+        gpus,
         channels=max(args.streams),
         model=args.model,
         layout=args.layout,
@@ -283,7 +287,7 @@ def main() -> int:
         repeats=args.repeats,
         profile=args.profile,
     )
-    ranks = ranks_or_report(results, 4)
+    ranks = ranks_or_report(results, gpus)
     if ranks is None:
         return 1
 
@@ -294,7 +298,7 @@ def main() -> int:
     from refitplane.reshard.planner import build_plan
     from refitplane.testing.model_layouts import model_layouts
 
-    source, target = model_layouts(args.model, LAYOUTS[args.layout])
+    source, target = model_layouts(args.model, GPU_LAYOUTS[args.layout])
     plan = build_plan(source, target)
     per_dest: dict[int, int] = {}
     for link in plan.links:
@@ -311,7 +315,7 @@ def main() -> int:
     print(
         f"{args.model} {args.layout}: {total / 2**30:.2f} GiB over {len(plan.links)} links, "
         f"{ranks[0]['messages'][0]['count']} messages on rank 0; "
-        f"{ranks[0]['device']} x4"
+        f"{ranks[0]['device']} x{gpus}"
     )
     print(f"  {'what':<34} {'time':>11} {'per dest':>12} {'% ceil':>7}")
     line("ceiling (1 GiB messages)", ceiling)

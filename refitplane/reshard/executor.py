@@ -90,6 +90,20 @@ class _Group:
     staged: int = 0
     handle: Handle | None = None
     post: Callable[[], None] | None = None
+    # What the group moves, for error messages: (round, send?, peer, first tensor).
+    moves: list[tuple[int, bool, int, str]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        sends = sorted({peer for _, send, peer, _ in self.moves if send})
+        recvs = sorted({peer for _, send, peer, _ in self.moves if not send})
+        rounds = [r for r, _, _, _ in self.moves]
+        parts = [f"{len(self.moves)} message(s), rounds {min(rounds)}-{max(rounds)}"]
+        if sends:
+            parts.append(f"sends to rank(s) {sends}")
+        if recvs:
+            parts.append(f"receives from rank(s) {recvs}")
+        parts.append(f"first tensor {self.moves[0][3]!r}")
+        return ", ".join(parts)
 
 
 Link = tuple[int, int]
@@ -315,6 +329,7 @@ class _Run:
             group.sum_bufs.append(buf)
             group.sum_rows.append(self.sums[(m.src, m.dst)][m.round])
         group.ops.append(P2POp(sending, m.dst if sending else m.src, buf))
+        group.moves.append((m.round, sending, m.dst if sending else m.src, m.chunks[0].tensor))
         group.nbytes += m.nbytes
         payload = sum(c.nbytes for c in m.chunks)
         group.payload += payload
@@ -356,7 +371,13 @@ class _Run:
             raise TransferError(f"rank {self.rank}: staging exhausted with nothing in flight")
         group = self.in_flight.popleft()
         assert group.handle is not None
-        self.t.wait(group.handle, self.deadline, self.cancel)
+        try:
+            self.t.wait(group.handle, self.deadline, self.cancel)
+        except TransferTimeout as exc:
+            raise TransferTimeout(
+                f"{exc}; waiting for {group.describe()}; {len(self.in_flight)} later group(s) "
+                f"in flight, {self.ring.live} staging slice(s) held"
+            ) from exc
         self._finish(group)
 
     def _retire_completed(self) -> None:

@@ -1,8 +1,11 @@
 """Trainer and generator layouts of a Qwen3-shaped model (see `refit_world.SHAPES`), as the
-GPU benchmarks lay them out: trainer TP2 on GPUs 0-1 (the HF tensor-parallel split, experts
-split like vLLM does without expert parallelism), generator replicas from GPU 2 on."""
+GPU benchmarks lay them out: trainer TP ranks on the first GPUs (the HF tensor-parallel
+split), generator replicas on the GPUs after them (vLLM's split: experts split like vLLM
+does without expert parallelism)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from refitplane.generator.hf_tensor_parallel import tp_boxes
 from refitplane.reshard.boxes import Box
@@ -10,7 +13,26 @@ from refitplane.reshard.layout import Layout, LayoutBuilder, TensorSpec
 from refitplane.reshard.placements import DeviceMesh, Shard, placement_boxes
 from refitplane.testing import refit_world as rw
 
-TRAINER_TP = 2
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """Trainer TP ranks on GPUs 0..trainer_tp-1, then one vLLM replica per entry of
+    `replica_tps` on the next GPUs."""
+
+    trainer_tp: int
+    replica_tps: tuple[int, ...]
+
+    @property
+    def gpus(self) -> int:
+        return self.trainer_tp + sum(self.replica_tps)
+
+
+# The layouts the GPU benchmarks and tests name: TP1 → TP1 fits two GPUs, the others four.
+GPU_LAYOUTS = {
+    "tp1": GpuLayout(1, (1,)),
+    "tp2": GpuLayout(2, (2,)),
+    "2xtp1": GpuLayout(2, (1, 1)),
+}
 
 
 def vllm_tp_boxes(ts: TensorSpec, tp: int, ranks: range) -> dict[int, Box]:
@@ -23,14 +45,15 @@ def vllm_tp_boxes(ts: TensorSpec, tp: int, ranks: range) -> dict[int, Box]:
     return placement_boxes(ts.shape, mesh, [Shard(dim)], tensor=ts.name)
 
 
-def model_layouts(shape: str, replica_tps: tuple[int, ...]) -> tuple[Layout, Layout]:
-    """(trainer layout on ranks 0-1, generator layout on ranks 2..) for `shape`."""
+def model_layouts(shape: str, gpu_layout: GpuLayout) -> tuple[Layout, Layout]:
+    """(trainer layout on ranks 0..trainer_tp-1, generator layout on the ranks after them)
+    for `shape`."""
     src, dst = LayoutBuilder(), LayoutBuilder()
     for ts in rw.tensor_specs(shape):
-        for r, box in tp_boxes(ts, TRAINER_TP).items():
+        for r, box in tp_boxes(ts, gpu_layout.trainer_tp).items():
             src.add(ts, r, box)
-        first = TRAINER_TP
-        for tp in replica_tps:
+        first = gpu_layout.trainer_tp
+        for tp in gpu_layout.replica_tps:
             for r, box in vllm_tp_boxes(ts, tp, range(first, first + tp)).items():
                 dst.add(ts, r, box)
             first += tp

@@ -3,6 +3,7 @@ an `NcclTransport` over a rendezvous the parent mints. GPU machines only."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from collections.abc import Callable
@@ -28,6 +29,8 @@ def _entry(
     out: Any,
 ) -> None:
     os.environ.update(SAFE_ENV)
+    # A rank still running when the parent is about to give up prints where it is stuck.
+    faulthandler.dump_traceback_later(timeout_s + 30, exit=False)
     import torch
 
     from refitplane.reshard.transport.nccl import NcclTransport

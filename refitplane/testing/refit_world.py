@@ -417,6 +417,8 @@ class RefitResult:
     tensors_verified: int
     tensors_total: int
     reason: str = ""
+    # Seconds per coordinator phase (PREPARING, TRANSFERRING, VERIFYING, COMMITTING, ...).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -432,6 +434,7 @@ class World:
     job: str = "bench"
     quant: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
+    gpu_memory_utilization: float = 0.45
     _procs: list[Any] = field(default_factory=list)
     _queues: dict[str, Any] = field(default_factory=dict)
     _results: Any = None
@@ -473,6 +476,7 @@ class World:
                 self.device,
                 dtype=self.dtype,
                 load_format=load_format,
+                gpu_memory_utilization=self.gpu_memory_utilization,
             )
             self._spawn(ctx, rid, _replica_main, (spec,), visible=gpus)
         self._wait_ready(list(self._queues), 1800)
@@ -555,16 +559,19 @@ class World:
             started = time.monotonic()
             final = client.wait(client.trigger(self.job).refit_id, timeout_s=timeout_s)
             seconds = time.monotonic() - started
-        transfer = sum(t.seconds for t in final.timings if t.phase.value == "TRANSFERRING")
+        phases: dict[str, float] = {}
+        for t in final.timings:
+            phases[t.phase.value] = phases.get(t.phase.value, 0.0) + t.seconds
         return RefitResult(
             final.version,
             final.state.value,
             seconds,
-            transfer,
+            phases.get("TRANSFERRING", 0.0),
             final.bytes_total,
             final.tensors_verified,
             final.tensors_total,
             f"{final.reason} {final.message}".strip(),
+            phases,
         )
 
     def trainer_peak_memory(self) -> list[int]:
@@ -602,6 +609,7 @@ def run_vllm_baseline(
     workdir: Path,
     dtype: str = "bfloat16",
     repeats: int = 3,
+    gpu_memory_utilization: float = 0.45,
 ) -> dict[str, Any]:
     """vLLM's built-in `nccl` engine: one broadcaster (GPU 0) → every worker of every
     replica, packed. Returns per-refit seconds measured on the replicas (start → finish)."""
@@ -629,6 +637,7 @@ def run_vllm_baseline(
                 "cuda",
                 backend="nccl",
                 dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
             )
             q = ctx.Queue()
             queues[spec.replica_id] = q

@@ -165,6 +165,22 @@ class SidecarState:
         return dict(self.__dict__)
 
 
+class _Steps:
+    """Milliseconds per step of one update, for the log line an operator reads."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._steps: list[tuple[str, float]] = []
+
+    def mark(self, step: str) -> None:
+        now = time.perf_counter()
+        self._steps.append((step, 1e3 * (now - self._last)))
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{step} {ms:.1f} ms" for step, ms in self._steps)
+
+
 class SidecarMember(NullHandler):
     """The replica controller's command handler."""
 
@@ -187,6 +203,10 @@ class SidecarMember(NullHandler):
         self.state = SidecarState()
         self.session: AgentSession | None = None
         self._lock = threading.Lock()
+        # Read from the topology at PrepareRefit (`_read_ranks`).
+        self._rank_ids: set[str] = set()
+        self._live = False
+        self._ranks_of = ""
 
     def attach(self, session: AgentSession) -> None:
         self.session = session
@@ -198,6 +218,9 @@ class SidecarMember(NullHandler):
         with self._lock:
             self.state.refit_id = cmd.refit_id
             self.state.weights_touched = False
+        # Read now so that nothing but the update itself runs between StartTransfer and the
+        # replica's ranks starting their transfer.
+        self._read_ranks(cmd.refit_id)
         self.control.pause(mode)
         self.state.paused = True
         self.control.start_update()
@@ -205,11 +228,15 @@ class SidecarMember(NullHandler):
         self.session.report_prepared(cmd.refit_id)
 
     def on_start_transfer(self, cmd: StartTransferCmd) -> None:
-        live = self._receives_live()
-        self.state.weights_touched = live
+        steps = _Steps()
+        if self._ranks_of != cmd.refit_id:  # no PrepareRefit seen in this process
+            self._read_ranks(cmd.refit_id)
+        self.state.weights_touched = self._live
         self.control.update({"refit_id": cmd.refit_id, "version": cmd.version})
+        steps.mark("update")
         try:
             self._require_ranks_verified(cmd.refit_id)
+            steps.mark("verified")
         except TransferError:
             self._close_update(cmd.refit_id)
             if not self.state.weights_touched:
@@ -218,12 +245,15 @@ class SidecarMember(NullHandler):
             raise
         self.state.weights_touched = True  # finish applies staged weights, or post-processes
         self.control.finish(cmd.version)
+        steps.mark("finish")
         refit = self.client.get(cmd.refit_id)
         if refit.state in {RefitState.FAILED, RefitState.CANCELLED}:
             raise self._failed(
                 f"refit {refit.state.value} while finishing: {refit.message}", touched=True
             )
+        steps.mark("checked")
         self.control.resume()
+        steps.mark("resume")
         with self._lock:
             self.state.paused = False
             self.state.degraded = False
@@ -231,6 +261,8 @@ class SidecarMember(NullHandler):
             self.state.last_error = ""
         assert self.session is not None
         self.session.report_replica_updated(cmd.refit_id, cmd.version)
+        steps.mark("reported")
+        log.info("replica %s serves version %d: %s", self.replica_id, cmd.version, steps)
 
     def on_abort_refit(self, cmd: AbortRefitCmd) -> None:
         with self._lock:
@@ -260,11 +292,15 @@ class SidecarMember(NullHandler):
             m for m in topo.members if m.role == Role.GENERATOR and m.replica_id == self.replica_id
         ]
 
-    def _receives_live(self) -> bool:
-        return any(m.labels.get("receive_mode") == "live" for m in self._replica_ranks())
+    def _read_ranks(self, refit_id: str) -> None:
+        """The replica's rank member ids, and whether they receive into live parameters."""
+        ranks = self._replica_ranks()
+        self._rank_ids = {m.member_id for m in ranks}
+        self._live = any(m.labels.get("receive_mode") == "live" for m in ranks)
+        self._ranks_of = refit_id
 
     def _require_ranks_verified(self, refit_id: str) -> None:
-        ranks = {m.member_id for m in self._replica_ranks()}
+        ranks = self._rank_ids
         deadline = time.monotonic() + self.verify_wait_s
         delay = 0.002  # the ranks' reports usually land first: look again soon, then back off
         while True:

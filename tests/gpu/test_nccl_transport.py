@@ -40,7 +40,9 @@ def _refit_worker(
 
 @pytest.mark.parametrize("case_name", ["whole", "tp2"])
 def test_four_gib_bf16_arrives_bit_exact(case_name: str) -> None:
-    results = run_nccl_world(_refit_worker, 2, channels=2, case_name=case_name, gib=4.25)
+    results = run_nccl_world(
+        _refit_worker, 2, channels=2, timeout_s=150, case_name=case_name, gib=4.25
+    )
     for rank in (0, 1):
         status, detail = results[rank]
         assert status == "ok", detail

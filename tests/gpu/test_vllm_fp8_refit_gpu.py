@@ -1,6 +1,6 @@
-"""FP8 with block scales, end to end on 4 GPUs: trainer ranks (TP2, GPUs 0-1) hold
-float8_e4m3fn linear weights and their float32 128x128 block scales → vLLM 0.26 TP2 (GPUs
-2-3) serving an FP8-serialized checkpoint layout (`quantization_config` with
+"""FP8 with block scales, end to end on GPUs: trainer ranks (TP2 on GPUs 0-1, or TP1 on GPU
+0) hold float8_e4m3fn linear weights and their float32 128x128 block scales → vLLM 0.26
+(TP2 on GPUs 2-3, or TP1 on GPU 1) serving an FP8-serialized checkpoint layout (`quantization_config` with
 `weight_block_size`), started with dummy weights.
 
 FP8 layers are received into checkpoint-format staging and loaded through vLLM's layerwise
@@ -13,20 +13,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.gpu.vllm_case import NEW_TOKENS, PROMPT, SHAPE, VLLM_ON_FOUR_GPUS
+import pytest
 
-pytestmark = VLLM_ON_FOUR_GPUS
+from refitplane.testing.model_layouts import GpuLayout
+from tests.gpu.vllm_case import NEEDS_VLLM, NEW_TOKENS, PROMPT, SHAPE, layout_params, world_args
+
+pytestmark = [NEEDS_VLLM]
 
 # KV-cache quantization scales: not in the checkpoint (so no refit sends them); vLLM keeps
 # whatever its first load left there, and reads them only with an FP8 KV cache.
 KV_SCALES = ("._k_scale", "._v_scale", "._q_scale", "._prob_scale")
 
 
-def test_fp8_block_refit_equals_a_checkpoint_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", layout_params("tp1", "tp2"))
+def test_fp8_block_refit_equals_a_checkpoint_load(layout: GpuLayout, tmp_path: Path) -> None:
     from refitplane.testing import refit_world as rw
 
-    world_args = {"shape": SHAPE, "device": "cuda", "replica_tps": (2,), "quant": "fp8"}
-    with rw.refit_world(workdir=tmp_path / "refit", **world_args) as world:
+    args = {"shape": SHAPE, "device": "cuda", "quant": "fp8", **world_args(layout)}
+    with rw.refit_world(workdir=tmp_path / "refit", **args) as world:
         before = world.ask("replica-0", ("tokens", (PROMPT, NEW_TOKENS)), "tokens")
         for _ in range(2):  # the second refit reuses the group, plan and staging
             result = world.refit()
@@ -37,12 +41,13 @@ def test_fp8_block_refit_equals_a_checkpoint_load(tmp_path: Path) -> None:
 
     checkpoint = rw.write_checkpoint(tmp_path / "checkpoint", SHAPE, quant="fp8")
     with rw.refit_world(
-        workdir=tmp_path / "reference", load_format="auto", model_dir=checkpoint, **world_args
+        workdir=tmp_path / "reference", load_format="auto", model_dir=checkpoint, **args
     ) as reference:
         loaded_tokens = reference.ask("replica-0", ("tokens", (PROMPT, NEW_TOKENS)), "tokens")
         loaded_digests = reference.ask("replica-0", ("rpc", (rw.parameter_digests, [])), "rpc")
 
-    assert len(refit_digests) == len(loaded_digests) == 2  # one per TP worker
+    # one per TP worker
+    assert len(refit_digests) == len(loaded_digests) == layout.replica_tps[0]
     for worker, (got, want) in enumerate(zip(refit_digests, loaded_digests, strict=True)):
         assert got.keys() == want.keys()
         differ = sorted(n for n in want if got[n] != want[n] and not n.endswith(KV_SCALES))

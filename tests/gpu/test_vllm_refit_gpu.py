@@ -1,5 +1,6 @@
-"""End to end on 4 GPUs: trainer ranks (TP2, GPUs 0-1) → vLLM 0.26 over nccl4py (GPUs 2-3,
-TP2 or two TP1 replicas), through a real coordinator, into live vLLM parameters.
+"""End to end on GPUs: trainer ranks → vLLM 0.26 over nccl4py, through a real coordinator,
+into live vLLM parameters. Trainer TP2 (GPUs 0-1) → vLLM TP2 or two TP1 replicas (GPUs 2-3),
+and trainer TP1 (GPU 0) → vLLM TP1 (GPU 1) on two GPUs.
 
 After the refit every vLLM parameter must hold exactly what `load_weights` writes from the
 trainer's weights, and vLLM's greedy tokens must equal those of a transformers model built
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu.vllm_case import NEW_TOKENS, PROMPT, SHAPE, VLLM_ON_FOUR_GPUS
+from refitplane.testing.model_layouts import GpuLayout
+from tests.gpu.vllm_case import NEEDS_VLLM, NEW_TOKENS, PROMPT, SHAPE, layout_params, world_args
 
-pytestmark = VLLM_ON_FOUR_GPUS
+pytestmark = [NEEDS_VLLM]
 
 
 def _reference_tokens() -> list[int]:
@@ -33,12 +35,12 @@ def _reference_tokens() -> list[int]:
     return hf_greedy_tokens(model, PROMPT, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("replica_tps", [(2,), (1, 1)], ids=["tp2", "two-tp1"])
-def test_refit_into_live_vllm_is_exact(replica_tps: tuple[int, ...], tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", layout_params("tp1", "tp2", "2xtp1"))
+def test_refit_into_live_vllm_is_exact(layout: GpuLayout, tmp_path: Path) -> None:
     from refitplane.testing import refit_world as rw
 
     with rw.refit_world(
-        shape=SHAPE, device="cuda", replica_tps=replica_tps, dtype="float32", workdir=tmp_path
+        shape=SHAPE, device="cuda", dtype="float32", workdir=tmp_path, **world_args(layout)
     ) as world:
         before = world.ask("replica-0", ("tokens", (PROMPT, NEW_TOKENS)), "tokens")
         first = world.refit()
