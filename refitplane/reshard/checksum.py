@@ -34,6 +34,9 @@ _SLAB = 1 << 20  # words per torch step: bounds its temporary memory to ~16 MiB
 _BLOCK = 1024
 _ITERS = 16
 _WORDS_PER_PROGRAM = _BLOCK * _ITERS
+# Binary-search steps in every launch: one kernel variant for any table up to 2^20 rows
+# (surplus steps keep the found row).
+_SEARCH_STEPS = 20
 
 _kernel: Any = None
 
@@ -45,7 +48,11 @@ def _triton_kernel() -> Any:
     first-program column), and the program adds its part's (S0, S1) into that buffer's
     output pair (int64 atomics): no partial sums to reduce, one launch per group of
     messages. A last partial word (1-7 bytes) is read bytewise by the program whose range
-    holds it, zero-padded like the reference."""
+    holds it, zero-padded like the reference.
+
+    Exactly one variant is ever compiled: the search runs a fixed number of steps and
+    Triton does not specialize the arguments (a new variant means compiling and loading a
+    module, which must not happen while a transfer is in flight; see `LaunchTables`)."""
     global _kernel
     if _kernel is not None:
         return _kernel or None
@@ -57,7 +64,7 @@ def _triton_kernel() -> Any:
         return None
 
     # Triton reads the signature: no Python annotations inside the kernel.
-    @triton.jit  # type: ignore[untyped-decorator]
+    @triton.jit(do_not_specialize=["tab", "n"])  # type: ignore[untyped-decorator]
     def _sums_into(tab, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
         pid = tl.program_id(0).to(tl.int64)
         lo = pid * 0
@@ -103,7 +110,9 @@ class LaunchTables:
     transfer cannot start while an earlier one waits for a peer deadlocks with that peer.
     So a transfer reserves room for every table it will upload (one entry per message) up
     front, and each group's table goes to its own slice (pinned host → device, async).
-    Constructing one also compiles and loads the kernel (module loading may synchronize)."""
+    Constructing one also compiles and loads the kernel, its only variant (module loading
+    blocks while kernels run: a compile in the middle of a transfer deadlocked the 4.25 GiB
+    strided two-GPU case when each table size had its own variant)."""
 
     def __init__(self, device: torch.device, entries: int) -> None:
         self.capacity = 4 * max(1, entries)
@@ -146,12 +155,13 @@ def _launch_table(
     """One launch over `table` (4 ints per buffer, see `_triton_kernel`), uploaded through
     the transfer's reserved `tables`, or (outside transfers) as a fresh device copy."""
     entries = len(table) // 4
+    if entries >= 1 << _SEARCH_STEPS:
+        raise ValueError(f"one checksum launch takes under {1 << _SEARCH_STEPS} buffers")
     if tables is not None:
         table_dev = tables.upload(table)
     else:
         table_dev = torch.tensor(table, dtype=torch.int64).to(device)
-    steps = max(1, entries.bit_length())  # binary-search steps that reach any row
-    kernel[(programs,)](table_dev, entries, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=steps)
+    kernel[(programs,)](table_dev, entries, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=_SEARCH_STEPS)
 
 
 def _table(bufs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> tuple[list[int], int]:

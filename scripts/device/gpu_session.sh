@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One GPU session, step by step, on a device machine (4x H200 for the vLLM cases). Prepare
+# One GPU session, step by step, on a device machine (layout tp1: 2 GPUs; tp2, 2xtp1: 4). Prepare
 # here first:
 #     TRIM=1 bash ../shared/device/stage_vllm.sh      # vLLM 0.26 in .stage/p1..p3
 #     bash scripts/device/stage_wheels.sh             # nccl4py, grpc, ... into .whl/
 #     python3 -m pip wheel -q --no-deps . -w .whl     # this project (its vLLM plugin entry point)
 # then send, back to back (a machine goes back after 30 s idle):
+#     carry .whl:               bash scripts/device/gpu_session.sh wheels   (+ data-plane tests)
 #     carry .stage/p1:          bash scripts/device/gpu_session.sh stage
 #     carry .stage/p2:          bash scripts/device/gpu_session.sh stage
-#     carry .stage/p3 + .whl:   bash scripts/device/gpu_session.sh tests
+#     carry .stage/p3:          bash scripts/device/gpu_session.sh tests [pytest args]
 #     (nothing carried):        bash scripts/device/gpu_session.sh bench qwen3-8b tp2 [gpu_refit args]
 #     (nothing carried):        bash scripts/device/gpu_session.sh model qwen3-8b tp2 [model_refit args]
 # Logs and JSON results go to $OUT (the device tool brings them back).
@@ -26,9 +27,12 @@ setup() {
   # shellcheck disable=SC1090
   . "$(ls -d .stage/p3 /tmp/vstage/p3 2>/dev/null | head -n1)/install_vllm_on_device.sh" || return 1
   if [ ! -f /tmp/site/.refit_installed ]; then
-    [ -d .whl ] || { echo "carry .whl with the first setup" >&2; return 1; }
+    # .whl carried now, or kept in /tmp/whl by an earlier `wheels` step on this machine
+    local whl
+    whl=$(ls -d .whl /tmp/whl 2>/dev/null | head -n1)
+    [ -n "$whl" ] || { echo "carry .whl with the first setup (or run the wheels step)" >&2; return 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl || return 1
+      --target /tmp/site "$whl"/*.whl || return 1
     touch /tmp/site/.refit_installed
   fi
   python3 -c "import refitplane, vllm, nccl; print('refitplane', refitplane.__file__, 'vllm', vllm.__version__)"
@@ -36,8 +40,24 @@ setup() {
 
 step=${1:-}
 shift || true
+nccl_only() {
+  # nccl4py alone (no vLLM yet), for the data-plane tests and model_refit
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/nsite .whl/nccl4py*.whl .whl/cuda_pathfinder*.whl || return 1
+  export PYTHONPATH=/tmp/nsite:$PWD
+}
+
 case "$step" in
   stage) stage ;;
+  wheels)
+    # Keep the project's wheels on this machine (later steps need not carry .whl), then
+    # run the data-plane GPU tests (checksums, nccl4py transport) from this checkout.
+    rm -rf /tmp/whl && cp -a .whl /tmp/whl && nccl_only || exit 1
+    nvidia-smi --query-gpu=index,name,memory.total --format=csv
+    python3 -m pytest tests/gpu/test_checksum_cuda.py tests/gpu/test_nccl_transport.py \
+      -v -rs -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest-dataplane.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
   tests)
     setup || exit 1
     nvidia-smi --query-gpu=index,name,memory.total --format=csv
@@ -53,5 +73,5 @@ case "$step" in
       --out "$OUT/$script-$model-$layout.json" "$@" 2>&1 | tee "$OUT/$script-$model-$layout.log"
     exit "${PIPESTATUS[0]}"
     ;;
-  *) echo "usage: $0 stage | tests [pytest args] | bench|model MODEL LAYOUT [benchmark args]" >&2; exit 2 ;;
+  *) echo "usage: $0 wheels | stage | tests [pytest args] | bench|model MODEL LAYOUT [benchmark args]" >&2; exit 2 ;;
 esac

@@ -61,3 +61,19 @@ def test_reserved_launch_tables_serve_a_whole_transfer() -> None:
         cs.accumulate_sums_many(bufs[:1], [rows[0]], tables=tables)
     tables.reset()
     cs.accumulate_sums_many(bufs[:1], [rows[0]], tables=tables)
+
+
+def test_any_group_size_reuses_the_one_loaded_kernel() -> None:
+    """After `LaunchTables` (before a transfer starts), no group size compiles or loads
+    another kernel variant: module loading inside a transfer can deadlock two ranks."""
+    device = torch.device("cuda")
+    tables = cs.LaunchTables(device, entries=200)
+    kernel = cs._triton_kernel()
+    compiled = len(kernel.device_caches[torch.cuda.current_device()][0])
+    arena = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, device=device)
+    rows = torch.zeros((64, 2), dtype=torch.int64, device=device)
+    for count in (1, 2, 3, 16, 17, 33, 64):
+        bufs = [arena[i * 4096 : i * 4096 + 1000 + 8 * i] for i in range(count)]
+        cs.accumulate_sums_many(bufs, [rows[i] for i in range(count)], tables=tables)
+    torch.cuda.synchronize()
+    assert len(kernel.device_caches[torch.cuda.current_device()][0]) == compiled

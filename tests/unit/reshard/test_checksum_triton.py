@@ -82,7 +82,7 @@ def test_kernel_compiles_for_hopper() -> None:
     src = ASTSource(
         fn=kernel,
         signature=signature,
-        constexprs={"BLOCK": cs._BLOCK, "ITERS": cs._ITERS, "STEPS": 7},
+        constexprs={"BLOCK": cs._BLOCK, "ITERS": cs._ITERS, "STEPS": cs._SEARCH_STEPS},
     )
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
