@@ -4,7 +4,9 @@ The rank walks its messages in schedule order (see `schedule.py`), batching each
 channel's consecutive messages into one group of sends/receives (posted once it holds a
 few buckets' worth, and always before any wait). A message that is a single chunk whose
 local view is contiguous goes straight from/to parameter memory; anything else is packed
-into (or unpacked from) a slice of the bounded staging ring. When the ring is full,
+into (or unpacked from) a slice of the bounded staging ring: a group's chunks with
+contiguous local memory in one `torch._foreach_copy_` per direction, strided ones one copy
+each (`message_io.py`), so hundreds of small tensors cost a few launches, not hundreds. When the ring is full,
 everything pending is posted and the oldest group completed first, so staging memory never
 exceeds `max_inflight_bytes`. On GPU, packing, the transfer and unpacking are ordered on
 the channel's CUDA stream without host waits; on CPU (Gloo) unpacking happens when a group
@@ -40,16 +42,16 @@ import torch
 from refitplane.errors import (
     ChecksumMismatch,
     InvalidArgument,
-    LayoutError,
     TransferError,
     TransferTimeout,
 )
-from refitplane.reshard.boxes import Box, box_numel, box_shape, format_box
+from refitplane.reshard.boxes import format_box
 from refitplane.reshard.checksum import LaunchTables, accumulate_sums_many
 from refitplane.reshard.config import TransferConfig
+from refitplane.reshard.message_io import MessageIO, StridedChunk, resolve_messages
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.schedule import Message, RankSchedule, rank_schedule
-from refitplane.reshard.shards import LocalShards, torch_dtype
+from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.staging import StagingRing
 from refitplane.reshard.transport.base import Handle, P2POp, Transport
 
@@ -79,9 +81,17 @@ class _Group:
     """Ops of one channel waiting to be posted together, or posted and in flight."""
 
     ops: list[P2POp] = field(default_factory=list)
-    # Work after the transfer: unpacking (receiver), then one checksum launch for every
-    # message buffer of the group into its row (`sum_rows[i]` for `sum_bufs[i]`).
-    unpacks: list[Callable[[], None]] = field(default_factory=list)
+    # Staged chunks with contiguous local memory, copied in one `_foreach_copy_` per group
+    # and direction: into staging before the sends are posted (`pack_*`), out of it after
+    # the transfer (`unpack_*`). Strided chunks are copied alone; the receiver's wait in
+    # `unpack_strided` as (staging part, chunk).
+    pack_dst: list[torch.Tensor] = field(default_factory=list)
+    pack_src: list[torch.Tensor] = field(default_factory=list)
+    unpack_dst: list[torch.Tensor] = field(default_factory=list)
+    unpack_src: list[torch.Tensor] = field(default_factory=list)
+    unpack_strided: list[tuple[torch.Tensor, StridedChunk]] = field(default_factory=list)
+    # After the transfer (and unpacking): one checksum launch for every message buffer of
+    # the group into its row (`sum_rows[i]` for `sum_bufs[i]`).
     sum_bufs: list[torch.Tensor] = field(default_factory=list)
     sum_rows: list[torch.Tensor] = field(default_factory=list)
     slices: list[int] = field(default_factory=list)
@@ -120,7 +130,8 @@ class _Prepared:
     shards_version: int
     fingerprint: tuple[tuple[object, ...], ...]
     schedule: RankSchedule
-    views: dict[Message, list[torch.Tensor]]
+    # The schedule's rounds with each message's resolved local memory.
+    rounds: tuple[tuple[tuple[Message, MessageIO], ...], ...]
     # Reserved checksum launch tables (verified runs on CUDA), one entry per message.
     tables: LaunchTables | None = None
 
@@ -195,38 +206,15 @@ class Executor:
             return kept
         self._prepared = None  # let go of the old views first
         schedule = rank_schedule(plan, self.config)
-        views = _resolve_views(plan, schedule, shards)
+        rounds = resolve_messages(plan, schedule, shards)
         tables = None
         if self.config.verify_checksums and self.transport.device.type == "cuda":
             count = sum(len(r) for r in schedule.rounds)
             tables = LaunchTables(self.transport.device, count)
         self._prepared = _Prepared(
-            plan, shards, shards.version, shards.fingerprint(), schedule, views, tables
+            plan, shards, shards.version, shards.fingerprint(), schedule, rounds, tables
         )
         return self._prepared
-
-
-def _resolve_views(
-    plan: RankPlan, schedule: RankSchedule, shards: LocalShards
-) -> dict[Message, list[torch.Tensor]]:
-    """Every message's local views, each checked against the plan before any byte moves."""
-    for name, spec in plan.specs.items():
-        try:
-            local = shards.spec(name)
-        except KeyError:
-            raise LayoutError(
-                f"the plan moves this tensor but rank {plan.rank} registered no storage for it",
-                tensor=name,
-                rank=plan.rank,
-            ) from None
-        if local != spec:
-            raise LayoutError(
-                f"plan expects {list(spec.shape)} {spec.dtype}, rank {plan.rank} holds "
-                f"{list(local.shape)} {local.dtype}",
-                tensor=name,
-                rank=plan.rank,
-            )
-    return {m: [shards.view(c.tensor, c.box) for c in m.chunks] for m in schedule.messages}
 
 
 class _Run:
@@ -250,7 +238,7 @@ class _Run:
         self.started = started
         self.deadline = started + self.cfg.timeout_s
         self.schedule = prepared.schedule
-        self.views = prepared.views
+        self.rounds = prepared.rounds
         self.tables = prepared.tables
         if self.tables is not None:
             self.tables.reset()
@@ -275,11 +263,11 @@ class _Run:
 
     def execute(self) -> TransferReport:
         self.t.begin()
-        for round_msgs in self.schedule.rounds:
+        for round_msgs in self.rounds:
             self._check_cancel()
-            channel = round_msgs[0].channel
-            for m in round_msgs:
-                self._add(m)
+            channel = round_msgs[0][0].channel
+            for m, io in round_msgs:
+                self._add(m, io)
             group = self.pending.get(channel)
             if group is not None and (
                 group.nbytes >= self.group_bytes
@@ -297,12 +285,10 @@ class _Run:
         self.t.end()
         return self.report
 
-    def _add(self, m: Message) -> None:
+    def _add(self, m: Message, io: MessageIO) -> None:
         sending = m.src == self.rank
-        views = self.views[m]
-        direct = len(views) == 1 and views[0].is_contiguous()
-        if direct:
-            buf = views[0].reshape(-1).view(torch.uint8)
+        if io.direct is not None:
+            buf = io.direct
         else:
             taken = self.ring.try_take(m.nbytes)
             while taken is None:
@@ -312,16 +298,22 @@ class _Run:
                 taken = self.ring.try_take(m.nbytes)
             token, buf = taken
         group = self.pending.setdefault(m.channel, _Group())
-        if not direct:
+        if io.direct is None:
             group.slices.append(token)
             group.staged += m.nbytes
-        if sending:
-            if not direct:
-                with self.t.channel_context(m.channel):
-                    for chunk, view in zip(m.chunks, views, strict=True):
-                        self._typed(buf, chunk.offset, chunk.tensor, chunk.box).copy_(view)
-        elif not direct:
-            group.unpacks.append(self._unpacker(m, views, buf))
+            parts = io.parts(buf)
+            staged = parts if not io.strided else [parts[i] for i in io.flat]
+            if sending:
+                group.pack_dst += staged
+                group.pack_src += io.flat_views
+                if io.strided:
+                    with self.t.channel_context(m.channel):
+                        for chunk in io.strided:
+                            chunk.typed(parts[chunk.index]).copy_(chunk.view)
+            else:
+                group.unpack_dst += io.flat_views
+                group.unpack_src += staged
+                group.unpack_strided += [(parts[c.index], c) for c in io.strided]
         if self.verify:
             # Summed with the group, off the transfer's path: the sender reads the packed
             # (or parameter) bytes, which stay untouched until the group completes; the
@@ -331,11 +323,11 @@ class _Run:
         group.ops.append(P2POp(sending, m.dst if sending else m.src, buf))
         group.moves.append((m.round, sending, m.dst if sending else m.src, m.chunks[0].tensor))
         group.nbytes += m.nbytes
-        payload = sum(c.nbytes for c in m.chunks)
+        payload = io.payload
         group.payload += payload
         r = self.report
         r.messages += 1
-        if direct:
+        if io.direct is not None:
             r.direct_messages += 1
         else:
             r.packed_messages += 1
@@ -350,12 +342,16 @@ class _Run:
             return
         # Set before posting: a failure while posting may follow a receive already posted.
         self.receives_posted |= any(not op.send for op in group.ops)
+        if group.pack_dst:
+            with self.t.channel_context(channel):
+                torch._foreach_copy_(group.pack_dst, group.pack_src)
+            group.pack_dst, group.pack_src = [], []
         handle = self.t.issue(channel, group.ops, self.deadline)
         if self.t.device_ordered:
             with self.t.beside(channel):
                 self._after_transfer(group)
             handle = self.t.fence(handle)
-        elif group.unpacks or group.sum_bufs:
+        elif group.unpack_dst or group.unpack_strided or group.sum_bufs:
             group.post = lambda: self._after_transfer(group)
         group.handle = handle
         group.ops = []
@@ -404,23 +400,11 @@ class _Run:
 
     # -- packing, unpacking, checksums -----------------------------------------------------------
 
-    def _typed(self, buf: torch.Tensor, offset: int, tensor: str, box: Box) -> torch.Tensor:
-        nbytes = self.plan.specs[tensor].itemsize * box_numel(box)
-        part = buf[offset : offset + nbytes]
-        return part.view(torch_dtype(self.plan.specs[tensor].dtype)).view(box_shape(box))
-
-    def _unpacker(
-        self, m: Message, views: list[torch.Tensor], buf: torch.Tensor
-    ) -> Callable[[], None]:
-        def unpack() -> None:
-            for chunk, view in zip(m.chunks, views, strict=True):
-                view.copy_(self._typed(buf, chunk.offset, chunk.tensor, chunk.box))
-
-        return unpack
-
     def _after_transfer(self, group: _Group) -> None:
-        for unpack in group.unpacks:
-            unpack()
+        if group.unpack_dst:
+            torch._foreach_copy_(group.unpack_dst, group.unpack_src)
+        for part, chunk in group.unpack_strided:
+            chunk.view.copy_(chunk.typed(part))
         if group.sum_bufs:
             accumulate_sums_many(group.sum_bufs, group.sum_rows, tables=self.tables)
 

@@ -1,0 +1,113 @@
+"""Each message's local memory, resolved once and kept while plan and shards stay the same.
+
+A message either goes straight from/to local memory (one chunk whose view is contiguous:
+`MessageIO.direct`, its bytes) or through a staging buffer. For a staged message the
+chunks' slices of that buffer come from one `split` (chunk, alignment gap, chunk, ...), and
+each chunk is copied to/from local memory either in bulk — contiguous local memory, as
+1-D bytes, gathered with every other such chunk of the group into one `torch._foreach_copy_`
+(a few kernel launches for hundreds of small tensors instead of one launch each) — or
+alone, through a typed strided view (resharded boxes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from refitplane.errors import LayoutError
+from refitplane.reshard.boxes import box_shape
+from refitplane.reshard.layout import TensorSpec
+from refitplane.reshard.plan import RankPlan
+from refitplane.reshard.schedule import Message, RankSchedule
+from refitplane.reshard.shards import LocalShards, torch_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class StridedChunk:
+    """A staged chunk whose local view is not contiguous: copied alone, typed."""
+
+    index: int  # among the message's chunks
+    view: torch.Tensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def typed(self, part: torch.Tensor) -> torch.Tensor:
+        """The chunk's bytes in a staging buffer, as the local view's dtype and shape."""
+        return part.view(self.dtype).view(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class MessageIO:
+    # Direct messages: the local memory's bytes (1-D uint8); None for staged ones.
+    direct: torch.Tensor | None
+    # Tensor bytes the message carries (its size less alignment gaps).
+    payload: int
+    # Staged messages: sizes that split a staging buffer into chunk, gap, chunk, ... .
+    split: tuple[int, ...] = ()
+    # Chunks with contiguous local memory: their indices and 1-D uint8 views.
+    flat: tuple[int, ...] = ()
+    flat_views: tuple[torch.Tensor, ...] = ()
+    strided: tuple[StridedChunk, ...] = ()
+
+    def parts(self, buf: torch.Tensor) -> Sequence[torch.Tensor]:
+        """Every chunk's slice of the staging buffer `buf`, in chunk order."""
+        pieces: tuple[torch.Tensor, ...] = torch.split_with_sizes(buf, self.split)
+        return pieces[::2]
+
+
+def _as_bytes(view: torch.Tensor) -> torch.Tensor:
+    return view.reshape(-1).view(torch.uint8)
+
+
+def message_io(m: Message, views: list[torch.Tensor], specs: Mapping[str, TensorSpec]) -> MessageIO:
+    payload = sum(c.nbytes for c in m.chunks)
+    if len(views) == 1 and views[0].is_contiguous():
+        return MessageIO(_as_bytes(views[0]), payload)
+    split: list[int] = []
+    end = 0
+    for chunk in m.chunks:
+        if split:
+            split.append(chunk.offset - end)  # the alignment gap before this chunk
+        split.append(chunk.nbytes)
+        end = chunk.offset + chunk.nbytes
+    flat, flat_views, strided = [], [], []
+    for i, (chunk, view) in enumerate(zip(m.chunks, views, strict=True)):
+        if view.is_contiguous():
+            flat.append(i)
+            flat_views.append(_as_bytes(view))
+        else:
+            dtype = torch_dtype(specs[chunk.tensor].dtype)
+            strided.append(StridedChunk(i, view, dtype, box_shape(chunk.box)))
+    return MessageIO(None, payload, tuple(split), tuple(flat), tuple(flat_views), tuple(strided))
+
+
+def resolve_messages(
+    plan: RankPlan, schedule: RankSchedule, shards: LocalShards
+) -> tuple[tuple[tuple[Message, MessageIO], ...], ...]:
+    """The schedule's rounds with every message's local memory, each view checked against
+    the plan before any byte moves."""
+    for name, spec in plan.specs.items():
+        try:
+            local = shards.spec(name)
+        except KeyError:
+            raise LayoutError(
+                f"the plan moves this tensor but rank {plan.rank} registered no storage for it",
+                tensor=name,
+                rank=plan.rank,
+            ) from None
+        if local != spec:
+            raise LayoutError(
+                f"plan expects {list(spec.shape)} {spec.dtype}, rank {plan.rank} holds "
+                f"{list(local.shape)} {local.dtype}",
+                tensor=name,
+                rank=plan.rank,
+            )
+    return tuple(
+        tuple(
+            (m, message_io(m, [shards.view(c.tensor, c.box) for c in m.chunks], plan.specs))
+            for m in round_msgs
+        )
+        for round_msgs in schedule.rounds
+    )
