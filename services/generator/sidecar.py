@@ -203,9 +203,11 @@ class SidecarMember(NullHandler):
         self.state = SidecarState()
         self.session: AgentSession | None = None
         self._lock = threading.Lock()
-        # Read from the topology at PrepareRefit (`_read_ranks`).
+        # Read from the topology at PrepareRefit (`_read_ranks`), for group epoch
+        # `_ranks_epoch`; `_ranks_of` is the refit they were last checked for.
         self._rank_ids: set[str] = set()
         self._live = False
+        self._ranks_epoch = -1
         self._ranks_of = ""
 
     def attach(self, session: AgentSession) -> None:
@@ -218,9 +220,11 @@ class SidecarMember(NullHandler):
         with self._lock:
             self.state.refit_id = cmd.refit_id
             self.state.weights_touched = False
-        # Read now so that nothing but the update itself runs between StartTransfer and the
-        # replica's ranks starting their transfer.
-        self._read_ranks(cmd.refit_id)
+        # Read now (once per group epoch: ranks only change with the group) so that nothing
+        # but the update itself runs between StartTransfer and the ranks' transfer.
+        if self._ranks_epoch != cmd.epoch or not self._rank_ids:
+            self._read_ranks(cmd.epoch)
+        self._ranks_of = cmd.refit_id
         self.control.pause(mode)
         self.state.paused = True
         self.control.start_update()
@@ -230,7 +234,7 @@ class SidecarMember(NullHandler):
     def on_start_transfer(self, cmd: StartTransferCmd) -> None:
         steps = _Steps()
         if self._ranks_of != cmd.refit_id:  # no PrepareRefit seen in this process
-            self._read_ranks(cmd.refit_id)
+            self._read_ranks(-1)
         self.state.weights_touched = self._live
         self.control.update({"refit_id": cmd.refit_id, "version": cmd.version})
         steps.mark("update")
@@ -292,12 +296,12 @@ class SidecarMember(NullHandler):
             m for m in topo.members if m.role == Role.GENERATOR and m.replica_id == self.replica_id
         ]
 
-    def _read_ranks(self, refit_id: str) -> None:
+    def _read_ranks(self, epoch: int) -> None:
         """The replica's rank member ids, and whether they receive into live parameters."""
         ranks = self._replica_ranks()
         self._rank_ids = {m.member_id for m in ranks}
         self._live = any(m.labels.get("receive_mode") == "live" for m in ranks)
-        self._ranks_of = refit_id
+        self._ranks_epoch = epoch
 
     def _require_ranks_verified(self, refit_id: str) -> None:
         ranks = self._rank_ids
