@@ -262,6 +262,9 @@ def _replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
     os.setsid()
     os.environ.update(SAFE_ENV)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # FP8 engines otherwise JIT-compile ~1,500 DeepGEMM kernels at start on a machine with a
+    # cold cache (minutes); the few shapes a test generates with compile on first use.
+    os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if spec.device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpus
