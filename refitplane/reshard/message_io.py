@@ -58,7 +58,10 @@ class MessageIO:
 
 
 def _as_bytes(view: torch.Tensor) -> torch.Tensor:
-    return view.reshape(-1).view(torch.uint8)
+    """A contiguous view's memory as 1-D bytes. (Not `reshape(-1)`: a contiguous view may
+    keep any stride on a dimension of size 1, e.g. a single element of a transposed
+    matrix, and `view(torch.uint8)` needs a unit stride.)"""
+    return view.as_strided((view.numel(),), (1,)).view(torch.uint8)
 
 
 def message_io(m: Message, views: list[torch.Tensor], specs: Mapping[str, TensorSpec]) -> MessageIO:

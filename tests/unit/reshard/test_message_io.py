@@ -12,7 +12,7 @@ from refitplane.reshard.boxes import box_shape, to_slices
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.message_io import message_io
-from refitplane.reshard.plan import Link
+from refitplane.reshard.plan import Link, Piece
 from refitplane.reshard.schedule import link_messages
 from tests.unit.reshard.test_schedule import links
 
@@ -61,3 +61,18 @@ def test_staged_parts_are_the_schedule_chunk_ranges(
         for s in io.strided:
             assert not views[s.index].is_contiguous()
             assert s.typed(parts[s.index]).shape == box_shape(m.chunks[s.index].box)
+
+
+def test_single_elements_of_a_transposed_matrix_go_as_bytes() -> None:
+    """A one-element box of column-major storage is contiguous with a stride that is not 1
+    (found by the property test above): direct and bulk chunks still map to its bytes."""
+    spec = TensorSpec.create("t", [5, 3], "bfloat16")
+    local = _local(spec, strided=True)
+    local[1, 0] = 2.5
+    link = Link(0, 1, (Piece("t", ((1, 2), (0, 1))),), 2)
+    for bucket in (4, 1024):  # alone (direct), then packed
+        cfg = TransferConfig(bucket_bytes=bucket, max_inflight_bytes=4096)
+        (m,) = link_messages(link, {"t": spec}, cfg)
+        io = message_io(m, [local[1:2, 0:1]], {"t": spec})
+        flat = io.direct if io.direct is not None else io.flat_views[0]
+        assert flat.view(torch.bfloat16).tolist() == [2.5]
