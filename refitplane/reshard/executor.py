@@ -6,9 +6,9 @@ few buckets' worth, and always before any wait). A message that is a single chun
 local view is contiguous goes straight from/to parameter memory; anything else is packed
 into (or unpacked from) a slice of the bounded staging ring: a group's chunks with
 contiguous local memory in one `torch._foreach_copy_` per direction, strided ones one copy
-each (`message_io.py`), so hundreds of small tensors cost a few launches, not hundreds. When the ring is full,
-everything pending is posted and the oldest group completed first, so staging memory never
-exceeds `max_inflight_bytes`. On GPU, packing, the transfer and unpacking are ordered on
+each (`message_io.py`), so hundreds of small tensors cost a few launches, not hundreds.
+When the ring is full, everything pending is posted and the oldest group completed first,
+so staging memory never exceeds `max_inflight_bytes`. On GPU, packing, the transfer and unpacking are ordered on
 the channel's CUDA stream without host waits; on CPU (Gloo) unpacking happens when a group
 completes.
 
@@ -100,19 +100,19 @@ class _Group:
     staged: int = 0
     handle: Handle | None = None
     post: Callable[[], None] | None = None
-    # What the group moves, for error messages: (round, send?, peer, first tensor).
-    moves: list[tuple[int, bool, int, str]] = field(default_factory=list)
+    # The group's messages, for error messages.
+    messages: list[Message] = field(default_factory=list)
 
-    def describe(self) -> str:
-        sends = sorted({peer for _, send, peer, _ in self.moves if send})
-        recvs = sorted({peer for _, send, peer, _ in self.moves if not send})
-        rounds = [r for r, _, _, _ in self.moves]
-        parts = [f"{len(self.moves)} message(s), rounds {min(rounds)}-{max(rounds)}"]
+    def describe(self, rank: int) -> str:
+        sends = sorted({m.dst for m in self.messages if m.src == rank})
+        recvs = sorted({m.src for m in self.messages if m.dst == rank})
+        rounds = [m.round for m in self.messages]
+        parts = [f"{len(self.messages)} message(s), rounds {min(rounds)}-{max(rounds)}"]
         if sends:
             parts.append(f"sends to rank(s) {sends}")
         if recvs:
             parts.append(f"receives from rank(s) {recvs}")
-        parts.append(f"first tensor {self.moves[0][3]!r}")
+        parts.append(f"first tensor {self.messages[0].chunks[0].tensor!r}")
         return ", ".join(parts)
 
 
@@ -321,7 +321,7 @@ class _Run:
             group.sum_bufs.append(buf)
             group.sum_rows.append(self.sums[(m.src, m.dst)][m.round])
         group.ops.append(P2POp(sending, m.dst if sending else m.src, buf))
-        group.moves.append((m.round, sending, m.dst if sending else m.src, m.chunks[0].tensor))
+        group.messages.append(m)
         group.nbytes += m.nbytes
         payload = io.payload
         group.payload += payload
@@ -371,7 +371,7 @@ class _Run:
             self.t.wait(group.handle, self.deadline, self.cancel)
         except TransferTimeout as exc:
             raise TransferTimeout(
-                f"{exc}; waiting for {group.describe()}; {len(self.in_flight)} later group(s) "
+                f"{exc}; waiting for {group.describe(self.rank)}; {len(self.in_flight)} later group(s) "
                 f"in flight, {self.ring.live} staging slice(s) held"
             ) from exc
         self._finish(group)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session, step by step, on a device machine (layout tp1: 2 GPUs; tp2, 2xtp1: 4). Prepare
-# here first:
+# One GPU session, step by step, on a device machine (layout tp1: 2 GPUs; tp2, 2xtp1: 4).
+# Prepare here first:
 #     TRIM=1 bash ../shared/device/stage_vllm.sh      # vLLM 0.26 in .stage/p1..p3
 #     bash scripts/device/stage_wheels.sh             # nccl4py, grpc, ... into .whl/
 #     python3 -m pip wheel -q --no-deps . -w .whl     # this project (its vLLM plugin entry point)
@@ -38,8 +38,6 @@ setup() {
   python3 -c "import refitplane, vllm, nccl; print('refitplane', refitplane.__file__, 'vllm', vllm.__version__)"
 }
 
-step=${1:-}
-shift || true
 nccl_only() {
   # nccl4py alone (no vLLM yet), for the data-plane tests and model_refit
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -47,6 +45,8 @@ nccl_only() {
   export PYTHONPATH=/tmp/nsite:$PWD
 }
 
+step=${1:-}
+shift || true
 case "$step" in
   stage) stage ;;
   wheels)

@@ -204,11 +204,10 @@ class SidecarMember(NullHandler):
         self.session: AgentSession | None = None
         self._lock = threading.Lock()
         # Read from the topology at PrepareRefit (`_read_ranks`), for group epoch
-        # `_ranks_epoch`; `_ranks_of` is the refit they were last checked for.
+        # `_ranks_epoch`.
         self._rank_ids: set[str] = set()
         self._live = False
         self._ranks_epoch = -1
-        self._ranks_of = ""
 
     def attach(self, session: AgentSession) -> None:
         self.session = session
@@ -224,7 +223,6 @@ class SidecarMember(NullHandler):
         # but the update itself runs between StartTransfer and the ranks' transfer.
         if self._ranks_epoch != cmd.epoch or not self._rank_ids:
             self._read_ranks(cmd.epoch)
-        self._ranks_of = cmd.refit_id
         self.control.pause(mode)
         self.state.paused = True
         self.control.start_update()
@@ -233,7 +231,7 @@ class SidecarMember(NullHandler):
 
     def on_start_transfer(self, cmd: StartTransferCmd) -> None:
         steps = _Steps()
-        if self._ranks_of != cmd.refit_id:  # no PrepareRefit seen in this process
+        if self.state.refit_id != cmd.refit_id:  # no PrepareRefit seen in this process
             self._read_ranks(-1)
         self.state.weights_touched = self._live
         self.control.update({"refit_id": cmd.refit_id, "version": cmd.version})

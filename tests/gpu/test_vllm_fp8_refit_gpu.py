@@ -1,7 +1,7 @@
 """FP8 with block scales, end to end on GPUs: trainer ranks (TP2 on GPUs 0-1, or TP1 on GPU
 0) hold float8_e4m3fn linear weights and their float32 128x128 block scales → vLLM 0.26
-(TP2 on GPUs 2-3, or TP1 on GPU 1) serving an FP8-serialized checkpoint layout (`quantization_config` with
-`weight_block_size`), started with dummy weights.
+(TP2 on GPUs 2-3, or TP1 on GPU 1) serving an FP8-serialized checkpoint layout
+(`quantization_config` with `weight_block_size`), started with dummy weights.
 
 FP8 layers are received into checkpoint-format staging and loaded through vLLM's layerwise
 reload, which re-runs the FP8 kernels' post-load processing. The proof that the processing
