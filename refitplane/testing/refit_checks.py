@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 
-from refitplane.generator.vllm_layout import describe_vllm_model
 from refitplane.models.tiny import load_checkpoint
 from refitplane.reshard.boxes import format_box, to_slices
-from refitplane.testing.vllm_reference import loaded_reference
+from refitplane.testing.vllm_reference import loaded_reference, received_parameters
 
 
 def check_refit(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
@@ -23,28 +22,30 @@ def check_refit(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
     model = worker.model_runner.get_model()
     if engine is None or engine.shards is None:
         return {"failures": ["no refitplane engine in this worker"], "mode": "", "error": ""}
-    layout = describe_vllm_model(model)
+    layout = engine.layout
     checkpoint = load_checkpoint(checkpoint_dir)
     failures: list[str] = []
-    if engine.mode == "staged":
-        for sv in engine.shards:
-            want = checkpoint[sv.spec.name][to_slices(sv.box)]
-            if not torch.equal(sv.tensor.view(torch.uint8), want.contiguous().view(torch.uint8)):
-                failures.append(
-                    f"{sv.spec.name}{format_box(sv.box)}: received bytes differ from the checkpoint"
-                )
-        got = loaded_reference(model, layout, engine.staging.items())
-    else:
-        live = dict(model.named_parameters())
-        got = {name: live[name].detach() for name in layout.params}
+    # Live views are the parameters themselves, staged ones the staging: both hold the
+    # checkpoint's boxes as received.
+    for sv in engine.shards:
+        want = checkpoint[sv.spec.name][to_slices(sv.box)]
+        if not torch.equal(
+            sv.tensor.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+        ):
+            failures.append(
+                f"{sv.spec.name}{format_box(sv.box)}: received bytes differ from the checkpoint"
+            )
+    got = received_parameters(model, engine)
     want_params = loaded_reference(model, layout, checkpoint.items())
-    for name in sorted(layout.params):
+    for name in sorted({**layout.params, **layout.fallback}):
         if not torch.equal(got[name], want_params[name]):
             failures.append(f"{name}: differs from what load_weights writes from the checkpoint")
     return {
         "mode": engine.mode,
         "error": engine.error,
         "params": len(layout.params),
+        "fallback_params": len(layout.fallback),
+        "summary": layout.summary(),
         "failures": failures,
         "tp_rank": layout.ranks.tp_rank,
     }

@@ -715,29 +715,26 @@ def check_synthetic_weights(worker: Any, shape: str, dtype: str) -> dict[str, An
     checkpoint (live receive) — compared by bytes, parameter by parameter."""
     import torch
 
-    from refitplane.generator.vllm_layout import describe_vllm_model
-    from refitplane.testing.vllm_reference import loaded_reference
+    from refitplane.testing.vllm_reference import loaded_reference, received_parameters
 
     engine = worker.weight_transfer_engine
     model = worker.model_runner.get_model()
-    layout = describe_vllm_model(model)
+    layout = engine.layout
     device = next(model.parameters()).device
     needed = {
         name: synthetic(name, spec.shape, spec.dtype, device) for name, spec in layout.specs.items()
     }
     want = loaded_reference(model, layout, needed.items())
-    live = dict(model.named_parameters())
+    got = received_parameters(model, engine)
     failures = []
-    if engine is not None and engine.mode == "staged":
-        got = loaded_reference(model, layout, engine.staging.items())
-    else:
-        got = {n: live[n].detach() for n in layout.params}
-    for name in sorted(layout.params):
+    for name in sorted({**layout.params, **layout.fallback}):
         if not torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)):
             failures.append(name)
     return {
         "mode": getattr(engine, "mode", ""),
         "params": len(layout.params),
+        "fallback_params": len(layout.fallback),
+        "summary": layout.summary(),
         "failures": failures,
         "error": getattr(engine, "error", ""),
     }

@@ -22,11 +22,13 @@ test process can also check properties across ranks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from refitplane.errors import LayoutError
+from refitplane.generator.checkpoint_index import safetensors_specs
 from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_shards
 from refitplane.generator.vllm_live import live_storage
 from refitplane.generator.vllm_reload import reload_weights
@@ -35,11 +37,24 @@ from refitplane.reshard.boxes import format_box, to_slices
 from refitplane.testing.vllm_reference import loaded_reference
 
 
-def check_worker_layout(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
+def describe_worker(worker: Any, checkpoint_dir: str, skip_rules: Sequence[str] = ()) -> VllmLayout:
+    """`describe_vllm_model` of the worker's model, tracing fallback layers with the
+    checkpoint in `checkpoint_dir`; `skip_rules` switches fast-path rules off by class."""
+    return describe_vllm_model(
+        worker.model_runner.get_model(),
+        checkpoint=safetensors_specs(checkpoint_dir),
+        vllm_config=worker.vllm_config,
+        skip_rules=skip_rules,
+    )
+
+
+def check_worker_layout(
+    worker: Any, checkpoint_dir: str, skip_rules: Sequence[str] = ()
+) -> dict[str, Any]:
     """Run in a vLLM worker; returns the report described in the module docstring."""
     model = worker.model_runner.get_model()
     checkpoint = load_checkpoint(checkpoint_dir)
-    layout = describe_vllm_model(model)
+    layout = describe_worker(worker, checkpoint_dir, skip_rules)
     reference = loaded_reference(model, layout, checkpoint.items())
     failures: list[str] = []
     failures += _check_views(layout, reference, checkpoint)
@@ -61,7 +76,7 @@ def check_worker_layout(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
     ]
     live_error = None
     try:
-        vllm_shards(model)
+        vllm_shards(model, layout=layout)
     except LayoutError as exc:
         live_error = str(exc)
     if bool(live.blocked) != (live_error is not None):
@@ -69,7 +84,7 @@ def check_worker_layout(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
             f"binding to the live model {'failed' if live_error else 'succeeded'} with "
             f"blocked parameters {sorted(live.blocked)}: {live_error}"
         )
-    staged, _ = vllm_shards(model, params=layout.allocate())
+    staged, _ = vllm_shards(model, params=layout.allocate(), layout=layout)
     if len(staged) != sum(len(p.placements) for p in layout.params.values()):
         failures.append("binding with staging storage registered a different number of views")
     return {
@@ -88,6 +103,8 @@ def check_worker_layout(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
             for r in p.padding
         ],
         "params": sorted(layout.params),
+        "fallback": {p.name: [p.reason, list(p.sources)] for p in layout.fallback.values()},
+        "summary": layout.summary(),
         "blocked": dict(live.blocked),
         "writable": sorted(live.writable),
         "live_error": live_error,
@@ -136,14 +153,20 @@ def _check_cover(layout: VllmLayout, reference: dict[str, torch.Tensor]) -> list
 
 
 def _check_recorded_shapes(model: torch.nn.Module, layout: VllmLayout) -> list[str]:
-    """Loader-format shapes against those vLLM recorded when `create_weights` ran."""
+    """Loader-format shapes against those vLLM recorded when `create_weights` ran (vLLM
+    records no metadata for tensors it never moves to the meta device, such as `bias`,
+    which are never repacked: those are compared with the live tensor)."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
 
     failures = []
     for name, param in layout.params.items():
         path, _, pname = name.rpartition(".")
-        info = LAYERWISE_INFO.get(model.get_submodule(path))
+        owner = model.get_submodule(path)
+        info = LAYERWISE_INFO.get(owner)
         recorded = info.restore_metadata[0].get(pname) if info is not None else None
+        if recorded is None and pname in SKIP_TENSORS:
+            recorded = getattr(owner, pname)
         if recorded is None:
             failures.append(f"{name}: vLLM recorded no loader-format metadata")
         elif tuple(recorded.shape) != param.shape:
@@ -153,12 +176,12 @@ def _check_recorded_shapes(model: torch.nn.Module, layout: VllmLayout) -> list[s
     return failures
 
 
-def reload_from_boxes(worker: Any, checkpoint_dir: str) -> int:
+def reload_from_boxes(worker: Any, checkpoint_dir: str, skip_rules: Sequence[str] = ()) -> int:
     """Replace the worker's weights with a checkpoint's through `vllm_reload.reload_weights`,
     given only this rank's boxes of each tensor (the reload path of a refit where parameters
     cannot be written in place). Returns the number of boxes loaded."""
     model = worker.model_runner.get_model()
-    layout = describe_vllm_model(model)
+    layout = describe_worker(worker, checkpoint_dir, skip_rules)
     staging = _staged_from(layout, load_checkpoint(checkpoint_dir))
     reload_weights(model, worker.vllm_config, staging.items())
     return sum(len(boxes) for boxes in layout.hf_boxes().values())

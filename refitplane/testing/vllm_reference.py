@@ -12,11 +12,11 @@ Runs inside a vLLM worker (e.g. through `LLM.collective_rpc`), between generatio
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 
-from refitplane.generator.vllm_layout import VllmLayout
+from refitplane.generator.vllm_layout import FallbackParam, ParamLayout, VllmLayout
 from refitplane.reshard.shards import torch_dtype
 
 
@@ -31,7 +31,8 @@ def loaded_reference(
     """
     fresh: dict[str, torch.nn.Parameter] = {}
     live: dict[str, torch.nn.Parameter] = {}
-    for name, described in layout.params.items():
+    described_params: dict[str, ParamLayout | FallbackParam] = {**layout.params, **layout.fallback}
+    for name, described in described_params.items():
         path, _, pname = name.rpartition(".")
         owner = model.get_submodule(path)
         current = owner._parameters[pname]
@@ -59,6 +60,20 @@ def loaded_reference(
         for module, pname, current in swapped:
             module._parameters[pname] = current
     return {name: param.data for name, param in fresh.items()}
+
+
+def received_parameters(model: torch.nn.Module, engine: Any) -> dict[str, torch.Tensor]:
+    """Every described parameter as the refitplane `engine` of this worker now holds it in
+    loader format: a staged engine's staging loaded by `load_weights`; a live engine's live
+    fast-path parameters, plus its fallback staging loaded by `load_weights`."""
+    layout = engine.layout
+    staged = loaded_reference(model, layout, engine.staging.items()) if engine.staging else {}
+    if engine.mode == "staged":
+        return staged
+    live = dict(model.named_parameters())
+    got = {name: live[name].detach() for name in layout.params}
+    got.update({name: staged[name] for name in layout.fallback})
+    return got
 
 
 def _loader_template(owner: torch.nn.Module, pname: str, current: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,9 @@ Registered under the backend name "refitplane" by the `vllm.general_plugins` ent
   `receive_mode`, so the sidecar knows whether a failed transfer touched live weights.
 - `update_weights({"refit_id": ...})`: run this rank's part of the refit's plan (the
   coordinator sent it with PrepareRefit) with checksums, and report the outcome.
-- `finish_weight_update()`: staged mode applies the received weights (reload).
+- `finish_weight_update()`: staged mode applies the received weights (reload); live mode
+  reloads only the layers without a fast path (`vllm_fallback`), from whole checkpoint
+  tensors received into staging.
 - `update_weights({"refit_id": ..., "action": "discard"})`: forget a refit that failed
   elsewhere in the replica (vLLM needs every started update finished; this makes that
   finish a no-op).
@@ -42,7 +44,8 @@ from refitplane.agent.dataplane import DataPlaneMember, local_address
 from refitplane.agent.messages import MemberInfo
 from refitplane.agent.session import AgentSession
 from refitplane.errors import RefitError
-from refitplane.generator.vllm_layout import describe_vllm_model
+from refitplane.generator.checkpoint_index import checkpoint_specs
+from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model
 from refitplane.generator.vllm_live import live_storage
 from refitplane.protocol import Role
 from refitplane.reshard.shards import LocalShards
@@ -102,6 +105,7 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         self.member: DataPlaneMember | None = None
         self.shards: LocalShards | None = None
         self.staging: dict[str, torch.Tensor] | None = None
+        self.layout: VllmLayout | None = None
         self.mode = ""
         self.error = ""
         self._pending_reload = ""
@@ -140,7 +144,14 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                 "init_info needs coordinator, job and replica_id (or REFIT_* env)",
                 field="init_info",
             )
-        layout = describe_vllm_model(self.model)
+        model_config = self.model_config
+        layout = describe_vllm_model(
+            self.model,
+            checkpoint=lambda: checkpoint_specs(model_config),
+            vllm_config=self.vllm_config,
+        )
+        self.layout = layout
+        _log_paths(layout)
         live = live_storage(self.model, layout)
         if info.mode == "staged" or live.blocked:
             self.mode = "staged"
@@ -150,6 +161,8 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             self.shards, padding = layout.bind(live.writable)
             for pad in padding:  # as load_weights leaves them (dummy loads leave noise)
                 pad.tensor.zero_()
+            # Parameters without a fast path load from whole tensors through vLLM's loader.
+            self.staging = layout.stage_fallback(self.shards, self.device) or None
         ranks = layout.ranks
         if ranks.dp_size > 1:
             replica = f"{replica}-dp{ranks.dp_rank}"
@@ -166,7 +179,12 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             replica_id=replica,
             host=host,
             device=str(self.device),
-            labels={"receive_mode": self.mode, "engine": "vllm"},
+            labels={
+                "receive_mode": self.mode,
+                "engine": "vllm",
+                "fast_tensors": str(len(layout.fast_tensors())),
+                "fallback_tensors": str(len(layout.fallback_tensors)),
+            },
         )
         self.session = AgentSession(
             coordinator,
@@ -210,7 +228,7 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             return
         try:
             self.member.run_transfer(refit_id, wait_s=update_info.prepare_wait_s)
-            if self.mode == "staged":
+            if self.staging:
                 self._pending_reload = refit_id
         except Exception as exc:  # noqa: BLE001 - must never reach vLLM
             self._report(
@@ -222,12 +240,15 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
 
     def finish_weight_update(self, *args: Any, **kwargs: Any) -> None:
         refit_id, self._pending_reload = self._pending_reload, ""
-        if not refit_id or self.staging is None:
+        if not refit_id or not self.staging:
             return
         try:
             from refitplane.generator.vllm_reload import reload_weights
 
-            reload_weights(self.model, self.vllm_config, self.staging.items())
+            # Live mode reloads only the fallback layers; the rest were written in place.
+            reload_weights(
+                self.model, self.vllm_config, self.staging.items(), partial=self.mode == "live"
+            )
         except Exception as exc:  # noqa: BLE001 - must never reach vLLM
             self._report(refit_id, exc, weights_modified=True)
 
@@ -258,6 +279,17 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         """vLLM 0.26's ABC requires it; refitplane trainers send through
         `refitplane.trainer.agent.TrainerAgent`, never through vLLM."""
         raise NotImplementedError("use refitplane.trainer.agent.TrainerAgent on the trainer side")
+
+
+def _log_paths(layout: VllmLayout) -> None:
+    """Say once, at start, which parameters take the fallback path and why."""
+    log.info("refitplane: %s", layout.summary())
+    by_reason: dict[str, list[str]] = {}
+    for param in layout.fallback.values():
+        by_reason.setdefault(param.reason, []).append(param.name)
+    for reason, names in sorted(by_reason.items()):
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        log.info("refitplane: fallback for %s: %s", shown, reason)
 
 
 def _token() -> str | None:

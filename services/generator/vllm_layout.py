@@ -8,9 +8,14 @@ row-parallel splits, MoE `w13_weight` / `w2_weight` of the local experts, vocabu
 the padded embedding and LM head. Regions that no checkpoint element lands in (vocabulary
 padding, padded MoE sizes) are reported as padding: `load_weights` zero-fills them.
 
-Every element of every parameter is either placed or padding, exactly once; anything the
-rules do not understand (a quantized layer, a LoRA wrapper, an unknown layer type) is an
-error naming the vLLM parameter, never a silent skip.
+Every element of every fast-path parameter is either placed or padding, exactly once. A layer
+the rules do not understand (a new layer type, a quantized layer, a LoRA wrapper) is never
+guessed at and never skipped: its parameters take the *fallback* path. vLLM's own
+`load_weights` is traced (`vllm_load_trace`) to find the checkpoint tensors it reads into
+them; those are received whole and applied through vLLM's loader (layerwise reload), so the
+result is what loading the checkpoint gives. Slower, never wrong. A checkpoint tensor that
+also feeds a fast-path layer pulls that layer onto the fallback path too, so no parameter is
+ever half-reloaded.
 
 The description is in vLLM's *loader format*: the shapes `create_weights` gives parameters
 and `load_weights` writes into. On GPUs with unquantized weights the kernels read the live
@@ -24,14 +29,27 @@ linear and MoE weight; FlashInfer / AITER MoE backends and quantized methods reo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from refitplane.errors import LayoutError
-from refitplane.reshard.boxes import Box, box_numel, box_shape, format_box, intersect, to_slices
+from refitplane.reshard.boxes import (
+    Box,
+    box_numel,
+    box_shape,
+    format_box,
+    full_box,
+    intersect,
+    to_slices,
+)
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.shards import LocalShards, dtype_name, torch_dtype
+
+if TYPE_CHECKING:
+    from refitplane.generator.vllm_fallback import CheckpointSource
+    from refitplane.generator.vllm_layer_rules import DescribedParam
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +120,47 @@ class PaddingView:
     tensor: torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class FallbackParam:
+    """A vLLM parameter no fast-path rule describes (`reason` says why). The checkpoint
+    tensors vLLM's `load_weights` reads into it (`sources`) are received whole and applied
+    through vLLM's loader. `shape` / `dtype` are the loader format."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    reason: str
+    sources: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class VllmLayout:
-    """What one vLLM worker holds, per parameter and per canonical tensor."""
+    """What one vLLM worker holds, per parameter and per canonical tensor.
+
+    `params` are the fast-path parameters (placements of boxes); `fallback` the parameters
+    loaded through vLLM's loader from the whole checkpoint tensors `fallback_tensors`.
+    `specs` describes every canonical tensor of either kind.
+    """
 
     ranks: VllmRanks
     specs: Mapping[str, TensorSpec]
     params: Mapping[str, ParamLayout]
+    fallback: Mapping[str, FallbackParam] = field(default_factory=dict)
+
+    @property
+    def fallback_tensors(self) -> list[str]:
+        """The checkpoint tensors the fallback parameters load from (each needed whole)."""
+        return sorted({s for param in self.fallback.values() for s in param.sources})
+
+    def fast_tensors(self) -> list[str]:
+        return sorted({p.hf_name for param in self.params.values() for p in param.placements})
+
+    def summary(self) -> str:
+        """One line for logs and reports: how many tensors take which path."""
+        return (
+            f"fast: {len(self.fast_tensors())} tensors ({len(self.params)} parameters), "
+            f"fallback: {len(self.fallback_tensors)} tensors ({len(self.fallback)} parameters)"
+        )
 
     def hf_boxes(self) -> dict[str, list[Box]]:
         """The boxes of each canonical tensor this worker needs."""
@@ -116,6 +168,8 @@ class VllmLayout:
         for param in self.params.values():
             for p in param.placements:
                 out.setdefault(p.hf_name, []).append(p.hf_box)
+        for name in self.fallback_tensors:
+            out.setdefault(name, []).append(full_box(self.specs[name].shape))
         return out
 
     def check(self) -> None:
@@ -124,6 +178,10 @@ class VllmLayout:
         for param in self.params.values():
             _check_param_cover(param)
         seen: dict[str, list[tuple[Box, str]]] = {}
+        for name in self.fallback_tensors:
+            if name not in self.specs:
+                raise LayoutError("fallback source of an undeclared tensor", tensor=name)
+            seen[name] = [(full_box(self.specs[name].shape), "the fallback path")]
         for param in self.params.values():
             for p in param.placements:
                 spec = self.specs.get(p.hf_name)
@@ -190,6 +248,19 @@ class VllmLayout:
                 shards.add(spec, box, tensor[to_slices(box)])
         return shards, staging
 
+    def stage_fallback(
+        self, shards: LocalShards, device: torch.device | str = "cpu"
+    ) -> dict[str, torch.Tensor]:
+        """Whole-shape tensors for the fallback path's checkpoint tensors, registered in
+        `shards`; after a transfer, `vllm_reload.reload_weights` applies them."""
+        staging: dict[str, torch.Tensor] = {}
+        for name in self.fallback_tensors:
+            spec = self.specs[name]
+            tensor = torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype), device=device)
+            shards.add(spec, full_box(spec.shape), tensor)
+            staging[name] = tensor
+        return staging
+
     def allocate(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Zeroed loader-format tensors for every parameter (a staging copy to receive into
         where the live parameters are not in loader format)."""
@@ -221,6 +292,10 @@ def describe_vllm_model(
     ranks: VllmRanks | None = None,
     packed_modules: Mapping[str, Sequence[str]] | None = None,
     to_hf_name: Callable[[str], str] | None = None,
+    checkpoint: CheckpointSource | None = None,
+    vllm_config: Any = None,
+    fallback: bool = True,
+    skip_rules: Sequence[str] = (),
 ) -> VllmLayout:
     """The loader-format layout of every parameter of a vLLM model on this worker.
 
@@ -228,7 +303,14 @@ def describe_vllm_model(
     (default: the model's `packed_modules_mapping` over the usual `qkv_proj` / `gate_up_proj`);
     `to_hf_name` maps a vLLM parameter name to its checkpoint name for models whose
     `hf_to_vllm_mapper` renames prefixes (default: the names agree, as for Llama and Qwen).
+
+    Layers without a fast path take the fallback path; `checkpoint` (checkpoint tensor name
+    → spec, or a function returning them, called only if some layer needs the fallback)
+    lists the tensors to trace vLLM's loader with. `fallback=False` makes every layer
+    without a fast path an error instead; `skip_rules` (layer class names) sends layers of
+    those classes to the fallback path as if they had no rule.
     """
+    from refitplane.generator.vllm_fallback import Layer, plan_fallback
     from refitplane.generator.vllm_layer_rules import LayerContext, describe_layer
 
     ctx = LayerContext(
@@ -236,10 +318,36 @@ def describe_vllm_model(
         packed=_packed_modules(model, packed_modules),
         to_hf_name=to_hf_name or _same_name,
     )
-    params: dict[str, ParamLayout] = {}
-    specs: dict[str, TensorSpec] = {}
+    layers: dict[str, Layer] = {}
+    fast: dict[str, list[DescribedParam]] = {}
+    rejected: dict[str, str] = {}
     for module_path, module, owned in _parameter_owners(model):
-        for described in describe_layer(ctx, module_path, module, owned):
+        layers[module_path] = Layer(module_path, module, owned)
+        if type(module).__name__ in skip_rules:
+            rejected[module_path] = f"the {type(module).__name__} rule is switched off"
+            continue
+        try:
+            layer_described = describe_layer(ctx, module_path, module, owned)
+            for d in layer_described:
+                _check_param_cover(d.param)
+        except LayoutError as exc:
+            if not fallback:
+                raise
+            rejected[module_path] = exc.message
+        else:
+            fast[module_path] = layer_described
+    fallback_params: dict[str, FallbackParam] = {}
+    specs: dict[str, TensorSpec] = {}
+    if rejected:
+        claimed = {spec.name for described in fast.values() for d in described for spec in d.specs}
+        plan = plan_fallback(model, layers, rejected, claimed, checkpoint, vllm_config=vllm_config)
+        for path in plan.joined:
+            fast.pop(path, None)
+        fallback_params = plan.params
+        specs.update(plan.specs)
+    params: dict[str, ParamLayout] = {}
+    for layer_params in fast.values():
+        for described in layer_params:
             params[described.param.name] = described.param
             for spec in described.specs:
                 known = specs.setdefault(spec.name, spec)
@@ -250,7 +358,7 @@ def describe_vllm_model(
                         "elsewhere",
                         tensor=spec.name,
                     )
-    layout = VllmLayout(ranks=ctx.ranks, specs=specs, params=params)
+    layout = VllmLayout(ranks=ctx.ranks, specs=specs, params=params, fallback=fallback_params)
     layout.check()
     return layout
 
@@ -259,23 +367,27 @@ def vllm_shards(
     model: torch.nn.Module,
     *,
     params: Mapping[str, torch.Tensor] | None = None,
+    layout: VllmLayout | None = None,
     ranks: VllmRanks | None = None,
     packed_modules: Mapping[str, Sequence[str]] | None = None,
     to_hf_name: Callable[[str], str] | None = None,
 ) -> tuple[LocalShards, list[PaddingView]]:
-    """This worker's shard views and padding regions.
+    """This worker's shard views and padding regions of the fast-path parameters (the
+    fallback path's whole tensors are staged with `VllmLayout.stage_fallback`).
 
     Views go into the model's live parameters wherever the kernels read them as loaded (the
     zero-copy receive path, `vllm_live.live_storage`); `params` (vLLM parameter name →
     loader-format tensor) supplies storage for the others, e.g. a staging copy
     (`VllmLayout.allocate`) that is then loaded through vLLM's layerwise reload. A parameter
     that is neither writable in place nor given fails, naming the parameter and the reason.
+    `layout` is the model's description if already made (else it is described here).
     """
     from refitplane.generator.vllm_live import live_storage
 
-    layout = describe_vllm_model(
-        model, ranks=ranks, packed_modules=packed_modules, to_hf_name=to_hf_name
-    )
+    if layout is None:
+        layout = describe_vllm_model(
+            model, ranks=ranks, packed_modules=packed_modules, to_hf_name=to_hf_name
+        )
     live = live_storage(model, layout)
     storage = {**live.writable, **(params or {})}
     missing = [name for name in layout.params if name not in storage]

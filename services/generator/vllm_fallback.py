@@ -1,0 +1,149 @@
+"""The fail-safe path: which vLLM layers are loaded through vLLM's own loader, and from what.
+
+`describe_vllm_model` tries the fast-path rule of every layer (module owning parameters);
+a layer whose rule is missing or refuses it is *rejected* with the rule's reason. Here the
+rejected layers get their inputs: the checkpoint tensors vLLM's `load_weights` reads into
+their parameters, found by tracing the model's own loading code (`vllm_load_trace`).
+
+Decisions are per layer, never per parameter: vLLM's layerwise reload processes a layer once
+all its parameters are loaded, so a layer must be reloaded whole. And a checkpoint tensor
+that feeds a rejected layer is received whole; any fast-path layer it also feeds (or a
+checkpoint tensor the fast rules did not claim but vLLM loads into a fast-path layer: the
+rule missed an input) joins the fallback path as well, until nothing changes.
+
+Tracing is cheap but not free, so it runs only when some layer was rejected, and first only
+over checkpoint tensors no fast-path rule claims; the claimed ones are traced too only if
+some fallback parameter is still unexplained.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refitplane.errors import LayoutError
+from refitplane.generator.vllm_layout import FallbackParam
+from refitplane.generator.vllm_load_trace import trace_load_targets
+from refitplane.reshard.layout import TensorSpec
+from refitplane.reshard.shards import dtype_name
+
+log = logging.getLogger("refitplane.generator.fallback")
+
+CheckpointSource = Mapping[str, TensorSpec] | Callable[[], Mapping[str, TensorSpec]]
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """A module with the parameters it registers itself."""
+
+    path: str
+    module: torch.nn.Module
+    owned: Mapping[str, torch.nn.Parameter]
+
+    def param_names(self) -> list[str]:
+        return [f"{self.path}.{p}" if self.path else p for p in self.owned]
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackPlan:
+    """Fallback parameters, the checkpoint tensors they load from, and the fast-path layers
+    that had to join them."""
+
+    params: dict[str, FallbackParam]
+    specs: dict[str, TensorSpec]
+    joined: dict[str, str]
+
+
+def plan_fallback(
+    model: torch.nn.Module,
+    layers: Mapping[str, Layer],
+    rejected: Mapping[str, str],
+    claimed: set[str],
+    checkpoint: CheckpointSource | None,
+    *,
+    vllm_config: Any = None,
+) -> FallbackPlan:
+    """Resolve the fallback path for the `rejected` layers (path → reason); `claimed` are
+    the checkpoint tensors the fast-path rules of the other layers read."""
+    first = layers[next(iter(rejected))].param_names()[0]
+    if checkpoint is None:
+        raise LayoutError(
+            f"no fast path ({rejected[next(iter(rejected))]}), and no checkpoint index was "
+            "given to find the tensors vLLM loads into it",
+            tensor=first,
+        )
+    specs = dict(checkpoint() if callable(checkpoint) else checkpoint)
+    owner_of = {name: path for path, layer in layers.items() for name in layer.param_names()}
+    reasons = dict(rejected)
+
+    def fallback_param_names() -> set[str]:
+        return {n for path in reasons for n in layers[path].param_names()}
+
+    unclaimed = {n: s for n, s in specs.items() if n not in claimed}
+    targets = dict(trace_load_targets(model, unclaimed, vllm_config=vllm_config))
+    fed = {p for params in targets.values() for p in params}
+    if fallback_param_names() - fed:
+        more = {n: s for n, s in specs.items() if n in claimed}
+        targets.update(trace_load_targets(model, more, vllm_config=vllm_config))
+
+    joined: dict[str, str] = {}
+    changed = True
+    while changed:
+        changed = False
+        fallback = fallback_param_names()
+        for name, params in targets.items():
+            pulls = name not in claimed or bool(params & fallback)
+            if not pulls:
+                continue
+            for param in sorted(params):
+                path = owner_of.get(param)
+                if path is None or path in reasons:
+                    continue
+                why = (
+                    f"checkpoint tensor {name!r} loads into it and into fallback parameters"
+                    if name in claimed
+                    else f"vLLM also loads checkpoint tensor {name!r} into it, which its rule "
+                    "does not describe"
+                )
+                reasons[path] = joined[path] = why
+                changed = True
+
+    fallback = fallback_param_names()
+    sources: dict[str, list[str]] = {}
+    for name, params in sorted(targets.items()):
+        for param in params & fallback:
+            sources.setdefault(param, []).append(name)
+    out: dict[str, FallbackParam] = {}
+    for path in reasons:
+        layer = layers[path]
+        for pname, live in layer.owned.items():
+            name = f"{path}.{pname}" if path else pname
+            if name not in sources:
+                raise LayoutError(
+                    f"no fast path ({reasons[path]}), and tracing vLLM's load_weights found "
+                    "no checkpoint tensor that loads into it",
+                    tensor=name,
+                )
+            shape, dtype = loader_format(layer.module, pname, live)
+            out[name] = FallbackParam(name, shape, dtype, reasons[path], tuple(sources[name]))
+    needed = {s for p in out.values() for s in p.sources}
+    return FallbackPlan(out, {n: specs[n] for n in sorted(needed)}, joined)
+
+
+def loader_format(
+    owner: torch.nn.Module, pname: str, live: torch.Tensor
+) -> tuple[tuple[int, ...], str]:
+    """The shape and dtype `load_weights` writes a parameter in: as vLLM recorded it for
+    layerwise reload when post-load processing may have changed it, else the live one."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # vLLM without layerwise reload metadata
+        return tuple(live.shape), dtype_name(live.dtype)
+    info = LAYERWISE_INFO.get(owner)
+    recorded = info.restore_metadata[0].get(pname) if info is not None else None
+    tensor = recorded if recorded is not None else live
+    return tuple(int(n) for n in tensor.shape), dtype_name(tensor.dtype)
