@@ -65,6 +65,10 @@ class RefitInitInfo(WeightTransferInitInfo):
     tls_ca: str = ""
     # "auto": live where possible else staged; "staged" forces the reload path.
     mode: str = "auto"
+    # vLLM layer classes (e.g. "QKVParallelLinear") sent to the fallback path as if no fast
+    # path existed for them: a way around a fast-path rule that is wrong for some model.
+    # Default: REFIT_FALLBACK_LAYERS (comma-separated).
+    fallback_layers: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -145,10 +149,16 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                 field="init_info",
             )
         model_config = self.model_config
+        forced = info.fallback_layers or [
+            name.strip()
+            for name in os.environ.get("REFIT_FALLBACK_LAYERS", "").split(",")
+            if name.strip()
+        ]
         layout = describe_vllm_model(
             self.model,
             checkpoint=lambda: checkpoint_specs(model_config),
             vllm_config=self.vllm_config,
+            skip_rules=forced,
         )
         self.layout = layout
         _log_paths(layout)

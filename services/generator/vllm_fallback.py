@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from refitplane.errors import LayoutError
+from refitplane.generator.vllm_layer_rules import loader_template
 from refitplane.generator.vllm_layout import FallbackParam
 from refitplane.generator.vllm_load_trace import trace_load_targets
 from refitplane.reshard.layout import TensorSpec
@@ -137,13 +138,7 @@ def plan_fallback(
 def loader_format(
     owner: torch.nn.Module, pname: str, live: torch.Tensor
 ) -> tuple[tuple[int, ...], str]:
-    """The shape and dtype `load_weights` writes a parameter in: as vLLM recorded it for
-    layerwise reload when post-load processing may have changed it, else the live one."""
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    except ImportError:  # vLLM without layerwise reload metadata
-        return tuple(live.shape), dtype_name(live.dtype)
-    info = LAYERWISE_INFO.get(owner)
-    recorded = info.restore_metadata[0].get(pname) if info is not None else None
-    tensor = recorded if recorded is not None else live
+    """The shape and dtype `load_weights` writes a parameter in."""
+    template = loader_template(owner, pname, live)
+    tensor = live if template is None else template
     return tuple(int(n) for n in tensor.shape), dtype_name(tensor.dtype)

@@ -37,6 +37,9 @@ class LayerContext:
     ranks: VllmRanks
     packed: Mapping[str, tuple[str, ...]]
     to_hf_name: Callable[[str], str]
+    # Fused vLLM modules (by path) whose checkpoint tensor is stored fused under their own
+    # name without a packed-modules entry saying so (Mamba2's `in_proj`).
+    self_fused: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +50,21 @@ class DescribedParam:
 
 @dataclass(frozen=True, slots=True)
 class _Band:
-    """Rows `[index * rows, (index + 1) * rows)` of checkpoint tensor `hf_module`, whose
-    full output size is `hf_rows`, stacked next in a column-parallel parameter."""
+    """Rows `[index * rows, (index + 1) * rows)` of a part of `hf_rows` rows of checkpoint
+    tensor `hf_module`, stacked next in a column-parallel parameter. The part starts at row
+    `offset` of a tensor of `tensor_rows` rows when the checkpoint stores several parts
+    fused (Phi-3's `qkv_proj` / `gate_up_proj`); otherwise it is the whole tensor."""
 
     hf_module: str
     rows: int
     index: int
     hf_rows: int
+    offset: int = 0
+    tensor_rows: int = 0
+
+    @property
+    def total_rows(self) -> int:
+        return self.tensor_rows or self.hf_rows
 
 
 Owned = Mapping[str, torch.nn.Parameter]
@@ -83,7 +94,59 @@ def describe_layer(
                     "pre-sharded, packed or transposed parameters are not supported",
                     tensor=_join(path, pname),
                 )
+        loader = getattr(loader_template(module, pname, param), "weight_loader", None)
+        if loader is not None and not _standard_loader(module, loader):
+            raise LayoutError(
+                f"parameter has its own weight loader "
+                f"({getattr(loader, '__qualname__', type(loader).__name__)}), not its layer's; "
+                "what it does is not described by the layer's rule",
+                tensor=_join(path, pname),
+            )
     return rule(ctx, path, module, owned)
+
+
+def loader_template(
+    owner: torch.nn.Module, pname: str, live: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The parameter as `create_weights` made it (loader format: shape, dtype and loader
+    attributes), which vLLM records for layerwise reload because post-load processing may
+    replace it; the live parameter where nothing was recorded (`bias`, vLLM without
+    layerwise reload)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return live
+    info = LAYERWISE_INFO.get(owner)
+    recorded = info.restore_metadata[0].get(pname) if info is not None else None
+    return recorded if recorded is not None else live
+
+
+def check_loader_format(layer: torch.nn.Module, param: ParamLayout) -> None:
+    """The described shape and dtype are those vLLM's loader writes the parameter in (a rule
+    applied to a layer it does not fit describes the wrong shape)."""
+    pname = param.name.rpartition(".")[2]
+    template = loader_template(layer, pname, getattr(layer, pname, None))
+    if template is None:
+        return
+    shape, dtype = tuple(int(n) for n in template.shape), dtype_name(template.dtype)
+    if (shape, dtype) != (param.shape, param.dtype):
+        raise LayoutError(
+            f"described as {list(param.shape)} {param.dtype}, but vLLM's loader writes "
+            f"{list(shape)} {dtype}",
+            tensor=param.name,
+        )
+
+
+def _standard_loader(layer: torch.nn.Module, loader: Any) -> bool:
+    """A method of the layer's own class (bound to it, or to the placeholder vLLM binds
+    recorded loaders to), or vLLM's default loader: what the layer rules restate."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    if loader is default_weight_loader:
+        return True
+    func = getattr(loader, "__func__", None)
+    name = getattr(func, "__name__", "")
+    return func is not None and getattr(type(layer), name, None) is func
 
 
 def _rules() -> dict[type, Rule]:
@@ -112,7 +175,21 @@ def _rules() -> dict[type, Rule]:
     except ImportError:  # vLLM versions without a dedicated router layer
         pass
     else:
-        rules[GateLinear] = _replicated_linear
+        rules[GateLinear] = _router
+    try:
+        from vllm.model_executor.layers.mamba.mamba_mixer2 import Mixer2RMSNormGated
+    except ImportError:
+        pass
+    else:
+        rules[Mixer2RMSNormGated] = _row_sharded_vector
+    try:
+        # DeepSeek-V3 / Kimi-K2 MLA with q_lora_rank: [q_a_proj; kv_a_proj_with_mqa] fused,
+        # a MergedColumnParallelLinear with TP disabled (its own loader unchanged).
+        from vllm.model_executor.models.deepseek_v2 import DeepSeekV2FusedQkvAProjLinear
+    except ImportError:  # vLLM versions that load it as a plain merged linear
+        pass
+    else:
+        rules[DeepSeekV2FusedQkvAProjLinear] = _merged_column_parallel
     return rules
 
 
@@ -217,16 +294,38 @@ def _hf_module(ctx: LayerContext, path: str, name: str) -> str:
     return _join(parent, name)
 
 
-def _packed_names(ctx: LayerContext, path: str, count: int) -> tuple[str, ...]:
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """Where one part of a fused vLLM layer lives in the checkpoint: rows `[offset, offset +
+    size)` of `hf_module`, a tensor of `tensor_rows` rows."""
+
+    hf_module: str
+    offset: int
+    tensor_rows: int
+
+
+def _fused_parts(ctx: LayerContext, path: str, sizes: Sequence[int]) -> list[_Part]:
+    """The checkpoint home of each part of a fused layer, from the packed-modules mapping:
+    one checkpoint tensor per part (`qkv_proj` ← q/k/v_proj), or, where the mapping names
+    the fused module itself (Phi-3: `qkv_proj` ← `qkv_proj`), one checkpoint tensor holding
+    the parts stacked in order, as vLLM's loader splits it (`loaded_shard_id=None`)."""
     local = path.rpartition(".")[2]
     names = ctx.packed.get(local)
-    if names is None or len(names) != count:
-        raise LayoutError(
-            f"fused layer {local!r} has {count} parts but the packed-modules mapping gives "
-            f"{list(names) if names else 'none'}",
-            tensor=path,
-        )
-    return names
+    if names is not None and len(names) == len(sizes):
+        return [
+            _Part(_hf_module(ctx, path, n), 0, int(size))
+            for n, size in zip(names, sizes, strict=True)
+        ]
+    if (names is not None and tuple(names) == (local,)) or (
+        names is None and path in ctx.self_fused
+    ):
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [_Part(path, off, sum(sizes)) for off in offsets]
+    raise LayoutError(
+        f"fused layer {local!r} has {len(sizes)} parts but the packed-modules mapping gives "
+        f"{list(names) if names else 'none'}",
+        tensor=path,
+    )
 
 
 def _param_spec(
@@ -264,6 +363,8 @@ def _column_bands(
             _blocks(b.rows, block_n, f"{b.hf_module} shard of rows", scale_name),
             b.index,
             _ceil_blocks(b.hf_rows, block_n),
+            _blocks(b.offset, block_n, f"{b.hf_module} fused part offset", scale_name),
+            _ceil_blocks(b.tensor_rows, block_n),
         )
         for b in bands
     ]
@@ -287,13 +388,14 @@ def _stacked(
     specs: list[TensorSpec] = []
     offset = 0
     for band in bands:
-        hf_rows = (band.index * band.rows, (band.index + 1) * band.rows)
+        start = band.offset + band.index * band.rows
+        hf_rows = (start, start + band.rows)
         local_rows = (offset, offset + band.rows)
         if cols is None:
-            spec = _param_spec(ctx, band.hf_module, pname, (band.hf_rows,), dtype)
+            spec = _param_spec(ctx, band.hf_module, pname, (band.total_rows,), dtype)
             placements.append(Placement(spec.name, (hf_rows,), (local_rows,)))
         else:
-            spec = _param_spec(ctx, band.hf_module, pname, (band.hf_rows, cols), dtype)
+            spec = _param_spec(ctx, band.hf_module, pname, (band.total_rows, cols), dtype)
             placements.append(Placement(spec.name, (hf_rows, (0, cols)), (local_rows, (0, cols))))
         specs.append(spec)
         offset += band.rows
@@ -310,15 +412,20 @@ def _qkv_parallel(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> lis
     """`QKVParallelLinear.weight_loader`: rows `[q | k | v]`; q heads split by TP; when TP >
     the number of KV heads each rank holds one KV head, `tp_rank // num_kv_head_replicas`."""
     tp_rank, _ = _layer_tp(ctx, path, layer)
-    q_name, k_name, v_name = _packed_names(ctx, path, 3)
     head, v_head = int(layer.head_size), int(getattr(layer, "v_head_size", layer.head_size))
     heads, kv_heads = int(layer.num_heads), int(layer.num_kv_heads)
     kv_rank = tp_rank // int(layer.num_kv_head_replicas)
     total_heads, total_kv = int(layer.total_num_heads), int(layer.total_num_kv_heads)
+    # (rows per rank, which block of them, the part's checkpoint rows) for q, k, v.
+    splits = [
+        (heads * head, tp_rank, total_heads * head),
+        (kv_heads * head, kv_rank, total_kv * head),
+        (kv_heads * v_head, kv_rank, total_kv * v_head),
+    ]
+    parts = _fused_parts(ctx, path, [total for _, _, total in splits])
     bands = [
-        _Band(_hf_module(ctx, path, q_name), heads * head, tp_rank, total_heads * head),
-        _Band(_hf_module(ctx, path, k_name), kv_heads * head, kv_rank, total_kv * head),
-        _Band(_hf_module(ctx, path, v_name), kv_heads * v_head, kv_rank, total_kv * v_head),
+        _Band(part.hf_module, rows, index, total, part.offset, part.tensor_rows)
+        for part, (rows, index, total) in zip(parts, splits, strict=True)
     ]
     return _column_bands(ctx, path, layer, owned, bands)
 
@@ -330,12 +437,13 @@ def _merged_column_parallel(
     `[tp_rank * n_i / tp, (tp_rank + 1) * n_i / tp)` of checkpoint tensor i, parts stacked."""
     tp_rank, tp_size = _layer_tp(ctx, path, layer)
     sizes = [int(n) for n in layer.output_sizes]
-    names = _packed_names(ctx, path, len(sizes))
     bands = []
-    for name, size in zip(names, sizes, strict=True):
+    for part, size in zip(_fused_parts(ctx, path, sizes), sizes, strict=True):
         if size % tp_size:
             raise LayoutError(f"output size {size} is not divisible by TP {tp_size}", tensor=path)
-        bands.append(_Band(_hf_module(ctx, path, name), size // tp_size, tp_rank, size))
+        bands.append(
+            _Band(part.hf_module, size // tp_size, tp_rank, size, part.offset, part.tensor_rows)
+        )
     return _column_bands(ctx, path, layer, owned, bands)
 
 
@@ -424,6 +532,36 @@ def _replicated_linear(
     return out
 
 
+def _row_sharded_vector(
+    ctx: LayerContext, path: str, layer: Any, owned: Owned
+) -> list[DescribedParam]:
+    """A vector split evenly by TP (`sharded_weight_loader(0)`: rank r holds entries
+    `[r * n, (r + 1) * n)`), e.g. Mamba2's gated RMSNorm weight."""
+    _expect_params(path, owned, ("weight",))
+    tp_rank, tp_size = int(layer.tp_rank), int(layer.tp_size)
+    param = owned["weight"]
+    (n,) = (int(d) for d in param.shape)
+    spec = _param_spec(ctx, path, "weight", (n * tp_size,), _dtype(param))
+    placement = Placement(spec.name, ((tp_rank * n, (tp_rank + 1) * n),), ((0, n),))
+    return [
+        DescribedParam(
+            ParamLayout(_join(path, "weight"), (n,), _dtype(param), (placement,)), (spec,)
+        )
+    ]
+
+
+def _router(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> list[DescribedParam]:
+    """An MoE router (`GateLinear`): a replicated linear, plus, for DeepSeek-V3-style
+    noaux_tc routing, the whole `e_score_correction_bias` vector the model hangs on it."""
+    bias_name = "e_score_correction_bias"
+    linear = {k: v for k, v in owned.items() if k != bias_name}
+    out = _replicated_linear(ctx, path, layer, linear)
+    if bias_name in owned:
+        param = owned[bias_name]
+        out.append(_whole(ctx, path, bias_name, _dtype(param), tuple(param.shape)))
+    return out
+
+
 def _replicated(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> list[DescribedParam]:
     """Norms: every rank holds the whole tensor (the live shape is the loader's shape)."""
     _expect_params(path, owned, ("weight", "bias"))
@@ -477,7 +615,10 @@ def _routed_experts(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> l
     """`RoutedExperts.weight_loader` for per-expert checkpoints: local expert `l` (global `g`
     by the layer's expert map) holds, in `w13_weight[l]`, rows `tp_rank * I/tp` of
     `experts.g.gate_proj` then the same rows of `up_proj`, and in `w2_weight[l]` the same
-    columns of `down_proj`. Sizes padded by the MoE backend are padding."""
+    columns of `down_proj`. A non-gated MoE (NemotronH's ReLU² experts) has no gate: its
+    `w13_weight[l]` holds only those rows of the one up projection, which the model names as
+    the layer's checkpoint "gate" (`ckpt_gate_proj_name`, e.g. `up_proj`). Sizes padded by
+    the MoE backend are padding."""
     _expect_params(path, owned, ("w13_weight", "w2_weight"))
     _expect_unquantized(path, layer, owned, "UnquantizedFusedMoEMethod")
     cfg = layer.moe_config
@@ -485,8 +626,9 @@ def _routed_experts(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> l
     param_name = _join(path, "w13_weight")
     if par.enable_eplb or int(cfg.num_experts) != int(cfg.num_logical_experts):
         raise LayoutError("EPLB / redundant experts are not supported", tensor=param_name)
-    if not cfg.is_act_and_mul or getattr(cfg, "tp_shard_with_padding", False):
-        raise LayoutError("only gated MoE without TP-shard padding is supported", tensor=param_name)
+    if getattr(cfg, "tp_shard_with_padding", False):
+        raise LayoutError("MoE with TP-shard padding is not supported", tensor=param_name)
+    gated = bool(cfg.is_act_and_mul)
     tp_rank, tp_size = int(par.tp_rank), int(par.tp_size)
     hidden = int(cfg.hidden_dim_unpadded or cfg.hidden_dim)
     inter = int(cfg.intermediate_size)
@@ -514,15 +656,16 @@ def _routed_experts(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> l
         padding: list[PaddingRegion] = []
         everyone = (0, n_local)
         if pname == "w13_weight":
-            shape = (n_local, 2 * inter_p, hidden_p)
+            halves = ((gate, 0), (up, inter_p)) if gated else ((gate, 0),)
+            shape = (n_local, len(halves) * inter_p, hidden_p)
             for g, slot in local:
-                for ckpt, row0 in ((gate, 0), (up, inter_p)):
+                for ckpt, row0 in halves:
                     spec = spec_of(g, ckpt, (inter, hidden), dtype)
                     specs.append(spec)
                     region = ((slot, slot + 1), (row0, row0 + per_rank), (0, hidden))
                     placements.append(_expert_placement(spec.name, (cols, (0, hidden)), region))
             if inter_p > per_rank:
-                for row0 in (0, inter_p):
+                for _, row0 in halves:
                     padding.append(
                         PaddingRegion(
                             (everyone, (row0 + per_rank, row0 + inter_p), (0, hidden)),
@@ -532,7 +675,7 @@ def _routed_experts(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> l
             if hidden_p > hidden:
                 padding.append(
                     PaddingRegion(
-                        (everyone, (0, 2 * inter_p), (hidden, hidden_p)), "MoE hidden padding"
+                        (everyone, (0, shape[1]), (hidden, hidden_p)), "MoE hidden padding"
                     )
                 )
         else:

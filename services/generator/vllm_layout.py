@@ -311,12 +311,17 @@ def describe_vllm_model(
     those classes to the fallback path as if they had no rule.
     """
     from refitplane.generator.vllm_fallback import Layer, plan_fallback
-    from refitplane.generator.vllm_layer_rules import LayerContext, describe_layer
+    from refitplane.generator.vllm_layer_rules import (
+        LayerContext,
+        check_loader_format,
+        describe_layer,
+    )
 
     ctx = LayerContext(
         ranks=ranks if ranks is not None else vllm_ranks(),
         packed=_packed_modules(model, packed_modules),
         to_hf_name=to_hf_name or _same_name,
+        self_fused=_self_fused_modules(model),
     )
     layers: dict[str, Layer] = {}
     fast: dict[str, list[DescribedParam]] = {}
@@ -330,6 +335,7 @@ def describe_vllm_model(
             layer_described = describe_layer(ctx, module_path, module, owned)
             for d in layer_described:
                 _check_param_cover(d.param)
+                check_loader_format(module, d.param)
         except LayoutError as exc:
             if not fallback:
                 raise
@@ -412,6 +418,22 @@ _DEFAULT_PACKED: Mapping[str, Sequence[str]] = {
 
 def _same_name(name: str) -> str:
     return name
+
+
+def _self_fused_modules(model: torch.nn.Module) -> frozenset[str]:
+    """Fused projections whose checkpoint tensor is stored fused under the module's own
+    name: Mamba2's `in_proj` ([z | x | B | C | dt]) and `conv1d` ([x | B | C]) when vLLM
+    builds them as merged column-parallel layers (groups divisible by TP)."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    fused: set[str] = set()
+    for path, module in model.named_modules():
+        if type(module).__name__ != "MambaMixer2":
+            continue
+        for child in ("in_proj", "conv1d"):
+            if type(getattr(module, child, None)) is MergedColumnParallelLinear:
+                fused.add(f"{path}.{child}" if path else child)
+    return frozenset(fused)
 
 
 def _packed_modules(

@@ -127,8 +127,10 @@ def _recording_loaders(model: torch.nn.Module, hits: dict[str, set[str]]) -> Ite
 
 
 def _recorder(param_name: str, hits: dict[str, set[str]]) -> Callable[..., bool]:
-    def record(_param: torch.Tensor, loaded: Any = None, *args: Any, **kwargs: Any) -> bool:
-        leaves, _ = tree_flatten((loaded, args, kwargs))
+    # Loaders are called positionally or by keyword (`param=`, `loaded_weight=`): look at
+    # every argument for traced tensors.
+    def record(*args: Any, **kwargs: Any) -> bool:
+        leaves, _ = tree_flatten((args, kwargs))
         for leaf in leaves:
             for source in getattr(leaf, "sources", ()):
                 hits.setdefault(source, set()).add(param_name)
