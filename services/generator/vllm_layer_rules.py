@@ -142,6 +142,9 @@ def _standard_loader(layer: torch.nn.Module, loader: Any) -> bool:
     recorded loaders to), or vLLM's default loader: what the layer rules restate."""
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+    # After a layerwise reload vLLM leaves its deferring wrapper on the recorded loaders.
+    while getattr(loader, "__name__", "") == "online_process_loader":
+        loader = loader.__wrapped__
     if loader is default_weight_loader:
         return True
     func = getattr(loader, "__func__", None)
