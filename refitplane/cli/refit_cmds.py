@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 from refitplane.client.models import Refit, Topology
@@ -261,7 +261,18 @@ def topology_text(topo: Topology) -> str:
         ],
     )
     members = table(
-        ("ROLE", "REPLICA", "RANK", "GROUP", "STATE", "DEVICE", "HOST", "VERSION", "MEMBER"),
+        (
+            "ROLE",
+            "REPLICA",
+            "RANK",
+            "GROUP",
+            "STATE",
+            "DEVICE",
+            "HOST",
+            "VERSION",
+            "RECEIVE",
+            "MEMBER",
+        ),
         [
             (
                 m.role.value,
@@ -272,12 +283,22 @@ def topology_text(topo: Topology) -> str:
                 m.device or "-",
                 m.host or "-",
                 m.version if m.role.value != "TRAINER" else "-",
+                _receive_paths(m.labels),
                 m.member_id,
             )
             for m in topo.members
         ],
     )
     return f"{head}\n\n{replicas}\n\n{members}"
+
+
+def _receive_paths(labels: Mapping[str, str]) -> str:
+    """How a vLLM rank receives (its engine's labels): "staged: 10 fast + 2 fallback"."""
+    mode = labels.get("receive_mode")
+    if not mode:
+        return "-"
+    fast, fallback = labels.get("fast_tensors", "?"), labels.get("fallback_tensors", "0")
+    return f"{mode}: {fast} fast + {fallback} fallback"
 
 
 def _topology(args: argparse.Namespace) -> int:

@@ -1,0 +1,156 @@
+"""Tracing a model's own `load_weights` (the fallback path's way of finding what a layer
+loads) and reading a checkpoint's tensor index, without vLLM: a torch module with a
+vLLM-style `load_weights` (name mapping, stacked parameters, keyword loaders)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+
+from refitplane.errors import LayoutError
+from refitplane.generator.checkpoint_index import safetensors_specs
+from refitplane.generator.vllm_load_trace import trace_load_targets, traced_checkpoint_tensor
+from refitplane.reshard.layout import TensorSpec
+
+pytestmark = pytest.mark.unit
+
+
+def spec(name: str, *shape: int) -> TensorSpec:
+    return TensorSpec.create(name, list(shape), "float32")
+
+
+class ToyModel(torch.nn.Module):
+    """Loads like a vLLM model: q/k stacked into `qk` through a loader taking a shard id,
+    `A` loaded from `A_log` transformed (-exp), `D` without a loader of its own (the
+    default copy), and experts through a keyword-called loader returning success."""
+
+    def __init__(self, strict: bool = False) -> None:
+        super().__init__()
+        self.qk = torch.nn.Parameter(torch.zeros(6, 2), requires_grad=False)
+        self.qk.weight_loader = self._stacked_loader  # type: ignore[attr-defined]
+        self.A = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+        self.A.weight_loader = lambda p, w: p.data.copy_(-torch.exp(w))  # type: ignore[attr-defined]
+        self.D = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+        self.w13 = torch.nn.Parameter(torch.zeros(2, 4, 2), requires_grad=False)
+        self.w13.weight_loader = self._expert_loader  # type: ignore[attr-defined]
+        self.strict = strict
+
+    def _stacked_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: str) -> None:
+        rows = (0, 4) if shard == "q" else (4, 6)
+        param.data[rows[0] : rows[1]].copy_(loaded)
+
+    def _expert_loader(
+        self, *, param: torch.Tensor, loaded_weight: torch.Tensor, expert_id: int, half: int
+    ) -> bool:
+        param.data[expert_id, 2 * half : 2 * half + 2].copy_(loaded_weight)
+        return True
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            if name in ("q.weight", "k.weight"):
+                self.qk.weight_loader(self.qk, tensor, name[0])  # type: ignore[operator]
+                loaded.add("qk")
+            elif name == "A_log":
+                self.A.weight_loader(self.A, tensor.float())  # type: ignore[operator]
+                loaded.add("A")
+            elif name == "D":
+                loader = getattr(self.D, "weight_loader", None)
+                if loader is None:
+                    self.D.data.copy_(tensor)
+                else:
+                    loader(self.D, tensor)
+                loaded.add("D")
+            elif name.startswith("experts."):
+                _, expert, proj = name.split(".")[:3]
+                half = 0 if proj == "gate" else 1
+                self.w13.weight_loader(  # type: ignore[operator]
+                    param=self.w13, loaded_weight=tensor.t().t(), expert_id=int(expert), half=half
+                )
+                loaded.add("w13")
+            elif self.strict:
+                raise ValueError(f"no parameter for {name}")
+        return loaded
+
+
+CHECKPOINT = {
+    s.name: s
+    for s in (
+        spec("q.weight", 4, 2),
+        spec("k.weight", 2, 2),
+        spec("A_log", 3),
+        spec("D", 3),
+        spec("experts.0.gate", 2, 2),
+        spec("experts.1.up", 2, 2),
+        spec("rotary.inv_freq", 4),
+    )
+}
+
+
+def test_traced_tensors_remember_their_sources_through_torch_ops() -> None:
+    a = traced_checkpoint_tensor(spec("a", 4, 2))
+    b = traced_checkpoint_tensor(spec("b", 4, 2))
+    assert a.device.type == "meta"
+    assert a.narrow(0, 1, 2).t().float().sources == {"a"}  # type: ignore[attr-defined]
+    assert torch.cat([a, b]).sources == {"a", "b"}  # type: ignore[attr-defined]
+    assert all(c.sources == {"b"} for c in b.chunk(2))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["lenient", "rejects-unknown-names"])
+def test_trace_finds_every_parameter_a_checkpoint_tensor_lands_in(strict: bool) -> None:
+    model = ToyModel(strict=strict)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loaders = {n: p.__dict__.get("weight_loader") for n, p in model.named_parameters()}
+    targets = trace_load_targets(model, CHECKPOINT)
+    assert targets == {
+        "q.weight": {"qk"},
+        "k.weight": {"qk"},
+        "A_log": {"A"},
+        "D": {"D"},
+        "experts.0.gate": {"w13"},
+        "experts.1.up": {"w13"},
+    }
+    # Nothing was written, every loader is back, and D still has none of its own.
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+        assert param.__dict__.get("weight_loader") is loaders[name], name
+    assert "weight_loader" not in model.D.__dict__
+
+
+def test_a_loading_path_that_writes_directly_is_not_reported_and_writes_nothing() -> None:
+    class Direct(ToyModel):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for _, tensor in weights:
+                self.D.data.copy_(tensor)  # bypasses weight_loader: fails on a meta tensor
+            return {"D"}
+
+    model = Direct()
+    assert trace_load_targets(model, {"D": spec("D", 3)}) == {}
+    assert torch.equal(model.D, torch.zeros(3))
+
+
+def test_checkpoint_index_reads_safetensors_headers(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(
+        {"a.weight": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(2)},
+        str(tmp_path / "model-00001-of-00002.safetensors"),
+    )
+    save_file(
+        {"c.weight": torch.zeros(5, 6).to(torch.float8_e4m3fn)},
+        str(tmp_path / "model-00002-of-00002.safetensors"),
+    )
+    assert safetensors_specs(tmp_path) == {
+        "a.weight": TensorSpec("a.weight", (3, 4), "bfloat16"),
+        "b": TensorSpec("b", (2,), "float32"),
+        "c.weight": TensorSpec("c.weight", (5, 6), "float8_e4m3fn"),
+    }
+
+
+def test_checkpoint_index_refuses_a_file_that_is_not_safetensors(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(LayoutError, match="not safetensors"):
+        safetensors_specs(tmp_path)
