@@ -195,3 +195,63 @@ def _staged_from(
     for sv in shards:
         sv.tensor.copy_(checkpoint[sv.spec.name][to_slices(sv.box)])
     return staging
+
+
+def receive_like_the_engine(
+    worker: Any, checkpoint_dir: str = "", skip_rules: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The engine's receive path without a transfer, then vLLM's own full reload, compared.
+
+    In the worker: describe the model as the engine does (checkpoint index from
+    `checkpoint_dir`, or from the served model's config when empty: dummy-weight GPU runs),
+    bind the same storage the engine binds (live fast-path parameters where the kernels
+    read them as loaded, staging elsewhere, fallback tensors whole), fill every view with
+    its box of the checkpoint (`checkpoint_dir`'s tensors, or the synthetic tensors of
+    `refit_world`), apply staging through the reload as `finish_weight_update` does, and
+    take the digest of every parameter and buffer as the kernels read them. Then reload the
+    whole checkpoint through vLLM's layerwise reload and take the digests again: a refit
+    must leave the model exactly as vLLM's own reload of the same weights does.
+    """
+    from refitplane.generator.checkpoint_index import checkpoint_specs
+    from refitplane.testing.refit_world import parameter_digests, synthetic
+
+    model = worker.model_runner.get_model()
+    device = next(model.parameters()).device
+    index = (
+        safetensors_specs(checkpoint_dir)
+        if checkpoint_dir
+        else checkpoint_specs(worker.model_config)
+    )
+    layout = describe_vllm_model(
+        model, checkpoint=index, vllm_config=worker.vllm_config, skip_rules=skip_rules
+    )
+    if checkpoint_dir:
+        tensors = {n: t.to(device) for n, t in load_checkpoint(checkpoint_dir).items()}
+    else:
+        tensors = {
+            n: synthetic(n, spec.shape, spec.dtype, device) for n, spec in layout.specs.items()
+        }
+    live = live_storage(model, layout)
+    if live.blocked:
+        mode = "staged"
+        shards, staging = layout.checkpoint_staging(device)
+    else:
+        mode = "live"
+        shards, padding = layout.bind(live.writable)
+        for pad in padding:
+            pad.tensor.zero_()
+        staging = layout.stage_fallback(shards, device)
+    for sv in shards:
+        sv.tensor.copy_(tensors[sv.spec.name][to_slices(sv.box)])
+    if staging:
+        reload_weights(model, worker.vllm_config, staging.items(), partial=mode == "live")
+    received = parameter_digests(worker)
+    reload_weights(model, worker.vllm_config, tensors.items())
+    reloaded = parameter_digests(worker)
+    return {
+        "mode": mode,
+        "summary": layout.summary(),
+        "fallback": sorted({p.reason for p in layout.fallback.values()}),
+        "digests": len(received),
+        "differ": sorted(n for n in reloaded if received.get(n) != reloaded[n]),
+    }
