@@ -1,11 +1,12 @@
 """Layout source for Megatron-core GPT models (TP / PP / virtual PP / EP / expert TP).
 
-Walks the model's own parameters and maps each to Hugging Face boxes with
-`megatron_param_slices`. Three facts come from the model rather than from names:
-the global layer index (each `TransformerLayer.layer_number`, which includes the
-pipeline offset), whether the output layer is tied to the embedding, and this rank's
-tensor / expert / expert-tensor parallel ranks (the model's `pg_collection`, falling back
-to `megatron.core.parallel_state`).
+Walks the model's own parameters (and the one buffer that is a checkpoint weight, the
+router's `expert_bias`) and maps each to Hugging Face boxes with `megatron_param_slices`.
+Four facts come from the model rather than from names: the global layer index (each
+`TransformerLayer.layer_number`, which includes the pipeline offset), whether the output
+layer is tied to the embedding, the GLU interleaving settings of its config, and this
+rank's tensor / expert / expert-tensor parallel ranks (the model's `pg_collection`,
+falling back to `megatron.core.parallel_state`).
 
 Take the shards after the model is wrapped and its optimizer built: Megatron's DDP and
 distributed optimizer may move `param.data` into contiguous buffers, and views taken
@@ -14,6 +15,7 @@ before that would point at the old storage.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +26,15 @@ from refitplane.errors import LayoutError
 from refitplane.reshard.shards import LocalShards
 from refitplane.trainer.layouts.dims import ModelDims
 from refitplane.trainer.layouts.held import HeldSlice, register
-from refitplane.trainer.layouts.megatron_params import MegatronParallel, megatron_param_slices
+from refitplane.trainer.layouts.megatron_params import (
+    GluInterleave,
+    MegatronParallel,
+    megatron_param_slices,
+)
+
+# Buffers that are checkpoint weights; every other buffer (rotary tables, token counters)
+# is derived state the generator rebuilds itself.
+_WEIGHT_BUFFERS = (".mlp.router.expert_bias",)
 
 
 def _global_rank() -> int:
@@ -100,7 +110,15 @@ def _check_config(core: nn.Module, dims: ModelDims, par: MegatronParallel) -> No
     if cfg is None:
         return
     heads = getattr(cfg, "num_attention_heads", None)
-    pairs = [
+    mla = bool(getattr(cfg, "multi_latent_attention", False))
+    if mla != dims.is_mla:
+        raise LayoutError(
+            f"the Megatron model has multi_latent_attention={mla}, the checkpoint "
+            f"kv_lora_rank={dims.kv_lora_rank}",
+            rank=par.rank,
+            field="kv_lora_rank",
+        )
+    pairs: list[tuple[str, object, object]] = [
         ("hidden_size", getattr(cfg, "hidden_size", None), dims.hidden_size),
         ("num_attention_heads", heads, dims.num_attention_heads),
         (
@@ -108,9 +126,31 @@ def _check_config(core: nn.Module, dims: ModelDims, par: MegatronParallel) -> No
             getattr(cfg, "num_query_groups", None) or heads,
             dims.num_key_value_heads,
         ),
-        ("head_dim", getattr(cfg, "kv_channels", None), dims.head_dim),
         ("num_experts", getattr(cfg, "num_moe_experts", None) or 0, dims.num_experts),
     ]
+    if mla:
+        # MLATransformerConfig names (megatron/core/transformer/transformer_config.py);
+        # kv_channels means nothing to MLA and the checkpoint's head_dim is the rope part.
+        q_lora = getattr(cfg, "q_lora_rank", None)
+        if q_lora != dims.q_lora_rank:  # None is meaningful here: one q_proj, no q_a/q_b
+            raise LayoutError(
+                f"the Megatron model has q_lora_rank={q_lora}, the checkpoint {dims.q_lora_rank}",
+                rank=par.rank,
+                field="q_lora_rank",
+            )
+        pairs += [
+            ("kv_lora_rank", getattr(cfg, "kv_lora_rank", None), dims.kv_lora_rank),
+            ("qk_nope_head_dim", getattr(cfg, "qk_head_dim", None), dims.qk_nope_head_dim),
+            ("qk_rope_head_dim", getattr(cfg, "qk_pos_emb_head_dim", None), dims.qk_rope_head_dim),
+            ("v_head_dim", getattr(cfg, "v_head_dim", None), dims.v_head_dim),
+        ]
+    else:
+        pairs.append(("head_dim", getattr(cfg, "kv_channels", None), dims.head_dim))
+    shared = getattr(cfg, "moe_shared_expert_intermediate_size", None)
+    if shared is not None:
+        pairs.append(
+            ("shared_expert_intermediate_size", shared, dims.shared_expert_intermediate_size)
+        )
     for field, megatron_value, hf_value in pairs:
         if megatron_value is not None and megatron_value != hf_value:
             raise LayoutError(
@@ -141,6 +181,56 @@ def _check_config(core: nn.Module, dims: ModelDims, par: MegatronParallel) -> No
                 )
 
 
+def glu_interleave_from_config(core: nn.Module, par: MegatronParallel) -> GluInterleave:
+    """The model's GLU interleaving (Megatron-LM config fields; absent in older releases).
+
+    Megatron-Bridge also interleaves *dense* fc1 weights when its training runs with
+    `USE_ACT_FUSION_FOR_DENSE=1` (for Transformer Engine's `TEFusedMLPWithGroupedLinear`;
+    src/megatron/bridge/training/checkpointing.py, `_is_swiglu_fc1_checkpoint_key`). That
+    choice lives in the process environment and the loader, not in the model, so such a
+    dense MLP is refused rather than guessed.
+    """
+    cfg = getattr(core, "config", None)
+    experts = getattr(cfg, "moe_mlp_glu_interleave_size", None)
+    shared = getattr(cfg, "moe_shared_expert_glu_interleave_size", None)
+    fused_dense = os.environ.get("USE_ACT_FUSION_FOR_DENSE", "0") == "1" and experts is not None
+    for name, module in core.named_modules():
+        dense_mlp = name.endswith(".mlp") and not hasattr(module, "router")
+        if fused_dense and dense_mlp and hasattr(module, "linear_fc1"):
+            raise LayoutError(
+                f"{name}: with USE_ACT_FUSION_FOR_DENSE=1 Megatron-Bridge interleaves "
+                "dense fc1 weights in memory; not mapped",
+                rank=par.rank,
+                field="USE_ACT_FUSION_FOR_DENSE",
+            )
+        if type(module).__name__ == "TEFusedMLPWithGroupedLinear":
+            raise LayoutError(
+                f"{name} is a TEFusedMLPWithGroupedLinear, whose fc1 layout (interleaved or "
+                "not) depends on how its weights were loaded; not mapped",
+                rank=par.rank,
+                field="USE_ACT_FUSION_FOR_DENSE",
+            )
+    try:
+        return GluInterleave(experts=experts, shared_experts=shared)
+    except LayoutError as exc:
+        raise exc.with_rank(par.rank) from exc
+
+
+def _weight_buffers(core: nn.Module) -> list[tuple[str, Any]]:
+    """The router's `expert_bias` buffers, in float32 as Megatron keeps them.
+
+    Float16Module casts every buffer to bf16; the router moves `expert_bias` back to a
+    *new* float32 storage at its next forward, state-dict save or load
+    (`TopKRouter._maintain_float32_expert_bias`). A view taken before that would point at
+    the abandoned storage, so the same (idempotent) call is made here first.
+    """
+    for module in core.modules():
+        maintain = getattr(module, "_maintain_float32_expert_bias", None)
+        if callable(maintain):
+            maintain()
+    return [(n, b) for n, b in core.named_buffers() if n.endswith(_WEIGHT_BUFFERS)]
+
+
 def megatron_shards(
     model: nn.Module | Sequence[nn.Module],
     dims: ModelDims | Any,
@@ -161,9 +251,10 @@ def megatron_shards(
     slices: list[HeldSlice] = []
     for core in chunks:
         _check_config(core, hf, par)
+        glu = glu_interleave_from_config(core, par)
         layer_numbers = _layer_numbers(core)
         tied = bool(getattr(core, "share_embeddings_and_output_weights", False))
-        for name, param in core.named_parameters():
+        for name, param in [*core.named_parameters(), *_weight_buffers(core)]:
             slices += megatron_param_slices(
                 name,
                 param.detach(),
@@ -171,5 +262,6 @@ def megatron_shards(
                 parallel=par,
                 layer_numbers=layer_numbers,
                 tied_output=tied,
+                glu_interleave=glu,
             )
     return register(slices, rank=par.rank)

@@ -14,6 +14,11 @@ CPU workarounds (megatron-core 0.16.1, torch CPU build):
   moves the last stage's output weight to CUDA before all-reducing it over the embedding
   group; `Tensor.cuda` is made a no-op while the model is built so the Gloo all-reduce
   runs on CPU.
+- Multi-latent attention: its RotaryEmbedding and the router's expert-bias buffers ask
+  `torch.cuda.current_device()` for a device (answered "cpu" while building); the MLA
+  module takes `HAVE_TE` from an import that succeeds with placeholder classes without
+  Transformer Engine (set False); and the local `DotProductAttention` does not accept
+  MLA's `k_channels`, so core attention (no parameters) is a stub.
 """
 
 from __future__ import annotations
@@ -34,15 +39,42 @@ from world import init_from_env
 @contextlib.contextmanager
 def cpu_model_building() -> Iterator[None]:
     import megatron.core.transformer.moe.grouped_gemm_util as gg
+    import megatron.core.transformer.multi_latent_attention as mla
 
     saved_cuda, saved_check = torch.Tensor.cuda, gg.assert_grouped_gemm_is_available
+    saved_device, saved_te = torch.cuda.current_device, mla.HAVE_TE
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     gg.assert_grouped_gemm_is_available = lambda: None
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    mla.HAVE_TE = False
     try:
         yield
     finally:
         torch.Tensor.cuda = saved_cuda  # type: ignore[method-assign]
         gg.assert_grouped_gemm_is_available = saved_check
+        torch.cuda.current_device = saved_device
+        mla.HAVE_TE = saved_te
+
+
+class NoCoreAttention(torch.nn.Module):
+    """Stands in for core attention (parameterless) where the local one cannot be built."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+
+def is_mla(hf: Any) -> bool:
+    return getattr(hf, "kv_lora_rank", None) is not None
+
+
+def dense_layers(hf: Any) -> set[int]:
+    """Qwen3-MoE lists them (mlp_only_layers); DeepSeek has the first k dense."""
+    first_k = getattr(hf, "first_k_dense_replace", 0) or 0
+    return set(getattr(hf, "mlp_only_layers", None) or []) | set(range(first_k))
+
+
+def experts_of(hf: Any) -> int:
+    return getattr(hf, "num_experts", None) or getattr(hf, "n_routed_experts", None) or 0
 
 
 def build_chunks(hf: Any, sc: dict[str, Any]) -> list[torch.nn.Module]:
@@ -52,11 +84,12 @@ def build_chunks(hf: Any, sc: dict[str, Any]) -> list[torch.nn.Module]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    experts = getattr(hf, "num_experts", 0) or 0
+    experts = experts_of(hf)
     moe: dict[str, Any] = {}
     if experts:
-        dense = set(hf.mlp_only_layers)
+        dense = dense_layers(hf)
         moe = {
             "num_moe_experts": experts,
             "moe_ffn_hidden_size": hf.moe_intermediate_size,
@@ -67,12 +100,32 @@ def build_chunks(hf: Any, sc: dict[str, Any]) -> list[torch.nn.Module]:
             "expert_model_parallel_size": sc["ep"],
             "expert_tensor_parallel_size": sc["etp"],
         }
-    cfg = TransformerConfig(
+        if getattr(hf, "n_shared_experts", None):  # DeepSeek: shared experts, biased router
+            moe |= {
+                "moe_shared_expert_intermediate_size": hf.moe_intermediate_size
+                * hf.n_shared_experts,
+                "moe_router_enable_expert_bias": True,
+                "moe_router_score_function": "sigmoid",
+            }
+    attention: dict[str, Any] = {"kv_channels": hf.head_dim}
+    config_class: Any = TransformerConfig
+    if is_mla(hf):
+        config_class = MLATransformerConfig
+        attention = {
+            "q_lora_rank": hf.q_lora_rank,
+            "kv_lora_rank": hf.kv_lora_rank,
+            "qk_head_dim": hf.qk_nope_head_dim,
+            "qk_pos_emb_head_dim": hf.qk_rope_head_dim,
+            "v_head_dim": hf.v_head_dim,
+            "rope_type": "rope",
+            "rotary_base": hf.rope_parameters["rope_theta"],
+            "layernorm_epsilon": hf.rms_norm_eps,
+        }
+    cfg = config_class(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
         num_attention_heads=hf.num_attention_heads,
         num_query_groups=hf.num_key_value_heads,
-        kv_channels=hf.head_dim,
         ffn_hidden_size=hf.intermediate_size,
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -86,6 +139,7 @@ def build_chunks(hf: Any, sc: dict[str, Any]) -> list[torch.nn.Module]:
         tensor_model_parallel_size=sc["tp"],
         pipeline_model_parallel_size=sc["pp"],
         virtual_pipeline_model_parallel_size=sc["vpp"],
+        **attention,
         **moe,
     )
     chunks: list[torch.nn.Module] = []
@@ -95,6 +149,9 @@ def build_chunks(hf: Any, sc: dict[str, Any]) -> list[torch.nn.Module]:
         spec = get_gpt_decoder_block_spec(
             cfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
         )
+        if is_mla(hf):
+            for layer_spec in spec.layer_specs:
+                layer_spec.submodules.self_attention.submodules.core_attention = NoCoreAttention
         with cpu_model_building():
             gpt = GPTModel(
                 cfg,
@@ -118,7 +175,11 @@ class Loader:
     def __init__(self, model: torch.nn.Module, sd: dict[str, torch.Tensor], hf: Any) -> None:
         from megatron.core import parallel_state as ps
 
-        self.params = dict(model.named_parameters())
+        self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        # The router's expert bias is a buffer but a checkpoint weight all the same.
+        self.params |= {
+            n: b for n, b in model.named_buffers() if n.endswith("mlp.router.expert_bias")
+        }
         self.done: set[str] = set()
         self.sd, self.hf = sd, hf
         self.tp, self.tp_rank = (
@@ -155,8 +216,52 @@ class Loader:
     def fc1(self, gate: torch.Tensor, up: torch.Tensor, parts: int, index: int) -> torch.Tensor:
         return torch.cat([gate.chunk(parts)[index], up.chunk(parts)[index]])
 
+    def mla(self, m: str, src: str) -> None:
+        """Every MLA projection is the checkpoint's tensor; the local spec's linears are all
+        ColumnParallelLinear (output rows split, heads contiguous) but linear_proj, which
+        is RowParallelLinear (input columns split)."""
+        a, sa = src + "self_attn.", m + "self_attention."
+        column = [
+            ("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+            ("linear_kv_up_proj.weight", "kv_b_proj.weight"),
+        ]
+        whole = [("kv_layernorm.weight", "kv_a_layernorm.weight")]
+        if self.hf.q_lora_rank is None:
+            column.append(("linear_q_proj.weight", "q_proj.weight"))
+        else:
+            column += [
+                ("linear_q_down_proj.weight", "q_a_proj.weight"),
+                ("linear_q_up_proj.weight", "q_b_proj.weight"),
+            ]
+            whole.append(("q_layernorm.weight", "q_a_layernorm.weight"))
+        for mine, theirs in column:
+            self.put(sa + mine, self.tp_chunk(self.sd[a + theirs], 0, self.tp, self.tp_rank))
+        for mine, theirs in whole:
+            self.put(sa + mine, self.sd[a + theirs])
+        o = self.sd[a + "o_proj.weight"]
+        self.put(sa + "linear_proj.weight", self.tp_chunk(o, 1, self.tp, self.tp_rank))
+
     def layer(self, i: int, number: int) -> None:
         hf, src, m = self.hf, f"model.layers.{number}.", f"decoder.layers.{i}."
+        for mine, theirs in (
+            ("input_layernorm.weight", "input_layernorm.weight"),
+            ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+        ):
+            self.put(m + mine, self.sd[src + theirs])
+        if is_mla(hf):
+            self.mla(m, src)
+        else:
+            self.gqa(m, src)
+        if m + "mlp.router.weight" in self.params:
+            self.experts(m, src)
+        else:
+            gate, up = self.sd[src + "mlp.gate_proj.weight"], self.sd[src + "mlp.up_proj.weight"]
+            self.put(m + "mlp.linear_fc1.weight", self.fc1(gate, up, self.tp, self.tp_rank))
+            down = self.sd[src + "mlp.down_proj.weight"]
+            self.put(m + "mlp.linear_fc2.weight", self.tp_chunk(down, 1, self.tp, self.tp_rank))
+
+    def gqa(self, m: str, src: str) -> None:
+        hf = self.hf
         groups, hd = hf.num_key_value_heads, hf.head_dim
         q = self.sd[src + "self_attn.q_proj.weight"].reshape(groups, -1, hf.hidden_size)
         k = self.sd[src + "self_attn.k_proj.weight"].reshape(groups, hd, hf.hidden_size)
@@ -170,23 +275,25 @@ class Loader:
             m + "self_attention.linear_proj.weight", self.tp_chunk(o, 1, self.tp, self.tp_rank)
         )
         for mine, theirs in (
-            ("input_layernorm.weight", "input_layernorm.weight"),
-            ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
             ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
             ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
         ):
             self.put(m + mine, self.sd[src + theirs])
-        if m + "mlp.router.weight" in self.params:
-            self.experts(m, src)
-        else:
-            gate, up = self.sd[src + "mlp.gate_proj.weight"], self.sd[src + "mlp.up_proj.weight"]
-            self.put(m + "mlp.linear_fc1.weight", self.fc1(gate, up, self.tp, self.tp_rank))
-            down = self.sd[src + "mlp.down_proj.weight"]
-            self.put(m + "mlp.linear_fc2.weight", self.tp_chunk(down, 1, self.tp, self.tp_rank))
 
     def experts(self, m: str, src: str) -> None:
         self.put(m + "mlp.router.weight", self.sd[src + "mlp.gate.weight"])
-        per_rank = self.hf.num_experts // self.ep
+        if m + "mlp.router.expert_bias" in self.params:
+            self.put(
+                m + "mlp.router.expert_bias", self.sd[src + "mlp.gate.e_score_correction_bias"]
+            )
+        if m + "mlp.shared_experts.linear_fc1.weight" in self.params:
+            s = src + "mlp.shared_experts."
+            gate, up = self.sd[s + "gate_proj.weight"], self.sd[s + "up_proj.weight"]
+            fc1 = self.fc1(gate, up, self.tp, self.tp_rank)  # dense TP, not expert TP
+            self.put(m + "mlp.shared_experts.linear_fc1.weight", fc1)
+            down = self.tp_chunk(self.sd[s + "down_proj.weight"], 1, self.tp, self.tp_rank)
+            self.put(m + "mlp.shared_experts.linear_fc2.weight", down)
+        per_rank = experts_of(self.hf) // self.ep
         fc1s, fc2s = [], []
         for i in range(per_rank):
             e = f"{src}mlp.experts.{self.ep_rank * per_rank + i}."
@@ -249,6 +356,26 @@ def check_mismatches_are_refused(model: Any, hf: Any) -> None:
     ]
     if par.ep_size > 1:  # a wrong expert-parallel size would renumber the experts
         wrong.append(("ep_size", dims, replace(par, ep_rank=0, ep_size=1)))
+    if dims.kv_lora_rank is not None:
+        wrong += [
+            ("kv_lora_rank", replace(dims, kv_lora_rank=dims.kv_lora_rank * 2), par),
+            ("q_lora_rank", replace(dims, q_lora_rank=(dims.q_lora_rank or 4) * 2), par),
+            (  # one more dense layer than the model has: its layer 1 has experts
+                "first_k_dense_replace",
+                replace(dims, first_k_dense_replace=dims.first_k_dense_replace + 1),
+                par,
+            ),
+        ]
+    if dims.shared_expert_intermediate_size is not None:
+        wrong.append(
+            (
+                "shared_expert_intermediate_size",
+                replace(
+                    dims, shared_expert_intermediate_size=dims.shared_expert_intermediate_size * 2
+                ),
+                par,
+            )
+        )
     for field, bad_dims, bad_par in wrong:
         try:
             megatron_shards(model, bad_dims, bad_par)
@@ -257,6 +384,42 @@ def check_mismatches_are_refused(model: Any, hf: Any) -> None:
             refused = exc.field
         if refused != field:
             raise AssertionError(f"a wrong {field} was refused for {refused}")
+
+
+def check_mla_matches_checkpoint_model(model: torch.nn.Module, hf_dir: str) -> None:
+    """TP1: the query, key and value Megatron's own MLA code computes (projections, norms,
+    rotary embedding) from the converted weights equal those of the transformers model of
+    the same checkpoint, bit for bit in float32. So the one-to-one conversion the adapter
+    inverts is Megatron's real semantics (including the rotary rows' order)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    captured: dict[str, torch.Tensor] = {}
+
+    def capture(
+        module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *a: Any, **kw: Any
+    ) -> Any:
+        captured.update(q=q, k=k, v=v)
+        return torch.zeros(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]), None
+
+    AttentionInterface.register("capture_qkv", capture)
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    ref.config._attn_implementation = "capture_qkv"
+    torch.manual_seed(1)
+    x = torch.randn(1, 7, ref.config.hidden_size)
+    cos_sin = ref.model.rotary_emb(x, torch.arange(7)[None])
+    with torch.no_grad():
+        ref.model.layers[0].self_attn(
+            hidden_states=x, position_embeddings=cos_sin, attention_mask=None
+        )
+        # In place (the scenario's pieces are saved by now; a deep copy would have to copy
+        # process groups).
+        attention = model.decoder.layers[0].self_attention.float()  # type: ignore[union-attr,index]
+        with cpu_model_building():
+            q, k, v, *_ = attention.get_query_key_value_tensors(x.transpose(0, 1).contiguous())
+    for label, mine in (("query", q), ("key", k), ("value", v)):
+        theirs = captured[label[0]].permute(2, 0, 1, 3)  # [b, n, s, d] -> Megatron's [s, b, n, d]
+        if not torch.equal(mine, theirs):
+            raise AssertionError(f"MLA {label} differs: {(mine - theirs).abs().max().item()}")
 
 
 def run_scenario(sc: dict[str, Any], rank: int, out_dir: Path) -> None:
@@ -281,7 +444,9 @@ def run_scenario(sc: dict[str, Any], rank: int, out_dir: Path) -> None:
             Loader(chunk.module, sd, hf).load(chunk.module)  # type: ignore[arg-type]
         model: Any = chunks if sc["vpp"] else chunks[0]
         shards = megatron_shards(model, hf)
-        storages = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        storages = {
+            t.untyped_storage().data_ptr() for c in chunks for t in [*c.parameters(), *c.buffers()]
+        }
         for sv in shards:
             assert sv.tensor.untyped_storage().data_ptr() in storages, (
                 f"{sv.spec.name} {sv.box} is not a view of a model parameter"
@@ -290,6 +455,8 @@ def run_scenario(sc: dict[str, Any], rank: int, out_dir: Path) -> None:
         target = out_dir / sc["name"]
         target.mkdir(parents=True, exist_ok=True)
         save_pieces(target / f"rank{rank}.pt", rank, shards)
+        if sc.get("check_mla") and sc["tp"] == 1:
+            check_mla_matches_checkpoint_model(chunks[0].module, sc["hf_dir"])  # type: ignore[arg-type]
     finally:
         ps.destroy_model_parallel()
 

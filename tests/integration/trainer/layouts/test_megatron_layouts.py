@@ -1,7 +1,7 @@
 """Real megatron-core GPTModels over real Gloo worlds → every HF tensor rebuilt from views.
 
-Ground truth is a Hugging Face checkpoint (transformers Qwen3 / Qwen3-MoE, random
-weights, saved with `save_pretrained`, so tensor names are the checkpoint's). Each rank
+Ground truth is a Hugging Face checkpoint (transformers Qwen3 / Qwen3-MoE / DeepSeek-V3,
+random weights, saved with `save_pretrained`, so tensor names are the checkpoint's). Each rank
 loads it into its Megatron shard with the worker's own converter, describes its
 holdings with `megatron_shards`, and the parent rebuilds every checkpoint tensor from
 the boxes and view contents, then plans a refit of all of it to one rank.
@@ -63,7 +63,45 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         tie_word_embeddings=False,
     )
     out["moe"] = _save(Qwen3MoeForCausalLM(moe), root / "moe")
+    for name, q_lora_rank in (("mla", 24), ("mla_lite", None)):
+        out[name] = _save_deepseek(root / name, q_lora_rank)
     return out
+
+
+def _save_deepseek(directory: Path, q_lora_rank: int | None) -> str:
+    """A DeepSeek-V3-style checkpoint: MLA (with or without a query LoRA rank, the latter
+    as DeepSeek-V2-Lite), one dense layer first, then routed + shared experts and a
+    router correction bias stored in float32, the dtype Megatron keeps it in."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        intermediate_size=96,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        num_hidden_layers=3,
+        tie_word_embeddings=False,
+    )
+    model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
+    for layer in model.model.layers[cfg.first_k_dense_replace :]:
+        # Random, but exactly representable in bf16: the worker's Megatron model is built
+        # in bf16 (Float16Module casts buffers too) before the router restores float32.
+        layer.mlp.gate.e_score_correction_bias = torch.randn(8).to(torch.bfloat16).float()
+    model.save_pretrained(directory)
+    return str(directory)
 
 
 def _scenario(
@@ -76,8 +114,10 @@ def _scenario(
     etp: int = 1,
     vpp: int | None = None,
     grouped: bool = False,
+    check_mla: bool = False,
 ) -> dict[str, Any]:
     return {
+        "check_mla": check_mla,
         "name": name,
         "hf_dir": hf_dir,
         "tp": tp,
@@ -139,3 +179,33 @@ def test_four_ranks_pipeline_tied_embeddings_and_expert_mesh_over_dense_replicas
     vpp = load_pieces(tmp_path / "dense_tp2_pp2_vpp2")
     stage0 = {p.name.split(".")[2] for p in vpp if p.rank == 0 and ".layers." in p.name}
     assert stage0 == {"0", "2"}
+
+
+def test_two_ranks_deepseek_mla_shared_experts_and_expert_bias_tp1_tp2_ep2(
+    checkpoints: dict[str, str], tmp_path: Path
+) -> None:
+    scenarios = [
+        # TP1 (the two ranks are data-parallel replicas); each rank also checks that
+        # Megatron's MLA query/key/value from the converted weights equal transformers'.
+        _scenario("mla_tp1", checkpoints["mla"], tp=1, check_mla=True),
+        _scenario("mla_lite_tp1", checkpoints["mla_lite"], tp=1, check_mla=True),
+        # TP2: heads split; the local spec's down-projections are column-parallel too.
+        _scenario("mla_tp2", checkpoints["mla"], tp=2),
+        # TP2 with the routed experts over EP2 (shared experts stay on dense TP).
+        _scenario("mla_tp2_ep2", checkpoints["mla"], tp=2, ep=2),
+        # No query LoRA (one q_proj), legacy GroupedMLP experts split by expert-TP2.
+        _scenario("mla_lite_tp2_grouped_etp2", checkpoints["mla_lite"], tp=2, etp=2, grouped=True),
+    ]
+    run_world(WORKER, 2, tmp_path, json.dumps(scenarios), timeout_s=240)
+    for sc in scenarios:
+        _check(tmp_path, sc, 2)
+    pieces = load_pieces(tmp_path / "mla_tp2_ep2")
+    bias = [p for p in pieces if p.name.endswith("mlp.gate.e_score_correction_bias")]
+    assert bias
+    assert all(p.data.dtype == torch.float32 for p in bias)
+    kv_a = {
+        p.rank: p.box
+        for p in pieces
+        if p.name == "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    }
+    assert kv_a == {0: ((0, 10), (0, 64)), 1: ((10, 20), (0, 64))}  # column-parallel here

@@ -1,5 +1,6 @@
 """Megatron parameter rules on plain tensors: names Megatron uses that no CPU model builds
-(Transformer Engine's fused norms and `weight{i}` experts, biases), and every error."""
+(Transformer Engine's fused norms and `weight{i}` experts, biases), and every error.
+MLA, shared experts and the other DeepSeek-era storages: test_megatron_mla_experts.py."""
 
 from __future__ import annotations
 
@@ -244,11 +245,17 @@ def test_layer_index_is_the_global_one() -> None:
             MegatronParallel(rank=2),
             "no Hugging Face",
         ),
-        (
+        (  # multi-token prediction layers are not mapped
+            "mtp.layers.0.enorm.weight",
+            (H,),
+            MegatronParallel(rank=2),
+            "no Hugging Face",
+        ),
+        (  # the checkpoint has no shared experts
             "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
             (8, H),
             MegatronParallel(rank=2),
-            "no Hugging Face",
+            "no shared experts",
         ),
         (
             "decoder.layers.3.input_layernorm.weight",
