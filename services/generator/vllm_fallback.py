@@ -36,6 +36,11 @@ log = logging.getLogger("refitplane.generator.fallback")
 
 CheckpointSource = Mapping[str, TensorSpec] | Callable[[], Mapping[str, TensorSpec]]
 
+# Quantization scales vLLM creates with a default value and loads only if the checkpoint
+# has them (KV-cache and activation scales); every other parameter must be loaded, as vLLM
+# itself requires of unquantized checkpoints.
+OPTIONAL_SCALES = ("k_scale", "v_scale", "q_scale", "prob_scale", "input_scale")
+
 
 @dataclass(frozen=True, slots=True)
 class Layer:
@@ -57,6 +62,8 @@ class FallbackPlan:
     params: dict[str, FallbackParam]
     specs: dict[str, TensorSpec]
     joined: dict[str, str]
+    # Parameters of fallback layers that no checkpoint tensor loads into.
+    kept: tuple[str, ...] = ()
 
 
 def plan_fallback(
@@ -119,20 +126,34 @@ def plan_fallback(
         for param in params & fallback:
             sources.setdefault(param, []).append(name)
     out: dict[str, FallbackParam] = {}
+    kept: list[str] = []
     for path in reasons:
         layer = layers[path]
         for pname, live in layer.owned.items():
             name = f"{path}.{pname}" if path else pname
             if name not in sources:
-                raise LayoutError(
-                    f"no fast path ({reasons[path]}), and tracing vLLM's load_weights found "
-                    "no checkpoint tensor that loads into it",
-                    tensor=name,
-                )
+                if not pname.endswith(OPTIONAL_SCALES):
+                    raise LayoutError(
+                        f"no fast path ({reasons[path]}), and tracing vLLM's load_weights "
+                        "found no checkpoint tensor that loads into it",
+                        tensor=name,
+                    )
+                # A quantization scale the checkpoint does not carry: vLLM's own loader
+                # leaves its default too, so it is not part of a refit.
+                kept.append(name)
+                continue
             shape, dtype = loader_format(layer.module, pname, live)
             out[name] = FallbackParam(name, shape, dtype, reasons[path], tuple(sources[name]))
+    if kept:
+        log.warning(
+            "refitplane: no checkpoint tensor loads into %d parameters (%s%s); they keep "
+            "their values across refits, as under vLLM's own loader",
+            len(kept),
+            ", ".join(kept[:4]),
+            " ..." if len(kept) > 4 else "",
+        )
     needed = {s for p in out.values() for s in p.sources}
-    return FallbackPlan(out, {n: specs[n] for n in sorted(needed)}, joined)
+    return FallbackPlan(out, {n: specs[n] for n in sorted(needed)}, joined, tuple(kept))
 
 
 def loader_format(

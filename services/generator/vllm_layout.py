@@ -146,6 +146,8 @@ class VllmLayout:
     specs: Mapping[str, TensorSpec]
     params: Mapping[str, ParamLayout]
     fallback: Mapping[str, FallbackParam] = field(default_factory=dict)
+    # Parameters no checkpoint tensor loads into (vLLM's loader leaves them as they are).
+    kept: tuple[str, ...] = ()
 
     @property
     def fallback_tensors(self) -> list[str]:
@@ -157,9 +159,11 @@ class VllmLayout:
 
     def summary(self) -> str:
         """One line for logs and reports: how many tensors take which path."""
+        kept = f", kept: {len(self.kept)} parameters" if self.kept else ""
         return (
             f"fast: {len(self.fast_tensors())} tensors ({len(self.params)} parameters), "
             f"fallback: {len(self.fallback_tensors)} tensors ({len(self.fallback)} parameters)"
+            f"{kept}"
         )
 
     def hf_boxes(self) -> dict[str, list[Box]]:
@@ -343,13 +347,14 @@ def describe_vllm_model(
         else:
             fast[module_path] = layer_described
     fallback_params: dict[str, FallbackParam] = {}
+    kept: tuple[str, ...] = ()
     specs: dict[str, TensorSpec] = {}
     if rejected:
         claimed = {spec.name for described in fast.values() for d in described for spec in d.specs}
         plan = plan_fallback(model, layers, rejected, claimed, checkpoint, vllm_config=vllm_config)
         for path in plan.joined:
             fast.pop(path, None)
-        fallback_params = plan.params
+        fallback_params, kept = plan.params, plan.kept
         specs.update(plan.specs)
     params: dict[str, ParamLayout] = {}
     for layer_params in fast.values():
@@ -364,7 +369,9 @@ def describe_vllm_model(
                         "elsewhere",
                         tensor=spec.name,
                     )
-    layout = VllmLayout(ranks=ctx.ranks, specs=specs, params=params, fallback=fallback_params)
+    layout = VllmLayout(
+        ranks=ctx.ranks, specs=specs, params=params, fallback=fallback_params, kept=kept
+    )
     layout.check()
     return layout
 
