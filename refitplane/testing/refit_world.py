@@ -83,9 +83,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},
 }
 
-# Weight quantization of the world's checkpoint: "" (none) or "fp8" (float8_e4m3fn linear
-# weights with one float32 `weight_scale_inv` per 128x128 block, DeepSeek-V3 / Qwen3-FP8 style).
-QUANTS = ("", "fp8")
+# Weight quantization of the world's checkpoint: "" (none), "fp8" (float8_e4m3fn linear
+# weights with one float32 `weight_scale_inv` per 128x128 block, DeepSeek-V3 / Qwen3-FP8
+# style), or "fp8-kv": the same plus per-layer FP8 KV-cache scales (`k_proj.k_scale`,
+# `v_proj.v_scale`), as calibrated FP8 checkpoints carry them.
+QUANTS = ("", "fp8", "fp8-kv")
 FP8_BLOCK = (128, 128)
 _FP8_LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
@@ -107,20 +109,25 @@ def tensor_specs(shape: str, dtype: str = "bfloat16", quant: str = "") -> list[A
         raise ValueError(f"unknown quantization {quant!r} (known: {QUANTS})")
     out: list[Any] = []
     for ts in model_spec(shape, dtype).tensor_specs():
-        if quant == "fp8" and _FP8_LINEAR.search(ts.name):
+        if quant.startswith("fp8") and _FP8_LINEAR.search(ts.name):
             rows, cols = ts.shape
             scales = (-(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
             out.append(TensorSpec.create(ts.name, ts.shape, "float8_e4m3fn"))
             out.append(TensorSpec.create(f"{ts.name}_scale_inv", scales, "float32"))
         else:
             out.append(ts)
+        if quant == "fp8-kv" and ts.name.endswith(("k_proj.weight", "v_proj.weight")):
+            kind = "k" if ts.name.endswith("k_proj.weight") else "v"
+            out.append(
+                TensorSpec.create(ts.name.replace(".weight", f".{kind}_scale"), (), "float32")
+            )
     return out
 
 
 def write_config(path: Path, shape: str, dtype: str = "bfloat16", quant: str = "") -> Path:
     """config.json (+ generation config) only: vLLM starts with dummy weights."""
     config = model_spec(shape, dtype).hf_config()
-    if quant == "fp8":
+    if quant.startswith("fp8"):
         config["quantization_config"] = {
             "quant_method": "fp8",
             "fmt": "e4m3",
@@ -159,6 +166,8 @@ def synthetic(name: str, shape: Sequence[int], dtype: str, device: Any) -> Any:
 
     seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "little")
     gen = torch.Generator(device=device).manual_seed(seed)
+    if name.endswith(("k_scale", "v_scale")):  # KV-cache scales: positive, about 0.1
+        return (0.05 + 0.1 * torch.rand((), generator=gen, device=device)).to(torch_dtype(dtype))
     if name.endswith("_scale_inv"):
         uniform = torch.rand(tuple(shape), generator=gen, device=device, dtype=torch.float32)
         return (0.02 + 0.02 * uniform).to(torch_dtype(dtype))
