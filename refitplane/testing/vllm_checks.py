@@ -104,6 +104,10 @@ def check_worker_layout(
         ],
         "params": sorted(layout.params),
         "fallback": {p.name: [p.reason, list(p.sources)] for p in layout.fallback.values()},
+        "fallback_layers": sorted(
+            {type(model.get_submodule(n.rpartition(".")[0])).__name__ for n in layout.fallback}
+        ),
+        "model_class": type(model).__name__,
         "summary": layout.summary(),
         "blocked": dict(live.blocked),
         "writable": sorted(live.writable),
@@ -212,13 +216,13 @@ def receive_like_the_engine(
     whole checkpoint through vLLM's layerwise reload and take the digests again: a refit
     must leave the model exactly as vLLM's own reload of the same weights does.
     """
-    from refitplane.generator.checkpoint_index import checkpoint_specs
+    from refitplane.generator.checkpoint_index import CheckpointIndex, checkpoint_specs
     from refitplane.testing.refit_world import parameter_digests, synthetic
 
     model = worker.model_runner.get_model()
     device = next(model.parameters()).device
     index = (
-        safetensors_specs(checkpoint_dir)
+        CheckpointIndex(safetensors_specs(checkpoint_dir))
         if checkpoint_dir
         else checkpoint_specs(worker.model_config)
     )

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -81,18 +83,30 @@ def _header(file: Path) -> dict[str, Any]:
     return header
 
 
-def checkpoint_specs(model_config: Any) -> dict[str, TensorSpec]:
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """Checkpoint tensors by name; `exact` when read from the checkpoint's own files, not
+    when reconstructed from the transformers model (whose names may differ from the
+    checkpoint's where transformers fuses or renames tensors)."""
+
+    specs: Mapping[str, TensorSpec]
+    exact: bool = True
+
+
+def checkpoint_specs(model_config: Any) -> CheckpointIndex:
     """The checkpoint tensors of the model vLLM serves (`vllm_config.model_config`)."""
     directory = _local_checkpoint_dir(model_config)
     if directory is not None:
         specs = safetensors_specs(directory)
         if specs:
-            return specs
+            return CheckpointIndex(specs)
     log.info(
         "refitplane: no safetensors files for %s; checkpoint names from the transformers model",
         getattr(model_config, "model", "?"),
     )
-    return meta_model_specs(model_config.hf_config, dtype_name(model_config.dtype))
+    return CheckpointIndex(
+        meta_model_specs(model_config.hf_config, dtype_name(model_config.dtype)), exact=False
+    )
 
 
 def _local_checkpoint_dir(model_config: Any) -> Path | None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from refitplane.errors import LayoutError
+from refitplane.generator.checkpoint_index import CheckpointIndex
 from refitplane.generator.vllm_layer_rules import loader_template
 from refitplane.generator.vllm_layout import FallbackParam
 from refitplane.generator.vllm_load_trace import trace_load_targets
@@ -34,7 +35,13 @@ from refitplane.reshard.shards import dtype_name
 
 log = logging.getLogger("refitplane.generator.fallback")
 
-CheckpointSource = Mapping[str, TensorSpec] | Callable[[], Mapping[str, TensorSpec]]
+# Checkpoint tensors by name (read from the checkpoint: exact), or a function returning
+# them, called only when some layer takes the fallback path.
+CheckpointSource = (
+    Mapping[str, TensorSpec]
+    | CheckpointIndex
+    | Callable[[], Mapping[str, TensorSpec] | CheckpointIndex]
+)
 
 # Quantization scales vLLM creates with a default value and loads only if the checkpoint
 # has them (KV-cache and activation scales); every other parameter must be loaded, as vLLM
@@ -84,7 +91,10 @@ def plan_fallback(
             "given to find the tensors vLLM loads into it",
             tensor=first,
         )
-    specs = dict(checkpoint() if callable(checkpoint) else checkpoint)
+    index = checkpoint() if callable(checkpoint) else checkpoint
+    if not isinstance(index, CheckpointIndex):
+        index = CheckpointIndex(index)
+    specs = dict(index.specs)
     owner_of = {name: path for path, layer in layers.items() for name in layer.param_names()}
     reasons = dict(rejected)
 
@@ -104,7 +114,10 @@ def plan_fallback(
         changed = False
         fallback = fallback_param_names()
         for name, params in targets.items():
-            pulls = name not in claimed or bool(params & fallback)
+            # An unclaimed tensor vLLM loads into a fast-path layer means its rule missed an
+            # input, when the index is the checkpoint's own; names rebuilt from the
+            # transformers model may just be other spellings of claimed tensors.
+            pulls = bool(params & fallback) or (name not in claimed and index.exact)
             if not pulls:
                 continue
             for param in sorted(params):

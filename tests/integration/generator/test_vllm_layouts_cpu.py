@@ -17,9 +17,7 @@ replica serving its previous version. One engine per case, shared by the case's 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from refitplane.models.tiny import (
     load_hf_model,
 )
 from refitplane.reshard.boxes import Box, box_numel, full_box, intersect
+from tests.integration.generator.vllm_refits import RefitRun, RefitSession
 
 pytestmark = [
     pytest.mark.vllm,
@@ -99,28 +98,10 @@ class CaseRun:
 
 
 @dataclass
-class RefitRun:
-    policy: str
-    ranks: int
-    checkpoint_dir: Path
-    state: str
-    version: int
-    replica_versions: set[int]
-    tensors_verified: int
-    tensors_total: int
-    worker_reports: list[dict[str, Any]]
-    tokens: list[int] | None
-
-
-@dataclass
 class MismatchRun:
     kind: str
     tensor: str
-    state: str
-    reason: str
-    message: str
-    replica_versions: set[int]
-    tokens: list[int] | None
+    refit: RefitRun
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -182,91 +163,27 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 def _refit_phase(llm: Any, case: Case, root: Path) -> tuple[list[RefitRun], list[MismatchRun]]:
     """Refit the live engine from trainer agents through a real coordinator."""
-    from refitplane.client import RefitClient
-    from refitplane.coordinator.settings import Settings
-    from refitplane.demo.processes import free_port
-    from refitplane.generator.offline_control import OfflineLLMControl
-    from refitplane.generator.sidecar import Sidecar, SidecarSettings
-    from refitplane.testing.refit_checks import check_refit
-    from refitplane.testing.vllm_cpu import greedy_tokens
-    from tests.integration.conftest import TEST_SETTINGS, RunningCoordinator
-
-    settings = Settings(
-        _env_file=None,  # type: ignore[call-arg]
-        **{
-            **TEST_SETTINGS,
-            "prepare_timeout_s": 60.0,
-            "transfer_timeout_s": 120.0,
-            "group_timeout_s": 60.0,
-            "verify_timeout_s": 120.0,
-        },
-    )
-    coordinator = RunningCoordinator(settings).start()
-    sidecar = Sidecar(
-        SidecarSettings(
-            coordinator=coordinator.grpc_target,
-            job="vllm-job",
-            replica_id="r0",
-            sidecar_host="127.0.0.1",
-            sidecar_port=free_port(),
-            register_timeout_s=120.0,
-        ),
-        control=OfflineLLMControl(llm),
-    )
     refits: list[RefitRun] = []
     mismatches: list[MismatchRun] = []
+    session = RefitSession(llm, prompt=PROMPT, new_tokens=NEW_TOKENS, generates=case.generates)
     try:
-        sidecar.start()
-        with RefitClient(coordinator.grpc_target) as client:
-            for k, (policy, ranks) in enumerate(case.trainers):
-                # A checkpoint whose greedy path has no bf16 near-ties (see greedy_margin).
-                _, ckpt_dir = confident_seed(
-                    root / f"trainer-{k}",
-                    case.variant,
-                    start=20 + 10 * k,
-                    prompt_token_ids=PROMPT,
-                    max_new_tokens=NEW_TOKENS,
-                    **case.overrides,
-                )
-                with _trainers(
-                    coordinator.grpc_target, load_checkpoint(ckpt_dir), policy, ranks, client
-                ):
-                    final = client.wait(client.trigger("vllm-job").refit_id, timeout_s=300)
-                    # Generate first: the checks below run load_weights into scratch copies.
-                    served = greedy_tokens(llm, PROMPT, NEW_TOKENS) if case.generates else None
-                    refits.append(
-                        RefitRun(
-                            policy,
-                            ranks,
-                            ckpt_dir,
-                            final.state.value,
-                            final.version,
-                            {r.version for r in client.topology("vllm-job").replicas},
-                            final.tensors_verified,
-                            final.tensors_total,
-                            llm.collective_rpc(check_refit, args=(str(ckpt_dir),)),
-                            served,
-                        )
-                    )
-            if case.mismatches and refits:
-                good = load_checkpoint(refits[-1].checkpoint_dir)
-                for kind, tensor, state in _mismatched_states(good):
-                    with _trainers(coordinator.grpc_target, state, "tp", 2, client):
-                        final = client.wait(client.trigger("vllm-job").refit_id, timeout_s=120)
-                        mismatches.append(
-                            MismatchRun(
-                                kind,
-                                tensor,
-                                final.state.value,
-                                final.reason,
-                                final.message,
-                                {r.version for r in client.topology("vllm-job").replicas},
-                                greedy_tokens(llm, PROMPT, NEW_TOKENS) if case.generates else None,
-                            )
-                        )
+        for k, (policy, ranks) in enumerate(case.trainers):
+            # A checkpoint whose greedy path has no bf16 near-ties (see greedy_margin).
+            _, ckpt_dir = confident_seed(
+                root / f"trainer-{k}",
+                case.variant,
+                start=20 + 10 * k,
+                prompt_token_ids=PROMPT,
+                max_new_tokens=NEW_TOKENS,
+                **case.overrides,
+            )
+            refits.append(session.refit_checkpoint(ckpt_dir, policy, ranks))
+        if case.mismatches and refits and refits[-1].checkpoint_dir is not None:
+            good = load_checkpoint(refits[-1].checkpoint_dir)
+            for kind, tensor, state in _mismatched_states(good):
+                mismatches.append(MismatchRun(kind, tensor, session.refit(state, "tp", 2)))
     finally:
-        sidecar.close()
-        coordinator.stop()
+        session.close()
     return refits, mismatches
 
 
@@ -291,43 +208,6 @@ def _mismatched_states(
         ),
         ("wrong dtype", dtype, {**good, dtype: good[dtype].float()}),
     ]
-
-
-@contextlib.contextmanager
-def _trainers(
-    target: str, state: dict[str, torch.Tensor], policy: str, ranks: int, client: Any
-) -> Iterator[None]:
-    """Trainer agents (threads) holding `state` in `policy` layout, registered and published."""
-    import time
-
-    from refitplane.testing.trainer_layouts import trainer_shards
-    from refitplane.trainer.agent import TrainerAgent
-
-    agents = [
-        TrainerAgent(
-            coordinator=target,
-            job="vllm-job",
-            rank=r,
-            world_size=ranks,
-            shards=trainer_shards(state, r, ranks, policy),
-        )
-        for r in range(ranks)
-    ]
-    try:
-        for agent in agents:
-            agent.start()
-        deadline = time.monotonic() + 30
-        while True:
-            trainers = [m for m in client.topology("vllm-job").members if m.role.value == "TRAINER"]
-            if len(trainers) == ranks and all(m.layout_digest for m in trainers):
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"trainers did not register: {trainers}")
-            time.sleep(0.05)
-        yield
-    finally:
-        for agent in agents:
-            agent.close()
 
 
 def _boxes(report: dict[str, Any], tensor: str) -> list[Box]:
@@ -519,9 +399,9 @@ def test_mismatched_models_fail_before_any_byte_moves(run: CaseRun) -> None:
     ]
     last = run.refits[-1]
     for m in run.mismatches:
-        assert m.state == "FAILED", m
-        assert m.reason == "INVALID_LAYOUT", m
-        assert repr(m.tensor) in m.message, m
+        assert m.refit.state == "FAILED", m
+        assert m.refit.reason == "INVALID_LAYOUT", m
+        assert repr(m.tensor) in m.refit.message, m
         # The replica keeps its previous weights and version.
-        assert m.replica_versions == {last.version}
-        assert m.tokens == last.tokens
+        assert m.refit.replica_versions == {last.version}
+        assert m.refit.tokens == last.tokens

