@@ -31,7 +31,7 @@ from refitplane.errors import LayoutError
 from refitplane.generator.checkpoint_index import safetensors_specs
 from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_shards
 from refitplane.generator.vllm_live import live_storage
-from refitplane.generator.vllm_reload import reload_weights
+from refitplane.generator.vllm_reload import apply_received, reload_weights
 from refitplane.models.tiny import load_checkpoint
 from refitplane.reshard.boxes import format_box, to_slices
 from refitplane.testing.vllm_reference import loaded_reference
@@ -247,8 +247,7 @@ def receive_like_the_engine(
         staging = layout.stage_fallback(shards, device)
     for sv in shards:
         sv.tensor.copy_(tensors[sv.spec.name][to_slices(sv.box)])
-    if staging:
-        reload_weights(model, worker.vllm_config, staging.items(), partial=mode == "live")
+    apply_received(model, worker.vllm_config, staging, live=mode == "live")
     received = parameter_digests(worker)
     reload_weights(model, worker.vllm_config, tensors.items())
     reloaded = parameter_digests(worker)

@@ -461,12 +461,19 @@ def _parameter_owners(
     reachable as `mlp.gate` and `mlp.experts.gate`) belongs to the first module in
     `named_modules()` order — the name `named_parameters()` reports — except that an
     embedding wins over an LM head, whose checkpoint tensor a tied model does not have.
+
+    Parameters that post-load processing *derived* from loaded ones are left out: they are
+    not loaded from the checkpoint, and the processing that made them runs again after a
+    refit (MLA attention's `W_UV` / `W_UK_T`, made from `kv_b_proj`).
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     owners: dict[int, tuple[str, torch.nn.Module, str]] = {}
     for path, module in model.named_modules():
+        derived = _derived_parameters(module)
         for pname, param in module.named_parameters(recurse=False):
+            if pname in derived:
+                continue
             current = owners.get(id(param))
             if current is None or (
                 isinstance(current[1], ParallelLMHead) and not isinstance(module, ParallelLMHead)
@@ -477,6 +484,28 @@ def _parameter_owners(
         entry = grouped.setdefault(path, (module, {}))
         entry[1][pname] = getattr(module, pname)
     return [(path, module, owned) for path, (module, owned) in grouped.items()]
+
+
+def _derived_parameters(module: torch.nn.Module) -> set[str]:
+    """Parameters of `module` that `create_weights` did not make: vLLM records every created
+    parameter for layerwise reload before loading (`restore_metadata`), except a few it
+    never moves to the meta device (`bias`, routers' `e_score_correction_bias`), so one
+    missing from the record was added by post-load processing. Empty where vLLM keeps no
+    record (then nothing is known to be derived)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+    except ImportError:
+        return set()
+    info = LAYERWISE_INFO.get(module)
+    if info is None:
+        return set()
+    recorded = info.restore_metadata[0]
+    return {
+        name
+        for name, _ in module.named_parameters(recurse=False)
+        if name not in recorded and name not in SKIP_TENSORS
+    }
 
 
 def _check_storage(param: ParamLayout, tensor: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -110,3 +110,48 @@ def _refresh_cpu_lm_heads(model: torch.nn.Module) -> None:
             and type(method).__name__ == "UnquantizedEmbeddingMethod"
         ):
             method.process_weights_after_loading(module)  # type: ignore[union-attr]
+
+
+def refresh_attention_layers(model: torch.nn.Module, vllm_config: Any) -> int:
+    """Re-run the post-load processing of every attention layer, as the end of a layerwise
+    reload does; returns how many ran.
+
+    Attention layers derive state from other layers' weights when processed: MLA attention
+    computes `W_UV` / `W_UK_T` from `kv_b_proj`, FP8 attention its cache scales. A live
+    refit writes those weights in place without a reload, so this brings the derived state
+    up to date (the processing writes into the existing tensors, keeping CUDA graphs valid).
+    """
+    from vllm.config import set_current_vllm_config
+
+    try:  # vLLM 0.32
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:  # vLLM 0.26: what its layerwise reload defers
+        from vllm.model_executor.layers.attention import Attention, MLAAttention
+
+        def is_deferred_attention_layer(layer: torch.nn.Module) -> bool:
+            return isinstance(layer, (Attention, MLAAttention))
+
+    count = 0
+    with set_current_vllm_config(vllm_config):
+        for layer in model.modules():
+            if is_deferred_attention_layer(layer):
+                layer.process_weights_after_loading(vllm_config.model_config.dtype)  # type: ignore[operator]
+                count += 1
+    return count
+
+
+def apply_received(
+    model: torch.nn.Module,
+    vllm_config: Any,
+    staging: Mapping[str, torch.Tensor] | None,
+    *,
+    live: bool,
+) -> None:
+    """What a finished transfer needs before vLLM serves again: staged weights (all of
+    them, or in live mode only the fallback path's) go through the layerwise reload, which
+    also re-processes attention layers; a live transfer without staging re-processes the
+    attention layers alone (`refresh_attention_layers`)."""
+    if staging:
+        reload_weights(model, vllm_config, staging.items(), partial=live)
+    elif live:
+        refresh_attention_layers(model, vllm_config)

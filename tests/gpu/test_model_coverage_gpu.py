@@ -1,0 +1,144 @@
+"""Model coverage on one GPU (vLLM 0.26): fast paths and the fail-safe path for the
+frontier architectures, checked inside the real vLLM workers.
+
+Three shaped models, bf16 unless said otherwise, random weights written as a checkpoint
+(the zoo writer, `refitplane.models.zoo`, or `refit_world` for the FP8 case), served by vLLM
+from `load_format="dummy"` so that the refit is what puts the checkpoint in:
+
+- `deepseek-v2-lite`: DeepSeek-V2-Lite's per-layer shapes (MLA with kv_lora_rank 512, 16
+  heads, 64 routed + 2 shared experts of 1408, first layer dense), 3 layers;
+- `nemotron-h`: Nemotron-3-Nano-shaped hybrid (Mamba2 with 8 groups, attention, a
+  non-gated ReLU² MoE with a shared expert, an MLP), one layer of each kind;
+- `qwen3-fp8-kv`: FP8 block-quantized linears plus per-layer KV-cache scales, served with
+  an FP8 KV cache.
+
+In every worker, `vllm_checks.receive_like_the_engine` binds exactly what the refitplane
+engine binds (live fast-path parameters, whole-tensor fallback staging, or checkpoint
+staging for FP8), fills it from the checkpoint, applies it as `finish_weight_update` does,
+and compares every parameter and buffer, as the kernels read them, with vLLM's own
+layerwise reload of the same checkpoint: they must be byte-identical. The data plane itself
+needs two GPUs (trainer and vLLM); `test_vllm_refit_gpu.py` covers it where they exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gpu.vllm_case import NEEDS_VLLM
+
+pytestmark = [NEEDS_VLLM, pytest.mark.gpu(count=1)]
+
+DEEPSEEK_V2_LITE = {
+    "num_hidden_layers": 3,
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+NEMOTRON_H = {
+    "hybrid_override_pattern": "M*E-",
+    "num_hidden_layers": 4,
+    "hidden_size": 2688,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "mamba_num_heads": 64,
+    "mamba_head_dim": 64,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "chunk_size": 128,
+    "intermediate_size": 1856,
+    "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 6,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+
+
+def _checkpoint(case: str, root: Path) -> tuple[Path, dict[str, Any]]:
+    """(checkpoint directory, extra `vllm.LLM` arguments) of a case."""
+    if case == "qwen3-fp8-kv":
+        from refitplane.testing import refit_world as rw
+
+        path = rw.write_checkpoint(root, "qwen3-small", quant="fp8-kv")
+        return path, {"kv_cache_dtype": "fp8"}
+    from refitplane.models.zoo import write_zoo_model
+
+    arch, overrides = {
+        "deepseek-v2-lite": ("deepseek_v2", DEEPSEEK_V2_LITE),
+        "nemotron-h": ("nemotron_h", NEMOTRON_H),
+    }[case]
+    return write_zoo_model(root, arch, seed=3, dtype="bfloat16", **overrides), {}
+
+
+@contextlib.contextmanager
+def _vllm(model_dir: Path, **kwargs: Any) -> Iterator[Any]:
+    saved = dict(os.environ)
+    os.environ.update(
+        {
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+            "VLLM_USE_FLASHINFER_SAMPLER": "0",
+            "VLLM_DEEP_GEMM_WARMUP": "skip",
+        }
+    )
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(model_dir),
+        load_format="dummy",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=1024,
+        gpu_memory_utilization=0.6,
+        **kwargs,
+    )
+    try:
+        yield llm
+    finally:
+        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.mark.parametrize("case", ["deepseek-v2-lite", "nemotron-h", "qwen3-fp8-kv"])
+def test_receive_path_equals_vllms_own_reload(case: str, tmp_path: Path) -> None:
+    from refitplane.testing.vllm_checks import receive_like_the_engine
+
+    model_dir, extra = _checkpoint(case, tmp_path / case)
+    with _vllm(model_dir, **extra) as llm:
+        (report,) = llm.collective_rpc(receive_like_the_engine, args=(str(model_dir),))
+    print(f"{case}: {report['mode']}, {report['summary']}; fallback: {report['fallback']}")
+    assert report["digests"] > 0
+    assert report["differ"] == [], report["differ"][:8]
+    if case == "qwen3-fp8-kv":
+        # FP8 layers always reload; the KV-cache scales come through the fallback path
+        # (vLLM's Attention layer), and its post-load processing sets the cache scales.
+        assert report["mode"] == "staged"
+        assert any("Attention" in reason for reason in report["fallback"]), report
+    else:
+        assert report["mode"] == "live"  # unquantized: straight into live parameters
+    if case == "nemotron-h":
+        # Mamba2's A is loaded as -exp(A_log): its mixer layer cannot be a box.
+        assert report["fallback"], report
