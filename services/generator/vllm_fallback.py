@@ -73,27 +73,32 @@ class FallbackPlan:
     kept: tuple[str, ...] = ()
 
 
+def resolve_index(checkpoint: CheckpointSource | None) -> CheckpointIndex | None:
+    """The checkpoint index a source stands for (calling it if it is a function)."""
+    if checkpoint is None:
+        return None
+    index = checkpoint() if callable(checkpoint) else checkpoint
+    return index if isinstance(index, CheckpointIndex) else CheckpointIndex(index)
+
+
 def plan_fallback(
     model: torch.nn.Module,
     layers: Mapping[str, Layer],
     rejected: Mapping[str, str],
     claimed: set[str],
-    checkpoint: CheckpointSource | None,
+    index: CheckpointIndex | None,
     *,
     vllm_config: Any = None,
 ) -> FallbackPlan:
     """Resolve the fallback path for the `rejected` layers (path → reason); `claimed` are
     the checkpoint tensors the fast-path rules of the other layers read."""
     first = layers[next(iter(rejected))].param_names()[0]
-    if checkpoint is None:
+    if index is None:
         raise LayoutError(
             f"no fast path ({rejected[next(iter(rejected))]}), and no checkpoint index was "
             "given to find the tensors vLLM loads into it",
             tensor=first,
         )
-    index = checkpoint() if callable(checkpoint) else checkpoint
-    if not isinstance(index, CheckpointIndex):
-        index = CheckpointIndex(index)
     specs = dict(index.specs)
     owner_of = {name: path for path, layer in layers.items() for name in layer.param_names()}
     reasons = dict(rejected)

@@ -314,7 +314,7 @@ def describe_vllm_model(
     without a fast path an error instead; `skip_rules` (layer class names) sends layers of
     those classes to the fallback path as if they had no rule.
     """
-    from refitplane.generator.vllm_fallback import Layer, plan_fallback
+    from refitplane.generator.vllm_fallback import Layer, plan_fallback, resolve_index
     from refitplane.generator.vllm_layer_rules import (
         LayerContext,
         check_loader_format,
@@ -346,12 +346,21 @@ def describe_vllm_model(
             rejected[module_path] = exc.message
         else:
             fast[module_path] = layer_described
+    index = resolve_index(checkpoint)
+    if index is not None and index.exact:
+        # A rule naming tensors the checkpoint does not have (or has in another shape) does
+        # not fit this model (gpt-oss stores its experts fused): its layer falls back.
+        for path in list(fast):
+            problem = _not_in_checkpoint(fast[path], index.specs)
+            if problem:
+                rejected[path] = problem
+                del fast[path]
     fallback_params: dict[str, FallbackParam] = {}
     kept: tuple[str, ...] = ()
     specs: dict[str, TensorSpec] = {}
     if rejected:
         claimed = {spec.name for described in fast.values() for d in described for spec in d.specs}
-        plan = plan_fallback(model, layers, rejected, claimed, checkpoint, vllm_config=vllm_config)
+        plan = plan_fallback(model, layers, rejected, claimed, index, vllm_config=vllm_config)
         for path in plan.joined:
             fast.pop(path, None)
         fallback_params, kept = plan.params, plan.kept
@@ -425,6 +434,21 @@ _DEFAULT_PACKED: Mapping[str, Sequence[str]] = {
 
 def _same_name(name: str) -> str:
     return name
+
+
+def _not_in_checkpoint(described: Sequence[DescribedParam], index: Mapping[str, TensorSpec]) -> str:
+    """Why a layer's described tensors do not match the checkpoint, or ""."""
+    for d in described:
+        for spec in d.specs:
+            have = index.get(spec.name)
+            if have is None:
+                return f"its rule reads checkpoint tensor {spec.name!r}, which the checkpoint does not have"
+            if have.shape != spec.shape:
+                return (
+                    f"its rule reads checkpoint tensor {spec.name!r} as {list(spec.shape)}, "
+                    f"the checkpoint has {list(have.shape)}"
+                )
+    return ""
 
 
 def _self_fused_modules(model: torch.nn.Module) -> frozenset[str]:

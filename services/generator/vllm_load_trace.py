@@ -10,9 +10,10 @@ from through every torch operation the model's loading code applies (`narrow`, `
 stacked-parameter mappings, expert mappings, `hf_to_vllm_mapper`, transposes), the
 recorder learns which checkpoint tensors reached which parameter.
 
-Nothing is written: recorders never call the real loaders, and a loading path that bypasses
-`weight_loader` and copies into a live parameter fails on the meta tensor before it writes
-(copying out of a meta tensor raises). Such a tensor is then simply not reported.
+Models that bypass `weight_loader` and write a parameter directly (`param.copy_(w)`,
+`param.data[i] = w`: gpt-oss's experts and sinks, direct `default_weight_loader` calls) are
+traced too: a write of a traced tensor into any parameter's storage is recorded instead of
+performed. Nothing is ever written: recorders never call the real loaders.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -31,6 +32,10 @@ from refitplane.reshard.shards import torch_dtype
 log = logging.getLogger("refitplane.generator.load_trace")
 
 _NO_LOADER = object()
+
+
+# Writes into a destination tensor (args[0]) that a traced value may reach a parameter by.
+_WRITES: Final = frozenset({torch.Tensor.copy_, torch.Tensor.__setitem__})
 
 
 class _Traced(torch.Tensor):
@@ -49,9 +54,36 @@ class _Traced(torch.Tensor):
         kwargs = kwargs or {}
         leaves, _ = tree_flatten((args, kwargs))
         sources = frozenset().union(*(getattr(x, "sources", frozenset()) for x in leaves))
+        if func in _WRITES and _DIRECT_WRITES is not None and args:
+            param = _DIRECT_WRITES.param_of(args[0])
+            if param is not None:  # a direct write into a parameter: record, do not write
+                for source in sources:
+                    _DIRECT_WRITES.hits.setdefault(source, set()).add(param)
+                return args[0]
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         return tree_map(lambda x: _traced(x, sources) if isinstance(x, torch.Tensor) else x, out)
+
+
+class _ParameterStorage:
+    """Parameter name by the storage it lives in, so a write into a view of a parameter
+    (`param.data[rows]`) is attributed to it."""
+
+    def __init__(self, model: torch.nn.Module, hits: dict[str, set[str]]) -> None:
+        self.hits = hits
+        self._by_storage: dict[int, str] = {}
+        for name, param in model.named_parameters():
+            if param.numel() and param.device.type != "meta":
+                self._by_storage.setdefault(param.untyped_storage().data_ptr(), name)
+
+    def param_of(self, tensor: Any) -> str | None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return None
+        return self._by_storage.get(tensor.untyped_storage().data_ptr())
+
+
+# Set while a trace runs (one at a time per process: vLLM workers are single-threaded).
+_DIRECT_WRITES: _ParameterStorage | None = None
 
 
 def _traced(tensor: torch.Tensor, sources: frozenset[str]) -> _Traced:
@@ -81,7 +113,11 @@ def trace_load_targets(
     costs only itself.
     """
     hits: dict[str, set[str]] = {}
-    with _recording_loaders(model, hits), _current_config(vllm_config):
+    with (
+        _recording_loaders(model, hits),
+        _recording_direct_writes(model, hits),
+        _current_config(vllm_config),
+    ):
         try:
             _load(model, checkpoint.values())
         except Exception as exc:  # noqa: BLE001 - any loader failure: retry name by name
@@ -98,6 +134,16 @@ def trace_load_targets(
 def _load(model: torch.nn.Module, specs: Iterable[TensorSpec]) -> None:
     weights = ((spec.name, traced_checkpoint_tensor(spec)) for spec in specs)
     model.load_weights(weights)  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def _recording_direct_writes(model: torch.nn.Module, hits: dict[str, set[str]]) -> Iterator[None]:
+    global _DIRECT_WRITES
+    previous, _DIRECT_WRITES = _DIRECT_WRITES, _ParameterStorage(model, hits)
+    try:
+        yield
+    finally:
+        _DIRECT_WRITES = previous
 
 
 @contextlib.contextmanager

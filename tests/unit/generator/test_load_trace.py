@@ -120,16 +120,23 @@ def test_trace_finds_every_parameter_a_checkpoint_tensor_lands_in(strict: bool) 
     assert "weight_loader" not in model.D.__dict__
 
 
-def test_a_loading_path_that_writes_directly_is_not_reported_and_writes_nothing() -> None:
+def test_direct_writes_into_parameters_are_traced_and_write_nothing() -> None:
     class Direct(ToyModel):
+        """Writes as gpt-oss does: `param.copy_(w)` and `param.data[i] = w`, no loader."""
+
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            for _, tensor in weights:
-                self.D.data.copy_(tensor)  # bypasses weight_loader: fails on a meta tensor
-            return {"D"}
+            for name, tensor in weights:
+                if name == "D":
+                    self.D.data.copy_(tensor)
+                else:
+                    self.w13.data[int(name[-1])] = tensor.reshape(4, 2)
+            return {"D", "w13"}
 
     model = Direct()
-    assert trace_load_targets(model, {"D": spec("D", 3)}) == {}
+    targets = trace_load_targets(model, {"D": spec("D", 3), "e1": spec("e1", 8)})
+    assert targets == {"D": {"D"}, "e1": {"w13"}}
     assert torch.equal(model.D, torch.zeros(3))
+    assert torch.equal(model.w13, torch.zeros(2, 4, 2))
 
 
 def test_checkpoint_index_reads_safetensors_headers(tmp_path: Path) -> None:
