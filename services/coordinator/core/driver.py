@@ -153,6 +153,7 @@ class JobDriver:
             # the participants; a layout problem still fails the refit at PREPARING.
             setup: _Setup | RefitFailed
             try:
+                await self._await_layouts(run)
                 setup = await self._plan(run)
             except RefitFailed as failure:
                 setup = failure
@@ -200,6 +201,40 @@ class JobDriver:
             run.dirty = False
             run.last_flush = time.monotonic()
             await self._store.transition(run.record, [run.record.state])
+
+    async def _await_layouts(self, run: RefitRun) -> None:
+        """A member publishes its layout right after it (re-)registers — a trainer rejoining
+        after a stall, a restarted vLLM worker. A refit triggered in between waits for those
+        layouts (up to the prepare timeout, counted from each registration) instead of
+        failing at once with LAYOUT_MISSING; members registered longer ago than that are not
+        waited for (planning then names them)."""
+        window = self._s.prepare_timeout_s
+        logged = False
+        while True:
+            if run.failure is not None:  # cancelled while waiting
+                raise run.failure
+            now = time.time()
+            joining = [
+                m
+                for m in self._ctx.membership.of_job(self.job)
+                if m.alive
+                and m.role.is_data_plane
+                and not m.layout_digest
+                and now - m.registered_unix < window
+            ]
+            if not joining or self._stopping:
+                return
+            if not logged:
+                log.info(
+                    "refit %s waits for the layout of %s (registered %.2f s ago)",
+                    run.refit_id,
+                    list_some([m.describe() for m in joining]),
+                    now - max(m.registered_unix for m in joining),
+                )
+                logged = True
+            run.changed.clear()
+            # Layouts arrive over RPCs that do not signal the run: look again soon.
+            await wait_event(run.changed, 0.02)
 
     async def _plan(self, run: RefitRun) -> _Setup:
         """Who takes part, at which group ranks, with which plan (nothing is sent yet)."""
