@@ -4,11 +4,48 @@ For RL loops that run vLLM offline (colocated or in the orchestrator's process) 
 tests: `Sidecar(settings, control=OfflineLLMControl(llm))`. An offline engine only
 generates inside `llm.generate()`, so there is nothing to pause; the caller must not
 generate from another thread while a refit runs.
+
+The `LLM` verbs raise where the HTTP server answers an error status (the refitplane API
+guard: 400 bad payload, 409 wrong state or unverified update, 500 engine failure, 501
+draft updates); each is turned into that status, as `VllmControl` reports it.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
+from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger("refitplane.sidecar")
+
+
+def http_status(exc: BaseException) -> int:
+    """The HTTP status of a failed verb: the response's (an HTTP client's error), else the
+    one vLLM's server would answer for this exception."""
+    response_status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(response_status, int):
+        return response_status
+    status = getattr(exc, "http_status", None)  # vLLM's GracefulHTTPError (409 here)
+    if isinstance(status, int):
+        return status
+    if isinstance(exc, NotImplementedError):
+        return 501
+    if isinstance(exc, ValueError | TypeError):
+        return 400
+    return 500
+
+
+def call_verb(verb: str, fn: Callable[[], object]) -> int:
+    """Run one engine verb; its failure becomes a status (logged), as over HTTP."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported as its status, like HTTP
+        status = http_status(exc)
+        text = getattr(getattr(exc, "response", None), "text", "")
+        log.warning("vLLM %s failed (%d): %s %s", verb, status, exc, str(text)[:300])
+        return status
+    return 200
 
 
 class OfflineLLMControl:
@@ -22,8 +59,10 @@ class OfflineLLMControl:
         return None
 
     def init_engine(self, init_info: dict[str, Any]) -> int:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-        return 200
+        return call_verb(
+            "init_weight_transfer_engine",
+            lambda: self.llm.init_weight_transfer_engine({"init_info": init_info}),
+        )
 
     def pause(self, mode: str) -> int:
         return 200
@@ -32,22 +71,23 @@ class OfflineLLMControl:
         return 200
 
     def start_update(self) -> int:
-        self.llm.start_weight_update()
-        return 200
+        return call_verb("start_weight_update", self.llm.start_weight_update)
 
     def update(self, update_info: dict[str, Any]) -> int:
-        self.llm.update_weights({"update_info": update_info})
-        return 200
+        return call_verb(
+            "update_weights", lambda: self.llm.update_weights({"update_info": update_info})
+        )
 
-    def finish(self, version: int) -> int:
-        import inspect
-
+    def finish(self, version: int | None) -> int:
         # vLLM 0.32 records the version; 0.26's finish_weight_update takes no argument.
-        if "weight_version" in inspect.signature(self.llm.finish_weight_update).parameters:
-            self.llm.finish_weight_update(str(version))
-        else:
-            self.llm.finish_weight_update()
-        return 200
+        takes_version = (
+            "weight_version" in inspect.signature(self.llm.finish_weight_update).parameters
+        )
+        if version is not None and takes_version:
+            return call_verb(
+                "finish_weight_update", lambda: self.llm.finish_weight_update(str(version))
+            )
+        return call_verb("finish_weight_update", self.llm.finish_weight_update)
 
     def close(self) -> None:
         return None

@@ -87,7 +87,8 @@ class EngineControl(Protocol):
     def resume(self) -> int: ...
     def start_update(self) -> int: ...
     def update(self, update_info: dict[str, Any]) -> int: ...
-    def finish(self, version: int) -> int: ...
+    # None closes the update without naming a version (a discarded or failed one).
+    def finish(self, version: int | None) -> int: ...
     def close(self) -> None: ...
 
 
@@ -147,8 +148,9 @@ class VllmControl:
     def update(self, update_info: dict[str, Any]) -> int:
         return self._post("/update_weights", body={"update_info": update_info})
 
-    def finish(self, version: int) -> int:
-        return self._post("/finish_weight_update", body={"weight_version": str(version)})
+    def finish(self, version: int | None) -> int:
+        body = None if version is None else {"weight_version": str(version)}
+        return self._post("/finish_weight_update", body=body)
 
 
 @dataclass
@@ -157,6 +159,8 @@ class SidecarState:
     paused: bool = False
     degraded: bool = False
     refit_id: str = ""
+    # This sidecar started a weight update in vLLM that it has not finished yet.
+    update_open: bool = False
     # The engine may have written live weights of the current refit.
     weights_touched: bool = False
     last_error: str = ""
@@ -223,9 +227,20 @@ class SidecarMember(NullHandler):
         # but the update itself runs between StartTransfer and the ranks' transfer.
         if self._ranks_epoch != cmd.epoch or not self._rank_ids:
             self._read_ranks(cmd.epoch)
-        self.control.pause(mode)
+        status = self.control.pause(mode)
+        if not _ok(status):
+            raise FailedPrecondition(
+                f"vLLM refused to pause (mode {mode}, HTTP {status}) for refit {cmd.refit_id}"
+            )
         self.state.paused = True
-        self.control.start_update()
+        status = self.control.start_update()
+        if not _ok(status):
+            # Nothing was started, so the abort that follows must not finish anything.
+            raise FailedPrecondition(
+                f"vLLM refused /start_weight_update (HTTP {status}) for refit {cmd.refit_id}; "
+                "is another update in progress? See the vLLM log"
+            )
+        self.state.update_open = True
         assert self.session is not None
         self.session.report_prepared(cmd.refit_id)
 
@@ -247,6 +262,7 @@ class SidecarMember(NullHandler):
             raise
         self.state.weights_touched = True  # finish applies staged weights, or post-processes
         self.control.finish(cmd.version)
+        self.state.update_open = False
         steps.mark("finish")
         refit = self.client.get(cmd.refit_id)
         if refit.state in {RefitState.FAILED, RefitState.CANCELLED}:
@@ -271,11 +287,17 @@ class SidecarMember(NullHandler):
             if cmd.refit_id and cmd.refit_id != self.state.refit_id:
                 return
             touched = self.state.weights_touched
+        if self.state.update_open:  # else vLLM has no update of ours to close
+            self._close_update(cmd.refit_id)
         if not self.state.paused:
             return
-        self._close_update(cmd.refit_id)
         if touched:
             self._degrade(f"refit {cmd.refit_id} aborted ({cmd.reason}) after weights were written")
+        elif self.state.degraded:
+            log.warning(
+                "replica %s stays paused: it still holds the weights of an earlier failed refit",
+                self.replica_id,
+            )
         else:
             self.control.resume()
             self.state.paused = False
@@ -284,9 +306,11 @@ class SidecarMember(NullHandler):
 
     def _close_update(self, refit_id: str) -> None:
         """vLLM needs every started update finished: drop what was staged first, so this
-        finish applies nothing of a refit that failed somewhere in the replica."""
+        finish applies nothing of a refit that failed somewhere in the replica (and names no
+        version: the replica keeps the one it fully holds)."""
         self.control.update({"refit_id": refit_id, "action": "discard"})
-        self.control.finish(self.state.version)
+        self.control.finish(None)
+        self.state.update_open = False
 
     def _replica_ranks(self) -> list[Any]:
         topo = self.client.topology(self.job)
@@ -342,6 +366,31 @@ class SidecarMember(NullHandler):
         with self._lock:
             self.state.degraded = True
             self.state.last_error = message
+
+
+def _ok(status: int) -> bool:
+    return 200 <= status < 300
+
+
+def wait_replica_ranks(client: RefitClient, job: str, replica_id: str, timeout_s: float) -> None:
+    """Wait until every vLLM worker of the replica registered and published its layout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ranks = [
+            m
+            for m in client.topology(job).members
+            if m.role == Role.GENERATOR and m.replica_id == replica_id
+        ]
+        if ranks and all(m.layout_digest for m in ranks) and len(ranks) == ranks[0].world_size:
+            return
+        if time.monotonic() > deadline:
+            raise Unavailable(
+                f"vLLM's workers did not register with the coordinator as replica {replica_id!r} "
+                f"of job {job!r} within {timeout_s:.0f} s (found {len(ranks)}); is vLLM started "
+                """with --weight-transfer-config '{"backend": "refitplane"}' and refit-plane """
+                "installed in its environment? See the vLLM log"
+            )
+        time.sleep(0.2)
 
 
 class _HealthHandler(BaseHTTPRequestHandler):
@@ -417,30 +466,24 @@ class Sidecar:
         log.info("waiting for vLLM at %s", self.settings.vllm_url)
         self.control.wait_healthy(self.settings.vllm_start_timeout_s)
         self.session.start()
-        self.control.init_engine(
+        status = self.control.init_engine(
             {
                 "coordinator": self.settings.coordinator,
                 "job": self.settings.job,
                 "replica_id": self.settings.replica_id,
             }
         )
+        if not _ok(status):
+            raise Unavailable(
+                f"vLLM answered HTTP {status} to /init_weight_transfer_engine; see the vLLM log"
+            )
         self._wait_workers_registered()
         self.alive = True
         log.info("replica %s ready for refits", self.settings.replica_id)
 
     def _wait_workers_registered(self) -> None:
-        deadline = time.monotonic() + self.settings.register_timeout_s
-        while True:
-            ranks = self.member._replica_ranks()
-            if ranks and all(m.layout_digest for m in ranks) and len(ranks) == ranks[0].world_size:
-                return
-            if time.monotonic() > deadline:
-                raise Unavailable(
-                    f"vLLM's workers did not register with the coordinator within {self.settings.register_timeout_s:.0f} s "
-                    f'(found {len(ranks)}); is vLLM started with --weight-transfer-config \'{{"backend": "refitplane"}}\' '
-                    "and refit-plane installed in its environment? See the vLLM log"
-                )
-            time.sleep(0.5)
+        s = self.settings
+        wait_replica_ranks(self.client, s.job, s.replica_id, s.register_timeout_s)
 
     def close(self) -> None:
         self.session.close()

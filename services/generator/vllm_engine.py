@@ -11,19 +11,22 @@ Registered under the backend name "refitplane" by the `vllm.general_plugins` ent
   repacked MoE) into checkpoint-format staging that `finish_weight_update` loads through
   vLLM's layerwise reload ("staged"). The choice is published as the member label
   `receive_mode`, so the sidecar knows whether a failed transfer touched live weights.
+  Called again after `shutdown`, it registers again.
 - `update_weights({"refit_id": ...})`: run this rank's part of the refit's plan (the
   coordinator sent it with PrepareRefit) with checksums, and report the outcome.
-- `finish_weight_update()`: staged mode applies the received weights (reload); live mode
-  reloads only the layers without a fast path (`vllm_fallback`), from whole checkpoint
-  tensors received into staging.
-- `update_weights({"refit_id": ..., "action": "discard"})`: forget a refit that failed
-  elsewhere in the replica (vLLM needs every started update finished; this makes that
-  finish a no-op).
+- `finish_weight_update()`: applies the session's updates only if every one of them
+  verified on this rank and none was discarded: staged mode reloads the received weights;
+  live mode reloads only the layers without a fast path (`vllm_fallback`).
+- `update_weights({"refit_id": ..., "action": "discard"})` (or the status channel's
+  "discard"): forget a refit that failed elsewhere in the replica (vLLM needs every started
+  update finished; this makes that finish apply nothing).
 
 No method ever raises into vLLM: at TP > 1 a worker exception desynchronises vLLM's RPC
-replies (later calls would get earlier calls' errors). Failures are reported to the
-coordinator, which fails the refit and tells the sidecar; the sidecar trusts the
-coordinator, not HTTP status codes.
+replies (later calls would get earlier calls' errors). Each worker instead records the
+outcome of every verb, which the API process reads back through `collective_rpc(
+"weight_transfer_engine", kwargs={"op": "status"})` — the engine object is callable for
+exactly that (`__call__`) — and turns into one HTTP status (`vllm_api_guard`); failures
+also go to the coordinator, which fails the refit and tells the sidecar.
 """
 
 from __future__ import annotations
@@ -45,7 +48,17 @@ from refitplane.agent.messages import MemberInfo
 from refitplane.agent.session import AgentSession
 from refitplane.errors import RefitError
 from refitplane.generator.checkpoint_index import checkpoint_specs
-from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model
+from refitplane.generator.vllm_contract import (
+    EngineStatus,
+    Problem,
+    RefitInitInfo,
+    RefitUpdateInfo,
+    SessionResult,
+    UpdateRecord,
+    parse_init_info,
+    parse_update_info,
+)
+from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_ranks
 from refitplane.generator.vllm_live import live_storage
 from refitplane.protocol import Role
 from refitplane.reshard.shards import LocalShards
@@ -56,49 +69,20 @@ BACKEND_NAME = "refitplane"
 
 
 @dataclasses.dataclass
-class RefitInitInfo(WeightTransferInitInfo):
-    coordinator: str = ""
-    job: str = ""
-    replica_id: str = ""
-    # Address peers reach this worker at (default: REFIT_HOST, else the host's address).
-    host: str = ""
-    tls_ca: str = ""
-    # "auto": live where possible else staged; "staged" forces the reload path.
-    mode: str = "auto"
-    # vLLM layer classes (e.g. "QKVParallelLinear") sent to the fallback path as if no fast
-    # path existed for them: a way around a fast-path rule that is wrong for some model.
-    # Default: REFIT_FALLBACK_LAYERS (comma-separated).
-    fallback_layers: list[str] = dataclasses.field(default_factory=list)
+class EngineInitInfo(RefitInitInfo, WeightTransferInitInfo):
+    """`RefitInitInfo` as vLLM's engine ABC types it."""
 
 
 @dataclasses.dataclass
-class RefitUpdateInfo(WeightTransferUpdateInfo):
-    refit_id: str = ""
-    version: int = 0
-    # "receive": run this rank's transfer. "discard": drop what a failed refit staged, so
-    # the `finish_weight_update` that must close vLLM's update session applies nothing.
-    action: str = "receive"
-    # How long to wait for the coordinator's PrepareRefit of this refit to arrive.
-    prepare_wait_s: float = 60.0
+class EngineUpdateInfo(RefitUpdateInfo, WeightTransferUpdateInfo):
+    """`RefitUpdateInfo` as vLLM's engine ABC types it."""
 
 
-def _total(cls: type[Any], payload: Any) -> tuple[Any, str]:
-    """Build `cls` from a dict without raising: (instance, problem or "")."""
-    if not isinstance(payload, dict):
-        return cls(), f"expected a JSON object, got {type(payload).__name__}"
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(payload) - known)
-    try:
-        return cls(**{k: v for k, v in payload.items() if k in known}), (
-            f"unknown field(s) {unknown}" if unknown else ""
-        )
-    except (TypeError, ValueError) as exc:
-        return cls(), str(exc)
-
-
-class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
-    init_info_cls = RefitInitInfo
-    update_info_cls = RefitUpdateInfo
+class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
+    init_info_cls = EngineInitInfo
+    update_info_cls = EngineUpdateInfo
+    # Not yet: a draft model needs its own layout and trainer-side shards (see
+    # docs/vllm-integration.md); the API guard refuses /start_draft_weight_update first.
     supports_draft_weight_update = False
 
     def __init__(
@@ -112,34 +96,95 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         self.layout: VllmLayout | None = None
         self.mode = ""
         self.error = ""
+        self.replica = ""
+        self._registered_as: tuple[str, ...] = ()
+        self._parse_problem = ""
+        # The update session vLLM opened (start) and will close (finish).
+        self._session_open = False
+        self._updates: list[UpdateRecord] = []
+        self._discarded = False
         self._pending_reload = ""
+        # How the last finished session ended, and what the weights are since.
+        self._last: SessionResult = "none"
+        self._last_message = ""
+        self._incomplete = False
+        self._applied_sessions = 0
 
     # vLLM parses the payloads inside the worker: never let that raise either.
-    def parse_init_info(self, init_dict: dict[str, Any]) -> RefitInitInfo:
-        info, problem = _total(RefitInitInfo, init_dict)
-        if problem:
-            log.error("refitplane: bad init_info: %s", problem)
-            self.error = f"bad init_info: {problem}"
-        return info  # type: ignore[no-any-return]
+    def parse_init_info(self, init_dict: dict[str, Any]) -> EngineInitInfo:
+        info, problems = parse_init_info(init_dict)
+        self._parse_problem = "; ".join(str(p) for p in problems)
+        if problems:
+            log.error("refitplane: bad init_info: %s", self._parse_problem)
+        return EngineInitInfo(**dataclasses.asdict(info))
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> RefitUpdateInfo:
-        info, problem = _total(RefitUpdateInfo, update_dict)
-        if problem:
-            log.error("refitplane: bad update_info: %s", problem)
-        return info  # type: ignore[no-any-return]
+    def parse_update_info(self, update_dict: dict[str, Any]) -> EngineUpdateInfo:
+        info, problems = parse_update_info(update_dict)
+        if problems:
+            log.error("refitplane: bad update_info: %s", "; ".join(str(p) for p in problems))
+        return EngineUpdateInfo(**dataclasses.asdict(info))
+
+    # -- the status channel -------------------------------------------------------------------
+
+    def __call__(self, op: str = "status") -> dict[str, Any]:
+        """`collective_rpc("weight_transfer_engine", kwargs={"op": ...})` lands here: "status"
+        reports this worker's state; "discard" makes the open session apply nothing. Never
+        raises (see the module docstring)."""
+        if op == "discard":
+            self._discard("discarded by the API process: the update failed on another rank")
+        elif op != "status":
+            log.error("refitplane: unknown status-channel operation %r", op)
+        return dict(self.status())
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            rank=self._rank(),
+            replica=self.replica,
+            initialized=self.session is not None,
+            error=self.error,
+            session=self._session_open,
+            updates=list(self._updates),
+            discarded=self._discarded,
+            last=self._last,
+            last_message=self._last_message,
+            incomplete=self._incomplete,
+            applied_sessions=self._applied_sessions,
+            receive_mode=self.mode,
+        )
+
+    def _rank(self) -> int:
+        try:
+            ranks = self.layout.ranks if self.layout is not None else vllm_ranks()
+        except Exception:  # noqa: BLE001 - outside a worker (tests): no rank to report
+            return -1
+        return ranks.tp_rank + ranks.tp_size * ranks.pp_rank
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+    def init_transfer_engine(self, init_info: EngineInitInfo) -> None:
+        wanted = _registration(init_info)
+        if self.session is not None:
+            if wanted == self._registered_as:
+                # Idempotent: vLLM, the sidecar or an operator may call init twice.
+                log.info("refitplane: already registered as replica %s", self.replica)
+                return
+            # Another coordinator, job or replica (a new trainer run): leave, then join it.
+            log.info("refitplane: leaving replica %s to register as %s", self.replica, wanted)
+            self._close_session()
+        self.error = ""
+        self._registered_as = wanted
         try:
             self._init(init_info)
         except Exception as exc:  # never into vLLM (see module docstring)
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error = (
+                exc.message if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
+            )
             log.exception("refitplane: engine initialisation failed")
+            self._close_session()
 
     def _init(self, info: RefitInitInfo) -> None:
-        if self.session is not None:
-            return  # idempotent: vLLM or an operator may call init twice
+        if self._parse_problem:
+            raise RefitError(f"bad init_info: {self._parse_problem}", field="init_info")
         coordinator = info.coordinator or os.environ.get("REFIT_COORDINATOR", "")
         job = info.job or os.environ.get("REFIT_JOB", "")
         replica = info.replica_id or os.environ.get("REFIT_REPLICA_ID", "")
@@ -178,7 +223,7 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             replica = f"{replica}-dp{ranks.dp_rank}"
         host = info.host or local_address()
         shards = self.shards
-        self.member = DataPlaneMember(
+        member = DataPlaneMember(
             lambda: shards, device=self.device, local_host=host, run_on_start=False
         )
         member_info = MemberInfo(
@@ -196,16 +241,18 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
                 "fallback_tensors": str(len(layout.fallback_tensors)),
             },
         )
-        self.session = AgentSession(
+        session = AgentSession(
             coordinator,
             member_info,
-            self.member,
+            member,
             token=_token(),
             tls_ca=info.tls_ca or os.environ.get("REFIT_TLS_CA_FILE"),
         )
-        self.member.attach(self.session)
-        self.session.start()
-        self.session.publish_layout(self.shards.layout(member_info.rank))
+        member.attach(session)
+        # Set before start: a failure from here on is cleaned up by `_close_session`.
+        self.member, self.session, self.replica = member, session, replica
+        session.start()
+        session.publish_layout(self.shards.layout(member_info.rank))
         log.info(
             "refitplane: rank %d of replica %s registered (%s receive, %d tensors)",
             member_info.rank,
@@ -215,80 +262,172 @@ class RefitplaneEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         )
 
     def start_weight_update(self, *args: Any, **kwargs: Any) -> None:
-        return None  # pausing is the sidecar's; nothing to set up per update
+        # Pausing is the caller's (sidecar, or the RL loop); here only the session begins.
+        self._session_open = True
+        self._updates = []
+        self._discarded = False
+        self._pending_reload = ""
 
     def update_weights(self, update_info: Any) -> None:
-        info = (
-            update_info
-            if isinstance(update_info, RefitUpdateInfo)
-            else self.parse_update_info(update_info)
-        )
-        self.receive_weights(info)
+        problems: list[Problem] = []
+        if isinstance(update_info, RefitUpdateInfo):
+            info = update_info
+        else:
+            info, problems = parse_update_info(update_info)
+        if problems:
+            text = "; ".join(str(p) for p in problems)
+            log.error("refitplane: bad update_info: %s", text)
+            self._record(info, ok=False, reason="INVALID_ARGUMENT", message=f"bad {text}")
+            return
+        self.receive_weights(EngineUpdateInfo(**dataclasses.asdict(info)))
 
-    def receive_weights(self, update_info: RefitUpdateInfo, *args: Any, **kwargs: Any) -> None:
+    def receive_weights(self, update_info: EngineUpdateInfo, *args: Any, **kwargs: Any) -> None:
         refit_id = update_info.refit_id
         if update_info.action == "discard":
-            self._pending_reload = ""
+            self._discard(f"refit {refit_id or '?'} discarded by the caller")
+            self._record(update_info, ok=True)
             return
         if self.member is None or self.session is None:
-            log.error(
-                "refitplane: update_weights before a working init (%s)",
-                self.error or "not initialised",
-            )
+            message = f"update_weights before a working init ({self.error or 'not initialised'})"
+            log.error("refitplane: %s", message)
+            self._record(update_info, ok=False, reason="FAILED_PRECONDITION", message=message)
             return
         try:
-            self.member.run_transfer(refit_id, wait_s=update_info.prepare_wait_s)
-            if self.staging:
-                self._pending_reload = refit_id
+            report = self.member.run_transfer(refit_id, wait_s=update_info.prepare_wait_s)
         except Exception as exc:  # noqa: BLE001 - must never reach vLLM
-            self._report(
-                refit_id,
-                exc,
-                weights_modified=bool(getattr(exc, "weights_modified", False))
-                and self.mode == "live",
+            modified = bool(getattr(exc, "weights_modified", False)) and self.mode == "live"
+            reason, message = self._report(refit_id, exc, weights_modified=modified)
+            self._record(update_info, ok=False, reason=reason, message=message, modified=modified)
+            return
+        live = self.mode == "live" and report.bytes_received > 0
+        if report.tensors_verified < report.tensors_total:
+            # Checksums were off (REFIT_VERIFY_CHECKSUMS=false): nothing proves these bytes.
+            message = (
+                f"refit {refit_id}: {report.tensors_verified} of {report.tensors_total} tensors "
+                "verified; refitplane applies only verified updates (checksums off?)"
             )
+            self._record(
+                update_info, ok=False, reason="VERIFY_FAILED", message=message, modified=live
+            )
+            return
+        self._record(update_info, ok=True, modified=live)
+        if self.staging:
+            self._pending_reload = refit_id
 
     def finish_weight_update(self, *args: Any, **kwargs: Any) -> None:
+        updates, self._updates = self._updates, []
         refit_id, self._pending_reload = self._pending_reload, ""
-        if not refit_id or not self.staging:
+        self._session_open = False
+        modified = any(u["modified"] for u in updates)
+        failed = [u for u in updates if not u["ok"]]
+        if self._discarded or failed:
+            why = failed[0]["message"] if failed else self._last_message
+            self._end("incomplete" if modified else "failed" if failed else "discarded", why)
             return
-        try:
-            from refitplane.generator.vllm_reload import reload_weights
+        if not any(u["action"] == "receive" for u in updates):
+            self._end("empty", "no update was received in this session")
+            return
+        if refit_id and self.staging:
+            try:
+                from refitplane.generator.vllm_reload import reload_weights
 
-            # Live mode reloads only the fallback layers; the rest were written in place.
-            reload_weights(
-                self.model, self.vllm_config, self.staging.items(), partial=self.mode == "live"
+                # Live mode reloads only the fallback layers; the rest were written in place.
+                reload_weights(
+                    self.model, self.vllm_config, self.staging.items(), partial=self.mode == "live"
+                )
+            except Exception as exc:  # noqa: BLE001 - must never reach vLLM
+                _, message = self._report(refit_id, exc, weights_modified=True)
+                self._end("incomplete", f"reload failed: {message}")
+                return
+        self._end("applied", f"refit {updates[-1]['refit_id']}")
+
+    def _record(
+        self,
+        info: RefitUpdateInfo,
+        *,
+        ok: bool,
+        reason: str = "",
+        message: str = "",
+        modified: bool = False,
+    ) -> None:
+        self._updates.append(
+            UpdateRecord(
+                refit_id=info.refit_id,
+                action=info.action,
+                ok=ok,
+                reason=reason,
+                message=message,
+                modified=modified,
             )
-        except Exception as exc:  # noqa: BLE001 - must never reach vLLM
-            self._report(refit_id, exc, weights_modified=True)
+        )
 
-    def _report(self, refit_id: str, exc: Exception, *, weights_modified: bool) -> None:
+    def _discard(self, why: str) -> None:
+        if self._session_open and not self._discarded:
+            self._discarded = True
+            self._last_message = why
+            self._pending_reload = ""
+
+    def _end(self, result: SessionResult, message: str) -> None:
+        self._last, self._last_message = result, message
+        if result == "applied":
+            self._incomplete = False
+            self._applied_sessions += 1
+        elif result == "incomplete":
+            self._incomplete = True
+        if result != "applied":
+            log.warning("refitplane: weight update not applied (%s): %s", result, message)
+
+    def _report(self, refit_id: str, exc: Exception, *, weights_modified: bool) -> tuple[str, str]:
+        """Tell the coordinator; returns the (reason, message) it was told."""
         reason = exc.reason if isinstance(exc, RefitError) else "ENGINE_ERROR"
         message = exc.message if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
         log.error("refitplane: refit %s failed on this worker: %s", refit_id, message)
-        if self.session is None:
-            return
-        try:
-            self.session.report_failure(
-                refit_id, reason, message, weights_modified=weights_modified
-            )
-        except Exception:
-            log.exception("refitplane: could not report the failure of refit %s", refit_id)
+        if self.session is not None:
+            try:
+                self.session.report_failure(
+                    refit_id, reason, message, weights_modified=weights_modified
+                )
+            except Exception:
+                log.exception("refitplane: could not report the failure of refit %s", refit_id)
+        return reason, message
 
     def shutdown(self) -> None:
+        """Leave the coordinator (the workers keep serving); a later init registers again."""
+        self._close_session()
+
+    def _close_session(self) -> None:
+        session, member = self.session, self.member
+        self.session = self.member = None
         try:
-            if self.session is not None:
-                self.session.close()
-            if self.member is not None:
-                self.member.close()
+            if session is not None:
+                session.close()
+            if member is not None:
+                member.close()
         except Exception:
             log.exception("refitplane: shutdown")
 
     @staticmethod
     def trainer_send_weights(*args: Any, **kwargs: Any) -> None:
-        """vLLM 0.26's ABC requires it; refitplane trainers send through
-        `refitplane.trainer.agent.TrainerAgent`, never through vLLM."""
-        raise NotImplementedError("use refitplane.trainer.agent.TrainerAgent on the trainer side")
+        """vLLM 0.26's ABC requires it. On vLLM >= 0.28 the trainer side is
+        `refitplane.trainer.vllm_engine` (backend "refitplane" of vLLM's
+        `WeightTransferTrainerFactory`); on 0.26 use `refitplane.trainer.agent.TrainerAgent`."""
+        raise NotImplementedError(
+            "refitplane trainers send through WeightTransferTrainerFactory (vLLM >= 0.28) or "
+            "refitplane.trainer.agent.TrainerAgent"
+        )
+
+
+def _registration(info: RefitInitInfo) -> tuple[str, ...]:
+    """What an init registers as; a second init with the same is a no-op."""
+    env = os.environ
+    return (
+        info.coordinator or env.get("REFIT_COORDINATOR", ""),
+        info.job or env.get("REFIT_JOB", ""),
+        info.replica_id or env.get("REFIT_REPLICA_ID", ""),
+        info.host,
+        info.mode,
+        ",".join(info.fallback_layers),
+    )
 
 
 def _log_paths(layout: VllmLayout) -> None:

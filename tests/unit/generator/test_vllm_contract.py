@@ -1,0 +1,205 @@
+"""The refitplane backend's contract for vLLM's weight-transfer verbs, as logic: payload
+validation (every problem names its field) and the decisions each verb's flow takes from
+the workers' statuses (which RPCs go out, which version is set, which error is raised).
+
+The workers' statuses here are what `RefitplaneEngine.status()` returns; the real engine,
+the real API server and real vLLM workers run in
+tests/integration/generator/test_vllm_api_contract_cpu.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from refitplane.errors import RefitError
+from refitplane.generator import vllm_contract as c
+
+pytestmark = pytest.mark.unit
+
+GOOD_INIT = {"coordinator": "coord:50051", "job": "j", "replica_id": "r"}
+
+
+def _status(**overrides: Any) -> c.EngineStatus:
+    status: dict[str, Any] = {
+        "rank": 0,
+        "replica": "r",
+        "initialized": True,
+        "error": "",
+        "session": True,
+        "updates": [],
+        "discarded": False,
+        "last": "none",
+        "last_message": "",
+        "incomplete": False,
+        "applied_sessions": 0,
+        "receive_mode": "staged",
+    }
+    status.update(overrides)
+    return status  # type: ignore[return-value]
+
+
+def _update(ok: bool = True, reason: str = "", modified: bool = False) -> c.UpdateRecord:
+    return c.UpdateRecord(
+        refit_id="r1", action="receive", ok=ok, reason=reason, message=reason, modified=modified
+    )
+
+
+def _run(
+    flow: c.Flow, answer: Callable[[c.Step], Any]
+) -> tuple[list[c.Step], c.FlowOutcome | BaseException]:
+    """Drive a flow as the API guard does; returns the steps it took and its outcome."""
+    steps: list[c.Step] = []
+    try:
+        step = next(flow)
+        while True:
+            steps.append(step)
+            step = flow.send(answer(step))
+    except StopIteration as done:
+        return steps, done.value
+    except RefitError as exc:
+        return steps, exc
+
+
+def _workers(*before: c.EngineStatus, after: list[c.EngineStatus] | None = None) -> Any:
+    """Status replies: `before` until the verb's own RPC went out, `after` from then on."""
+    state = {"sent": False}
+
+    def answer(step: c.Step) -> Any:
+        if isinstance(step, c.GetVersion):
+            return "7"
+        if isinstance(step, c.Rpc) and step.method != c.ENGINE_ATTR:
+            state["sent"] = True
+        if step == c.STATUS:
+            return list(after if state["sent"] and after is not None else before)
+        return None
+
+    return answer
+
+
+def test_init_info_problems_name_their_fields() -> None:
+    _, problems = c.parse_init_info({**GOOD_INIT, "jbo": "x", "mode": "fast"}, env={})
+    assert [p.field for p in problems] == ["init_info.jbo", "init_info.mode"]
+    _, problems = c.parse_init_info({"coordinator": 5, "fallback_layers": [1]}, env={})
+    assert [p.field for p in problems] == [
+        "init_info.coordinator",
+        "init_info.fallback_layers",
+        "init_info.coordinator",
+        "init_info.job",
+        "init_info.replica_id",
+    ]
+    # Missing fields may come from the workers' environment, as the engine reads them.
+    env = {"REFIT_COORDINATOR": "c:1", "REFIT_JOB": "j", "REFIT_REPLICA_ID": "r"}
+    assert c.parse_init_info({}, env=env)[1] == []
+    assert c.parse_init_info([], env=env)[1][0].field == "init_info"
+
+
+def test_update_info_problems_name_their_fields() -> None:
+    assert c.parse_update_info({"refit_id": "a"})[1] == []
+    assert c.parse_update_info({"action": "discard"})[1] == []
+    cases = {
+        "update_info.refit_id": {"version": 1},
+        "update_info.version": {"refit_id": "a", "version": True},
+        "update_info.action": {"refit_id": "a", "action": "apply"},
+        "update_info.prepare_wait_s": {"refit_id": "a", "prepare_wait_s": 1e9},
+        "update_info.bogus": {"refit_id": "a", "bogus": 1},
+    }
+    for field, payload in cases.items():
+        assert c.parse_update_info(payload)[1][0].field == field, payload
+
+
+def test_a_bad_payload_sends_nothing() -> None:
+    steps, outcome = _run(c.init_flow({"job": 3}), _workers(_status()))
+    assert steps == []
+    assert isinstance(outcome, c.InfoError)
+    assert outcome.field == "init_info.job"
+    steps, outcome = _run(c.update_flow([{"refit_id": "a"}, {}]), _workers(_status()))
+    assert steps == []
+    assert isinstance(outcome, c.InfoError)
+    assert outcome.field == "update_info[1].refit_id"
+
+
+def test_verbs_out_of_order_are_refused_before_the_rpc() -> None:
+    idle = _status(session=False)
+    for flow in (c.update_flow({"refit_id": "a"}), c.finish_flow("1")):
+        steps, outcome = _run(flow, _workers(idle, _status()))
+        assert steps == [c.STATUS]
+        assert isinstance(outcome, c.StateConflict)
+    steps, outcome = _run(c.start_flow(), _workers(_status(), _status(session=False)))
+    assert steps == [c.STATUS]
+    assert isinstance(outcome, c.StateConflict)
+    steps, outcome = _run(c.shutdown_flow(), _workers(_status(), _status(session=False)))
+    assert steps == [c.STATUS]
+    assert isinstance(outcome, c.StateConflict)
+    _, outcome = _run(c.start_flow(draft=True), _workers(idle))
+    assert isinstance(outcome, c.DraftUnsupported)
+
+
+def test_an_update_fails_when_any_rank_did_not_verify() -> None:
+    before = [_status(rank=0), _status(rank=1)]
+    after = [
+        _status(rank=0, updates=[_update()]),
+        _status(rank=1, updates=[_update(ok=False, reason="FAILED_PRECONDITION")]),
+    ]
+    _, outcome = _run(c.update_flow({"refit_id": "r1"}), _workers(*before, after=after))
+    assert isinstance(outcome, c.EngineFailed)
+    assert outcome.caller_fault
+    assert "did not verify on 1 of 2 rank(s)" in outcome.message
+    assert "r rank 1" in outcome.message
+    after[1] = _status(rank=1, updates=[_update(ok=False, reason="CHECKSUM_MISMATCH")])
+    _, outcome = _run(c.update_flow({"refit_id": "r1"}), _workers(*before, after=after))
+    assert isinstance(outcome, c.EngineFailed)
+    assert not outcome.caller_fault
+
+
+def test_finish_sets_the_version_only_when_every_rank_applied() -> None:
+    applied = _status(session=False, last="applied", applied_sessions=1)
+    steps, outcome = _run(
+        c.finish_flow("8"), _workers(_status(updates=[_update()]), after=[applied])
+    )
+    assert steps == [c.STATUS, c.Rpc("finish_weight_update"), c.STATUS, c.SetVersion("8")]
+    assert outcome == c.FlowOutcome(unlabeled=False)
+    # No version given: the applied update waits for one (update_weight_version).
+    _, outcome = _run(c.finish_flow(None), _workers(_status(updates=[_update()]), after=[applied]))
+    assert outcome == c.FlowOutcome(unlabeled=True)
+
+
+def test_finish_after_a_failed_rank_discards_everywhere_and_sets_no_version() -> None:
+    before = [_status(rank=0, updates=[_update()]), _status(rank=1, updates=[_update(ok=False)])]
+    failed = _status(session=False, last="failed", last_message="peer died")
+    steps, outcome = _run(c.finish_flow("99"), _workers(*before, after=[failed, failed]))
+    assert steps[:3] == [c.STATUS, c.DISCARD, c.Rpc("finish_weight_update")]
+    assert not any(isinstance(s, c.SetVersion) for s in steps)
+    assert isinstance(outcome, c.StateConflict)
+    assert "'99' was not set" in outcome.message
+    assert "still serves '7'" in outcome.message
+
+
+def test_weights_touched_without_verification_are_not_reported_as_a_version() -> None:
+    broken = _status(session=False, last="incomplete", incomplete=True, last_message="reload")
+    steps, outcome = _run(
+        c.finish_flow("9"), _workers(_status(updates=[_update(modified=True)]), after=[broken])
+    )
+    assert c.SetVersion(c.INCOMPLETE_VERSION) in steps
+    assert c.SetVersion("9") not in steps
+    assert isinstance(outcome, c.EngineFailed)
+    _, outcome = _run(c.update_version_flow("9", unlabeled=True), _workers(broken))
+    assert isinstance(outcome, c.StateConflict)
+
+
+def test_a_version_names_an_applied_update_the_loaded_weights_or_the_current_one() -> None:
+    applied = _status(session=False, last="applied", applied_sessions=1)
+    assert _run(c.update_version_flow("8", unlabeled=True), _workers(applied))[0][-1] == (
+        c.SetVersion("8")
+    )
+    as_loaded = _status(session=False)
+    assert _run(c.update_version_flow("0", unlabeled=False), _workers(as_loaded))[0][-1] == (
+        c.SetVersion("0")
+    )
+    assert _run(c.update_version_flow("7", unlabeled=False), _workers(applied))[0][-1] == (
+        c.SetVersion("7")
+    )
+    _, outcome = _run(c.update_version_flow("8", unlabeled=False), _workers(applied))
+    assert isinstance(outcome, c.StateConflict)
