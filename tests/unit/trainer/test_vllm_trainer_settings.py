@@ -1,0 +1,66 @@
+"""The refitplane trainer engine's init info: defaults from the environment, errors that
+name the field, and a replica id every rank derives alike."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.weight_transfer import (
+    HTTPVLLMWeightSyncClient,
+    WeightTransferTrainerFactory,
+)
+
+from refitplane.errors import InvalidArgument
+from refitplane.trainer import vllm_engine
+from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_backend_is_in_vllms_trainer_registry() -> None:
+    assert "refitplane" in WeightTransferTrainerFactory._registry
+    assert RefitplaneTrainerInitInfo(rank=0).backend == "refitplane"
+
+
+def test_settings_come_from_the_info_then_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("REFIT_COORDINATOR", "REFIT_JOB", "REFIT_REPLICA_ID", "REFIT_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    client = HTTPVLLMWeightSyncClient("http://vllm-0:8000")
+    with pytest.raises(InvalidArgument) as missing:
+        vllm_engine._settings(RefitplaneTrainerInitInfo(rank=0), client)
+    assert missing.value.field == "coordinator"
+    monkeypatch.setenv("REFIT_COORDINATOR", "coord:50051")
+    with pytest.raises(InvalidArgument) as missing:
+        vllm_engine._settings(RefitplaneTrainerInitInfo(rank=0), client)
+    assert missing.value.field == "job"
+    monkeypatch.setenv("REFIT_JOB", "grpo")
+    settings = vllm_engine._settings(RefitplaneTrainerInitInfo(rank=1, job="ppo"), client)
+    assert (settings.coordinator, settings.job, settings.world_size) == ("coord:50051", "ppo", 1)
+    # Every rank has the same client, so the same replica id.
+    again = vllm_engine._settings(RefitplaneTrainerInitInfo(rank=0), client)
+    assert settings.replica_id == again.replica_id
+    assert settings.replica_id.startswith("vllm-")
+    other = vllm_engine._settings(
+        RefitplaneTrainerInitInfo(rank=0), HTTPVLLMWeightSyncClient("http://vllm-1:8000")
+    )
+    assert other.replica_id != settings.replica_id
+
+
+def test_several_ranks_without_torch_distributed_need_a_run_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("REFIT_COORDINATOR", "coord:50051")
+    monkeypatch.setenv("REFIT_JOB", "grpo")
+    client = HTTPVLLMWeightSyncClient("http://vllm-0:8000")
+    settings = vllm_engine._settings(RefitplaneTrainerInitInfo(rank=0, world_size=2), client)
+    with pytest.raises(InvalidArgument) as missing:
+        vllm_engine._shared_run_id(settings, rank=0)
+    assert missing.value.field == "run_id"
+    named = vllm_engine._settings(
+        RefitplaneTrainerInitInfo(rank=1, world_size=2, run_id="run-7"), client
+    )
+    assert vllm_engine._shared_run_id(named, rank=1) == "run-7"
