@@ -278,12 +278,18 @@ def test_init_after_shutdown_registers_again(world: World, trainer: Trainer) -> 
     assert world.post("/shutdown_weight_transfer_engine").status_code == 200
     assert _replica_members(world, replica) == []
 
+    # An init naming another replica moves the workers there; the original brings them back.
+    elsewhere = {"coordinator": world.grpc, "job": JOB, "replica_id": "elsewhere"}
+    assert world.post("/init_weight_transfer_engine", {"init_info": elsewhere}).status_code == 200
+    assert len(_replica_members(world, "elsewhere")) == 2
+    assert _replica_members(world, replica) == []
     init_info = {"coordinator": world.grpc, "job": JOB, "replica_id": replica}
     assert world.post("/init_weight_transfer_engine", {"init_info": init_info}).status_code == 200
     after = _replica_members(world, replica)
     assert len(after) == 2
     assert all(m.layout_digest for m in after)
     assert not {m.member_id for m in after} & before
+    assert _replica_members(world, "elsewhere") == []
 
     version = int(world.weight_version())
     trainer.sync(world)
