@@ -261,8 +261,15 @@ class SidecarMember(NullHandler):
                 self.state.paused = False
             raise
         self.state.weights_touched = True  # finish applies staged weights, or post-processes
-        self.control.finish(cmd.version)
+        status = self.control.finish(cmd.version)
         self.state.update_open = False
+        if not _ok(status):
+            # vLLM did not take the version (its reload failed, or a rank did not apply).
+            raise self._failed(
+                f"vLLM answered HTTP {status} to /finish_weight_update of refit {cmd.refit_id}; "
+                "see the vLLM log",
+                touched=True,
+            )
         steps.mark("finish")
         refit = self.client.get(cmd.refit_id)
         if refit.state in {RefitState.FAILED, RefitState.CANCELLED}:
