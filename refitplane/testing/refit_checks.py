@@ -37,7 +37,7 @@ def check_refit(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
             )
     got = received_parameters(model, engine)
     want_params = loaded_reference(model, layout, checkpoint.items())
-    for name in sorted({**layout.params, **layout.fallback}):
+    for name in sorted(want_params):
         if not torch.equal(got[name], want_params[name]):
             failures.append(f"{name}: differs from what load_weights writes from the checkpoint")
     return {

@@ -35,8 +35,10 @@ def loaded_reference(
     for name, described in described_params.items():
         path, _, pname = name.rpartition(".")
         owner = model.get_submodule(path)
-        current = owner._parameters[pname]
+        current = owner._parameters.get(pname)
         if current is None:
+            if name in layout.fallback:  # deleted by post-load processing: not comparable
+                continue
             raise KeyError(f"vLLM parameter {name!r} is not registered on {path!r}")
         template = _loader_template(owner, pname, current)
         data = torch.full(
@@ -72,7 +74,7 @@ def received_parameters(model: torch.nn.Module, engine: Any) -> dict[str, torch.
         return staged
     live = dict(model.named_parameters())
     got = {name: live[name].detach() for name in layout.params}
-    got.update({name: staged[name] for name in layout.fallback})
+    got.update({name: staged[name] for name in layout.fallback if name in staged})
     return got
 
 

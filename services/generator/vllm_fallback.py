@@ -18,8 +18,9 @@ some fallback parameter is still unexplained.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,11 +108,12 @@ def plan_fallback(
         return {n for path in reasons for n in layers[path].param_names()}
 
     unclaimed = {n: s for n, s in specs.items() if n not in claimed}
-    targets = dict(trace_load_targets(model, unclaimed, vllm_config=vllm_config))
-    fed = {p for params in targets.values() for p in params}
-    if fallback_param_names() - fed:
-        more = {n: s for n, s in specs.items() if n in claimed}
-        targets.update(trace_load_targets(model, more, vllm_config=vllm_config))
+    with _vanished_restored(layers.values()):
+        targets = dict(trace_load_targets(model, unclaimed, vllm_config=vllm_config))
+        fed = {p for params in targets.values() for p in params}
+        if fallback_param_names() - fed:
+            more = {n: s for n, s in specs.items() if n in claimed}
+            targets.update(trace_load_targets(model, more, vllm_config=vllm_config))
 
     joined: dict[str, str] = {}
     changed = True
@@ -172,6 +174,25 @@ def plan_fallback(
         )
     needed = {s for p in out.values() for s in p.sources}
     return FallbackPlan(out, {n: specs[n] for n in sorted(needed)}, joined, tuple(kept))
+
+
+@contextlib.contextmanager
+def _vanished_restored(layers: Iterable[Layer]) -> Iterator[None]:
+    """Register, on the meta device, the parameters post-load processing deleted (their
+    loader-format records), so the model's `load_weights` finds them while it is traced;
+    remove them afterwards."""
+    added: list[tuple[torch.nn.Module, str]] = []
+    try:
+        for layer in layers:
+            for pname, template in layer.owned.items():
+                if pname in layer.module._parameters:
+                    continue
+                layer.module.register_parameter(pname, template)
+                added.append((layer.module, pname))
+        yield
+    finally:
+        for module, pname in added:
+            module._parameters.pop(pname, None)
 
 
 def loader_format(

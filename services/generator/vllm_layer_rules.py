@@ -95,7 +95,7 @@ def describe_layer(
                     tensor=_join(path, pname),
                 )
         loader = getattr(loader_template(module, pname, param), "weight_loader", None)
-        if loader is not None and not _standard_loader(module, loader):
+        if loader is not None and not _standard_loader(module, loader, type(module).__name__):
             raise LayoutError(
                 f"parameter has its own weight loader "
                 f"({getattr(loader, '__qualname__', type(loader).__name__)}), not its layer's; "
@@ -137,9 +137,16 @@ def check_loader_format(layer: torch.nn.Module, param: ParamLayout) -> None:
         )
 
 
-def _standard_loader(layer: torch.nn.Module, loader: Any) -> bool:
+# Loader functions (by qualified name) that a layer class's rule restates, beside its own
+# methods: Mamba2's gated norm is an even row split (`sharded_weight_loader(0)`).
+_RESTATED_LOADERS: dict[str, frozenset[str]] = {
+    "Mixer2RMSNormGated": frozenset({"sharded_weight_loader.<locals>.loader"}),
+}
+
+
+def _standard_loader(layer: torch.nn.Module, loader: Any, layer_class: str) -> bool:
     """A method of the layer's own class (bound to it, or to the placeholder vLLM binds
-    recorded loaders to), or vLLM's default loader: what the layer rules restate."""
+    recorded loaders to), vLLM's default loader, or a loader the class's rule restates."""
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     # After a layerwise reload vLLM leaves its deferring wrapper on the recorded loaders.
@@ -147,9 +154,16 @@ def _standard_loader(layer: torch.nn.Module, loader: Any) -> bool:
         loader = loader.__wrapped__
     if loader is default_weight_loader:
         return True
+    if getattr(loader, "__qualname__", "") in _RESTATED_LOADERS.get(layer_class, frozenset()):
+        return True
     func = getattr(loader, "__func__", None)
     name = getattr(func, "__name__", "")
     return func is not None and getattr(type(layer), name, None) is func
+
+
+def has_rule(layer: torch.nn.Module) -> bool:
+    """Whether a fast-path rule exists for the layer's class."""
+    return type(layer) in _rules()
 
 
 def _rules() -> dict[type, Rule]:

@@ -319,18 +319,19 @@ def describe_vllm_model(
         LayerContext,
         check_loader_format,
         describe_layer,
+        has_rule,
     )
 
     ctx = LayerContext(
         ranks=ranks if ranks is not None else vllm_ranks(),
         packed=_packed_modules(model, packed_modules),
-        to_hf_name=to_hf_name or _same_name,
+        to_hf_name=to_hf_name or _inverse_of_mapper(model),
         self_fused=_self_fused_modules(model),
     )
     layers: dict[str, Layer] = {}
     fast: dict[str, list[DescribedParam]] = {}
     rejected: dict[str, str] = {}
-    for module_path, module, owned in _parameter_owners(model):
+    for module_path, module, owned in _with_vanished(model, _parameter_owners(model), has_rule):
         layers[module_path] = Layer(module_path, module, owned)
         if type(module).__name__ in skip_rules:
             rejected[module_path] = f"the {type(module).__name__} rule is switched off"
@@ -436,6 +437,47 @@ def _same_name(name: str) -> str:
     return name
 
 
+def _inverse_of_mapper(model: torch.nn.Module) -> Callable[[str], str]:
+    """vLLM parameter name → checkpoint name, undoing the renames of the model's
+    `hf_to_vllm_mapper` that are one-to-one: prefixes (Nemotron-H's `backbone.` →
+    `model.`), dotted substrings (gpt-oss's `.self_attn.` → `.attn.`, Nemotron-H's
+    `embeddings` → `embed_tokens`) and suffixes. Models without a mapper keep their names.
+    What this cannot undo shows up as a fast-path name the checkpoint lacks, and that layer
+    takes the fallback path."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return _same_name
+
+    def one_to_one(mapping: Mapping[str, str | None]) -> dict[str, str]:
+        targets = [new for new in mapping.values() if new is not None]
+        return {
+            new: orig
+            for orig, new in mapping.items()
+            if new is not None and targets.count(new) == 1
+        }
+
+    prefixes = one_to_one(getattr(mapper, "orig_to_new_prefix", {}) or {})
+    substrings = one_to_one(getattr(mapper, "orig_to_new_substr", {}) or {})
+    suffixes = one_to_one(getattr(mapper, "orig_to_new_suffix", {}) or {})
+
+    def to_hf(name: str) -> str:
+        for new, orig in prefixes.items():
+            if name == new or name.startswith(new + "."):
+                name = orig + name[len(new) :]
+                break
+        for new, orig in substrings.items():
+            if new.startswith(".") and new.endswith("."):  # whole components: `.attn.`
+                name = f".{name}.".replace(new, orig)[1:-1]
+            elif "." not in new:  # one whole component: `embed_tokens`, never part of one
+                name = ".".join(orig if p == new else p for p in name.split("."))
+        for new, orig in suffixes.items():
+            if name.endswith(new):
+                return name[: -len(new)] + orig
+        return name
+
+    return to_hf
+
+
 def _not_in_checkpoint(described: Sequence[DescribedParam], index: Mapping[str, TensorSpec]) -> str:
     """Why a layer's described tensors do not match the checkpoint, or ""."""
     for d in described:
@@ -508,6 +550,45 @@ def _parameter_owners(
         entry = grouped.setdefault(path, (module, {}))
         entry[1][pname] = getattr(module, pname)
     return [(path, module, owned) for path, (module, owned) in grouped.items()]
+
+
+def _with_vanished(
+    model: torch.nn.Module,
+    owners: list[tuple[str, torch.nn.Module, dict[str, torch.nn.Parameter]]],
+    has_rule: Callable[[torch.nn.Module], bool],
+) -> list[tuple[str, torch.nn.Module, dict[str, torch.nn.Parameter]]]:
+    """`owners` plus, for layers without a fast-path rule, the parameters `create_weights`
+    made that post-load processing deleted (their loader-format record stands in for them):
+    vLLM 0.26's FP8 attention loads `k_scale` / `v_scale` from the checkpoint, folds them
+    into its cache scales and deletes them; a refit must load them again the same way."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+    except ImportError:
+        return owners
+    out = {path: (module, owned) for path, module, owned in owners}
+    for path, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        if info is None or has_rule(module):
+            continue
+        vanished = {
+            name: _as_parameter(template)
+            for name, template in info.restore_metadata[0].items()
+            if name not in module._parameters and name not in SKIP_TENSORS
+        }
+        if vanished:
+            entry = out.setdefault(path, (module, {}))
+            entry[1].update(vanished)
+    return [(path, module, owned) for path, (module, owned) in out.items()]
+
+
+def _as_parameter(template: torch.Tensor) -> torch.nn.Parameter:
+    """A recorded (meta) tensor as a parameter with the same loader attributes."""
+    if isinstance(template, torch.nn.Parameter):
+        return template
+    param = torch.nn.Parameter(template, requires_grad=False)
+    param.__dict__.update(template.__dict__)
+    return param
 
 
 def _derived_parameters(module: torch.nn.Module) -> set[str]:
