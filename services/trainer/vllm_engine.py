@@ -348,6 +348,8 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         self.rounds = 0
         self.agent: TrainerAgent | None = None
         self.controller: AgentSession | None = None
+        # Rank 0: the replica's controller (what refit-sidecar runs for a server).
+        self.controller_member: SidecarMember | None = None
         self._refits: RefitClient | None = None
         self._staged: _StagedSource | None = None
 
@@ -442,6 +444,7 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
             s.coordinator, info, member, token=s.token, tls_ca=s.tls_ca, timeout_s=30.0
         )
         member.attach(self.controller)
+        self.controller_member = member
         self.controller.start()
         init_info = {
             "coordinator": s.generator_coordinator,
