@@ -98,6 +98,8 @@ def _vllm(model_dir: Path, **kwargs: Any) -> Iterator[Any]:
             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
             "VLLM_USE_FLASHINFER_SAMPLER": "0",
             "VLLM_DEEP_GEMM_WARMUP": "skip",
+            # This process may have touched CUDA already (pytest's GPU collection).
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         }
     )
     from vllm import LLM
