@@ -311,8 +311,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             )
             return
         self._record(update_info, ok=True, modified=live)
-        if self.staging:
-            self._pending_reload = refit_id
+        # Staged weights reload at finish; live ones re-run attention's post-load processing.
+        self._pending_reload = refit_id
 
     def finish_weight_update(self, *args: Any, **kwargs: Any) -> None:
         updates, self._updates = self._updates, []
@@ -327,14 +327,13 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         if not any(u["action"] == "receive" for u in updates):
             self._end("empty", "no update was received in this session")
             return
-        if refit_id and self.staging:
+        if refit_id:
             try:
-                from refitplane.generator.vllm_reload import reload_weights
+                from refitplane.generator.vllm_reload import apply_received
 
-                # Live mode reloads only the fallback layers; the rest were written in place.
-                reload_weights(
-                    self.model, self.vllm_config, self.staging.items(), partial=self.mode == "live"
-                )
+                # Live mode reloads only the fallback layers (the rest were written in place)
+                # and re-runs attention's post-load processing (MLA's W_UV / W_UK_T).
+                apply_received(self.model, self.vllm_config, self.staging, live=self.mode == "live")
             except Exception as exc:  # noqa: BLE001 - must never reach vLLM
                 _, message = self._report(refit_id, exc, weights_modified=True)
                 self._end("incomplete", f"reload failed: {message}")
