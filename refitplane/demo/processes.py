@@ -74,6 +74,24 @@ def python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
+def coordinator_command(port_file: Path) -> list[str]:
+    """`refit-coordinator` on free loopback ports, writing the ports it took to `port_file`."""
+    return python(
+        "-m",
+        "refitplane.coordinator",
+        "--grpc-host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+        "--port-file",
+        str(port_file),
+    )
+
+
 def wait_for(
     predicate: Callable[[], bool], timeout_s: float, what: str, proc: Managed | None = None
 ) -> None:

@@ -22,7 +22,15 @@ from typing import Any
 
 import httpx
 
-from refitplane.demo.processes import Managed, free_port, http_ok, python, read_ports, wait_for
+from refitplane.demo.processes import (
+    Managed,
+    coordinator_command,
+    free_port,
+    http_ok,
+    python,
+    read_ports,
+    wait_for,
+)
 from refitplane.demo.trainer_proc import TrainerConfig, trainer_main
 from refitplane.errors import RefitError, Unavailable
 
@@ -125,20 +133,7 @@ class Demo:
         port_file = self.workdir / f"coordinator-{variant}.ports.json"
         coord = self._start(
             f"coordinator-{variant}",
-            python(
-                "-m",
-                "refitplane.coordinator",
-                "--grpc-host",
-                "127.0.0.1",
-                "--grpc-port",
-                "0",
-                "--http-host",
-                "127.0.0.1",
-                "--http-port",
-                "0",
-                "--port-file",
-                str(port_file),
-            ),
+            coordinator_command(port_file),
         )
         wait_for(lambda: read_ports(port_file) is not None, 60, "coordinator", coord)
         ports = read_ports(port_file) or {}

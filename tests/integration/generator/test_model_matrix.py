@@ -21,7 +21,6 @@ proven on GPU (`tests/gpu/test_model_coverage_gpu.py`).
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +30,9 @@ import pytest
 
 from refitplane.models.tiny import hf_greedy_tokens, load_hf_model
 from tests.integration.generator.vllm_refits import RefitRun, RefitSession
+from tests.integration.vllm_marks import VLLM_CPU
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.integration,
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu)"),
-]
+pytestmark = VLLM_CPU
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 # vllm-cpu 0.32 serves different tokens than transformers after *any* layerwise reload of a

@@ -20,7 +20,6 @@ the server, each leaves it as it found it):
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
 import queue
 import time
@@ -33,13 +32,9 @@ import httpx
 import pytest
 
 from refitplane.protocol import RefitState, Role
+from tests.integration.vllm_marks import VLLM_CPU
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.integration,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu)"),
-]
+pytestmark = [*VLLM_CPU[:2], pytest.mark.timeout(900), *VLLM_CPU[3:]]
 
 JOB = "contract"
 PROMPT = (1, 2, 3, 4, 5, 6, 7)

@@ -17,7 +17,6 @@ replica serving its previous version. One engine per case, shared by the case's 
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,13 +32,9 @@ from refitplane.models.tiny import (
 )
 from refitplane.reshard.boxes import Box, box_numel, full_box, intersect
 from tests.integration.generator.vllm_refits import RefitRun, RefitSession
+from tests.integration.vllm_marks import VLLM_CPU
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.integration,
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu)"),
-]
+pytestmark = VLLM_CPU
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 NEW_TOKENS = 6

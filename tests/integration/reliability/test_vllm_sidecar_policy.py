@@ -15,7 +15,6 @@ shares of a tiny Qwen3 checkpoint); vLLM runs in this process's children.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,9 @@ import pytest
 
 from refitplane.protocol import MemberState, RefitState
 from refitplane.testing.proc_cluster import ProcCluster, wait_for
+from tests.integration.vllm_marks import VLLM_CPU
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.integration,
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu)"),
-]
+pytestmark = VLLM_CPU
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 ENV = {
