@@ -322,10 +322,12 @@ def describe_vllm_model(
         has_rule,
     )
 
+    index = resolve_index(checkpoint)
+    names = frozenset(index.specs) if index is not None and index.exact else None
     ctx = LayerContext(
         ranks=ranks if ranks is not None else vllm_ranks(),
         packed=_packed_modules(model, packed_modules),
-        to_hf_name=to_hf_name or _inverse_of_mapper(model),
+        to_hf_name=to_hf_name or _inverse_of_mapper(model, names),
         self_fused=_self_fused_modules(model),
     )
     layers: dict[str, Layer] = {}
@@ -347,7 +349,6 @@ def describe_vllm_model(
             rejected[module_path] = exc.message
         else:
             fast[module_path] = layer_described
-    index = resolve_index(checkpoint)
     if index is not None and index.exact:
         # A rule naming tensors the checkpoint does not have (or has in another shape) does
         # not fit this model (gpt-oss stores its experts fused): its layer falls back.
@@ -437,13 +438,17 @@ def _same_name(name: str) -> str:
     return name
 
 
-def _inverse_of_mapper(model: torch.nn.Module) -> Callable[[str], str]:
+def _inverse_of_mapper(
+    model: torch.nn.Module, checkpoint_names: frozenset[str] | None = None
+) -> Callable[[str], str]:
     """vLLM parameter name → checkpoint name, undoing the renames of the model's
     `hf_to_vllm_mapper` that are one-to-one: prefixes (Nemotron-H's `backbone.` →
     `model.`), dotted substrings (gpt-oss's `.self_attn.` → `.attn.`, Nemotron-H's
     `embeddings` → `embed_tokens`) and suffixes. Models without a mapper keep their names.
     What this cannot undo shows up as a fast-path name the checkpoint lacks, and that layer
-    takes the fallback path."""
+    takes the fallback path. A mapper may accept several spellings (Mixtral's loads both
+    `w1` and `gate_proj` as `w1`): with the checkpoint's names known, a vLLM name the
+    checkpoint itself has is kept."""
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is None:
         return _same_name
@@ -461,6 +466,12 @@ def _inverse_of_mapper(model: torch.nn.Module) -> Callable[[str], str]:
     suffixes = one_to_one(getattr(mapper, "orig_to_new_suffix", {}) or {})
 
     def to_hf(name: str) -> str:
+        undone = undo(name)
+        if checkpoint_names is not None and undone not in checkpoint_names:
+            return name if name in checkpoint_names else undone
+        return undone
+
+    def undo(name: str) -> str:
         for new, orig in prefixes.items():
             if name == new or name.startswith(new + "."):
                 name = orig + name[len(new) :]
