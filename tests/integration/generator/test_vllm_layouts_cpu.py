@@ -112,7 +112,8 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     _, model_dir = confident_seed(
         root / "a",
         case.variant,
-        start=7,
+        start=100,
+        tries=60,
         prompt_token_ids=PROMPT,
         max_new_tokens=NEW_TOKENS,
         **case.overrides,
@@ -120,7 +121,8 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     _, other_dir = confident_seed(
         root / "b",
         case.variant,
-        start=57,
+        start=200,
+        tries=60,
         prompt_token_ids=PROMPT,
         max_new_tokens=NEW_TOKENS,
         **case.overrides,
