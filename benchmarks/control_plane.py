@@ -144,6 +144,8 @@ class Agent:
     renew_every: float = 5.0
     prepared_at: dict[str, float] = field(default_factory=dict)
     plans: dict[str, cpb.RankPlan] = field(default_factory=dict)
+    # Plans by (digest, rank): PrepareRefit carries a body only the first time.
+    held: dict[tuple[str, int], cpb.RankPlan] = field(default_factory=dict)
 
     async def register(self, job: str) -> None:
         info = m.MemberInfo(
@@ -183,9 +185,13 @@ class Agent:
             elif kind == "join_group":
                 await self._report("", m.GroupJoined(raw.join_group.epoch))
             elif kind == "prepare_refit":
-                refit_id = raw.prepare_refit.refit_id
+                prepare = raw.prepare_refit
+                refit_id = prepare.refit_id
                 self.prepared_at[refit_id] = received
-                self.plans[refit_id] = raw.prepare_refit.plan
+                key = (prepare.plan_digest, prepare.plan_rank)
+                if prepare.HasField("plan"):
+                    self.held[key] = prepare.plan
+                self.plans[refit_id] = self.held[key]
                 await self._report(refit_id, m.Prepared())
             elif kind == "start_transfer":
                 refit_id = raw.start_transfer.refit_id

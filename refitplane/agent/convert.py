@@ -292,6 +292,8 @@ def command_to_proto(cmd: m.Command) -> apb.Command:
                 version=body.version,
                 epoch=body.epoch,
                 pause_mode=body.pause_mode,
+                plan_digest=body.plan_digest,
+                plan_rank=body.plan_rank,
             )
             if body.plan is not None:
                 prepare.plan.CopyFrom(rank_plan_to_proto(body.plan))
@@ -335,15 +337,22 @@ def command_from_proto(msg: apb.Command) -> m.Command:
         body = m.LeaveGroupCmd(epoch=msg.leave_group.epoch, abort=msg.leave_group.abort)
     elif kind == "prepare_refit":
         p = msg.prepare_refit
+        plan = (
+            rank_plan_from_proto(p.plan, field="prepare_refit.plan") if p.HasField("plan") else None
+        )
+        # A coordinator that predates plan references sends only the body: it names itself.
+        digest, rank = p.plan_digest, p.plan_rank
+        if plan is not None and not digest:
+            digest, rank = plan.plan_digest, plan.rank
         body = m.PrepareRefitCmd(
             refit_id=p.refit_id,
             version=p.version,
             epoch=p.epoch,
-            plan=rank_plan_from_proto(p.plan, field="prepare_refit.plan")
-            if p.HasField("plan")
-            else None,
+            plan=plan,
             config=config_from_proto(p.config) if p.HasField("config") else None,
             pause_mode=p.pause_mode,
+            plan_digest=digest,
+            plan_rank=rank,
         )
     elif kind == "start_transfer":
         body = m.StartTransferCmd(
@@ -392,6 +401,12 @@ def report_to_proto(report: m.Report) -> apb.ReportRequest:
             )
         case m.ReplicaUpdated():
             out.replica_updated.CopyFrom(apb.ReplicaUpdated(version=body.version))
+        case m.PlanMissing():
+            out.plan_missing.CopyFrom(
+                apb.PlanMissing(
+                    plan_digest=body.plan_digest, plan_rank=body.plan_rank, message=body.message
+                )
+            )
         case m.Failure():
             out.failure.CopyFrom(
                 apb.Failure(
@@ -441,6 +456,17 @@ def report_from_proto(msg: apb.ReportRequest) -> m.Report:
         )
     elif kind == "replica_updated":
         body = m.ReplicaUpdated(version=msg.replica_updated.version)
+    elif kind == "plan_missing":
+        missing = msg.plan_missing
+        if not missing.plan_digest:
+            raise InvalidArgument(
+                "plan_missing.plan_digest names no plan", field="plan_missing.plan_digest"
+            )
+        body = m.PlanMissing(
+            plan_digest=missing.plan_digest,
+            plan_rank=missing.plan_rank,
+            message=missing.message,
+        )
     elif kind == "failure":
         f = msg.failure
         body = m.Failure(

@@ -2,14 +2,18 @@
 every refit. Trainer and generator agents subclass it and say where their shards live.
 
 Group commands build and tear down the transport (Gloo on CPU, nccl4py on GPU); group rank
-0 also creates each epoch's rendezvous. PrepareRefit keeps the rank's plan (subclasses hook
-in: trainers take the weights read-lock); StartTransfer runs the executor, unless the rank
+0 also creates each epoch's rendezvous. PrepareRefit names the rank's plan, which the rank
+takes from its plan cache (the body comes only with the first refit of a plan; a plan no
+longer cached is answered with PlanMissing and comes again with its body), so a steady
+refit converts, schedules and resolves nothing (subclasses hook in: trainers take the
+weights read-lock); StartTransfer runs the executor, unless the rank
 receives on an external trigger (a vLLM worker receives when vLLM calls the engine), in
 which case `run_transfer` is called from there. Abort cancels a running transfer at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -30,6 +34,7 @@ from refitplane.agent.messages import (
     PrepareRefitCmd,
     StartTransferCmd,
 )
+from refitplane.agent.plan_cache import DEFAULT_CAPACITY, HeldPlan, RankPlanCache
 from refitplane.agent.session import AgentSession
 from refitplane.errors import FailedPrecondition, InvalidArgument, RefitError, TransferError
 from refitplane.protocol import Backend
@@ -59,7 +64,9 @@ class Prepared:
     refit_id: str
     version: int
     epoch: int
+    # With the plan's body filled in, whether it came with the command or from the cache.
     command: PrepareRefitCmd
+    held: HeldPlan
 
 
 class DataPlaneMember(NullHandler):
@@ -72,8 +79,10 @@ class DataPlaneMember(NullHandler):
         device: torch.device,
         local_host: str = "127.0.0.1",
         run_on_start: bool = True,
+        plan_cache_size: int = DEFAULT_CAPACITY,
     ) -> None:
         self._shards = shards
+        self.plans = RankPlanCache(plan_cache_size)
         self.device = device
         self.local_host = local_host
         self.run_on_start = run_on_start
@@ -162,18 +171,33 @@ class DataPlaneMember(NullHandler):
     # -- refits --------------------------------------------------------------------------------
 
     def on_prepare_refit(self, cmd: PrepareRefitCmd) -> None:
-        if cmd.plan is None or cmd.config is None:
+        if cmd.config is None or (cmd.plan is None and not cmd.plan_digest):
             raise InvalidArgument(
-                "PrepareRefit for a data-plane rank needs a plan and a config", field="plan"
+                "PrepareRefit for a data-plane rank needs a plan (its body or its digest) and "
+                "a config",
+                field="plan",
             )
         if cmd.epoch != self.epoch or self.transport is None:
             raise FailedPrecondition(
                 f"refit {cmd.refit_id} is for group epoch {cmd.epoch}, this rank is in {self.epoch}"
             )
+        held = self.plans.resolve(cmd)
+        if held is None:
+            # Not a failure: the coordinator sends this command again with the body.
+            message = self.plans.missing_message(cmd)
+            log.info("refit %s: %s; asking for it", cmd.refit_id, message)
+            self._session().report_plan_missing(
+                cmd.refit_id, cmd.plan_digest, cmd.plan_rank, message
+            )
+            return
+        if cmd.plan is not held.plan:
+            # Hooks and the transfer see the body; the cached object is the one the
+            # executor resolved its schedule and views for last time.
+            cmd = dataclasses.replace(cmd, plan=held.plan)
         self._cancel.clear()
         self.before_transfer(cmd)
         with self._ready:
-            self._prepared[cmd.refit_id] = Prepared(cmd.refit_id, cmd.version, cmd.epoch, cmd)
+            self._prepared[cmd.refit_id] = Prepared(cmd.refit_id, cmd.version, cmd.epoch, cmd, held)
             self._ready.notify_all()
         self._session().report_prepared(cmd.refit_id)
 
@@ -191,19 +215,18 @@ class DataPlaneMember(NullHandler):
                     raise FailedPrecondition(f"refit {refit_id} was not prepared on this rank")
                 self._ready.wait(remaining)
             prepared = self._prepared.pop(refit_id)
-        plan, config = prepared.command.plan, prepared.command.config
-        assert plan is not None
+        plan, config = prepared.held.plan, prepared.command.config
         assert config is not None
         session = self._session()
         received = [0]
         last = [0.0]
+        sent_side = prepared.held.send_bytes > 0
 
         def progress(done: int, total: int) -> None:
             received[0] = done
             now = time.monotonic()
             if now - last[0] >= _PROGRESS_EVERY_S or done == total:
                 last[0] = now
-                sent_side = plan.send_bytes > 0
                 session.report_progress(
                     refit_id,
                     bytes_sent=done if sent_side else 0,
@@ -220,12 +243,12 @@ class DataPlaneMember(NullHandler):
             # bytes land in the parameters as they arrive, long before a group completes
             # and progress counts them.
             posted = executor is not None and executor.receives_posted
-            modified = bool(plan.recv_bytes) and (received[0] > 0 or posted)
+            modified = bool(prepared.held.recv_bytes) and (received[0] > 0 or posted)
             exc.weights_modified = modified  # type: ignore[attr-defined]
             self._executor = None
             self.after_transfer(prepared, None, weights_modified=modified)
             raise
-        self.after_transfer(prepared, report, weights_modified=bool(plan.recv_bytes))
+        self.after_transfer(prepared, report, weights_modified=bool(prepared.held.recv_bytes))
         self.last_report = report
         self.transfers += 1
         session.report_transfer_done(

@@ -66,8 +66,10 @@ class LeaveGroupCmd:
 
 @dataclass(frozen=True)
 class PrepareRefitCmd:
-    """Get ready for a refit. Data-plane ranks get their plan and the transfer config;
-    sidecars get the pause mode instead. Answer with a Prepared report."""
+    """Get ready for a refit. Data-plane ranks get their plan (by `plan_digest` and
+    `plan_rank`; the body in `plan` only when the coordinator does not know them to hold it)
+    and the transfer config; sidecars get the pause mode instead. Answer with a Prepared
+    report, or PlanMissing when the named plan is neither sent nor held."""
 
     refit_id: str
     version: int
@@ -75,6 +77,13 @@ class PrepareRefitCmd:
     plan: RankPlan | None = None
     config: TransferConfig | None = None
     pause_mode: str = ""
+    plan_digest: str = ""
+    plan_rank: int = 0
+
+    @property
+    def plan_key(self) -> tuple[str, int]:
+        """What names the rank's plan: (plan digest, group rank)."""
+        return self.plan_digest, self.plan_rank
 
 
 @dataclass(frozen=True)
@@ -150,6 +159,15 @@ class ReplicaUpdated:
 
 
 @dataclass(frozen=True)
+class PlanMissing:
+    """A PrepareRefit named a plan this rank does not hold: send it again with the body."""
+
+    plan_digest: str
+    plan_rank: int
+    message: str = ""
+
+
+@dataclass(frozen=True)
 class Failure:
     # Machine-readable (TIMEOUT, PEER_FAILED, CHECKSUM_MISMATCH, INVALID_LAYOUT, ...).
     reason: str
@@ -161,7 +179,14 @@ class Failure:
 
 
 ReportBody = (
-    RendezvousReady | GroupJoined | Prepared | Progress | TransferDone | ReplicaUpdated | Failure
+    RendezvousReady
+    | GroupJoined
+    | Prepared
+    | Progress
+    | TransferDone
+    | ReplicaUpdated
+    | Failure
+    | PlanMissing
 )
 
 

@@ -268,6 +268,14 @@ class AgentSession:
             ),
         )
 
+    def report_plan_missing(
+        self, refit_id: str, plan_digest: str, plan_rank: int, message: str = ""
+    ) -> bool:
+        """A PrepareRefit named a plan this rank does not hold: the coordinator resends it."""
+        return self._report(
+            refit_id, m.PlanMissing(plan_digest=plan_digest, plan_rank=plan_rank, message=message)
+        )
+
     def report_replica_updated(self, refit_id: str, version: int) -> bool:
         return self._report(refit_id, m.ReplicaUpdated(version=version))
 

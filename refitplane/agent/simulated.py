@@ -21,6 +21,7 @@ from refitplane.agent.messages import (
     PrepareRefitCmd,
     StartTransferCmd,
 )
+from refitplane.agent.plan_cache import DEFAULT_CAPACITY, HeldPlan, RankPlanCache
 from refitplane.agent.session import AgentSession
 from refitplane.errors import TransferError
 from refitplane.protocol import Role
@@ -51,15 +52,23 @@ class Behaviour:
 
 
 class SimulatedAgent(NullHandler):
-    def __init__(self, role: Role, behaviour: Behaviour | None = None) -> None:
+    def __init__(
+        self,
+        role: Role,
+        behaviour: Behaviour | None = None,
+        *,
+        plan_cache_size: int = DEFAULT_CAPACITY,
+    ) -> None:
         self.role = role
         self.behaviour = behaviour or Behaviour()
+        # Data-plane roles keep their plans as real ranks do (sidecars get none).
+        self.plans = RankPlanCache(plan_cache_size)
         self.session: AgentSession | None = None
         self.commands: list[CommandBody] = []
         self.aborted_now: list[AbortRefitCmd | LeaveGroupCmd] = []
         self.epoch = 0
         self.group_rank = -1
-        self._plans: dict[str, PrepareRefitCmd] = {}
+        self._plans: dict[str, HeldPlan] = {}
         self._aborts: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
 
@@ -105,10 +114,19 @@ class SimulatedAgent(NullHandler):
 
     def on_prepare_refit(self, cmd: PrepareRefitCmd) -> None:
         with self._lock:
-            self._plans[cmd.refit_id] = cmd
             self._aborts.setdefault(cmd.refit_id, threading.Event())
-        if self._begin("prepare_refit", cmd):
-            self._s().report_prepared(cmd.refit_id)
+        if not self._begin("prepare_refit", cmd):
+            return
+        if self.role.is_data_plane:
+            held = self.plans.resolve(cmd)
+            if held is None:
+                self._s().report_plan_missing(
+                    cmd.refit_id, cmd.plan_digest, cmd.plan_rank, self.plans.missing_message(cmd)
+                )
+                return
+            with self._lock:
+                self._plans[cmd.refit_id] = held
+        self._s().report_prepared(cmd.refit_id)
 
     def on_start_transfer(self, cmd: StartTransferCmd) -> None:
         if not self._begin("start_transfer", cmd):
@@ -122,11 +140,11 @@ class SimulatedAgent(NullHandler):
         if self.role is Role.GENERATOR_SIDECAR:
             s.report_replica_updated(cmd.refit_id, cmd.version)
             return
-        prepared = self._plans.get(cmd.refit_id)
-        plan = prepared.plan if prepared is not None else None
-        sent = plan.send_bytes if plan is not None else 0
-        received = plan.recv_bytes if plan is not None else 0
-        tensors = len({p.tensor for link in plan.recvs for p in link.pieces}) if plan else 0
+        with self._lock:
+            held = self._plans.pop(cmd.refit_id, None)
+        sent = held.send_bytes if held is not None else 0
+        received = held.recv_bytes if held is not None else 0
+        tensors = held.tensors_received if held is not None else 0
         total = sent + received
         if total:
             s.report_progress(

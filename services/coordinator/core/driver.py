@@ -20,7 +20,7 @@ from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
 from refitplane.coordinator.core.membership import Departure, Membership
 from refitplane.coordinator.core.metrics import Metrics
 from refitplane.coordinator.core.outbox import Outbox
-from refitplane.coordinator.core.planning import PlanCache, PlannedRefit, Roster
+from refitplane.coordinator.core.planning import PlanCache, PlanHoldings, PlannedRefit, Roster
 from refitplane.coordinator.core.records import (
     GroupRecord,
     GroupState,
@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 0.5
 # A rendezvous blob larger than this is refused (NCCL ids are 128 bytes per channel).
 MAX_RENDEZVOUS_BYTES = 64 * 1024
+# A member that reports PlanMissing again after the body was sent this often fails the refit
+# (once is the normal case: it evicted or lost the plan).
+MAX_PLAN_RESENDS = 2
 _DEPARTURE_TEXT = {
     Departure.LEASE_EXPIRED: "lease expired",
     Departure.MEMBER_REPLACED: "re-registered under the same key (replaced)",
@@ -80,6 +83,8 @@ class JobDriver:
         self.replicas: dict[str, ReplicaRecord] = {}
         self.source_digest = ""
         self.target_digest = ""
+        # Which members hold which rank plans: PrepareRefit names those instead of sending them.
+        self.plan_holdings = PlanHoldings()
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -306,25 +311,22 @@ class JobDriver:
             await self._store.transition(run.record, [RefitState.PREPARING])
             self._ctx.events.publish(run.record)
 
-        config = self._s.transfer_config()
         run.commands_sent = True
+        run.prepare_epoch = epoch.epoch
         for member_id, p in run.participants.items():
             if p.data_plane:
-                body = msg.PrepareRefitCmd(
-                    refit_id=run.refit_id,
-                    version=run.record.version,
-                    epoch=epoch.epoch,
-                    plan=planned.rank_plans[p.group_rank],
-                    config=config,
-                )
+                run.rank_plans[member_id] = planned.rank_plans[p.group_rank]
+                self._send_prepare(run, member_id, resend=False)
             else:
-                body = msg.PrepareRefitCmd(
-                    refit_id=run.refit_id,
-                    version=run.record.version,
-                    epoch=epoch.epoch,
-                    pause_mode=self._s.pause_mode.value,
+                self._ctx.outbox.send(
+                    member_id,
+                    msg.PrepareRefitCmd(
+                        refit_id=run.refit_id,
+                        version=run.record.version,
+                        epoch=epoch.epoch,
+                        pause_mode=self._s.pause_mode.value,
+                    ),
                 )
-            self._ctx.outbox.send(member_id, body)
         everyone = list(run.participants)
         await run.wait_until(
             lambda: len(run.prepared) == len(everyone),
@@ -335,6 +337,61 @@ class JobDriver:
                 + run.describe([i for i in everyone if i not in run.prepared]),
             ),
         )
+
+    def _send_prepare(self, run: RefitRun, member_id: str, *, resend: bool) -> None:
+        """PrepareRefit for a data-plane member: its plan named by digest and rank, with the
+        body only if the member has not acknowledged holding it (under this member id, in
+        this epoch) or reported it missing (`resend`)."""
+        plan = run.rank_plans[member_id]
+        key = (plan.plan_digest, plan.rank)
+        named_only = not resend and self.plan_holdings.holds(member_id, run.prepare_epoch, key)
+        self._ctx.outbox.send(
+            member_id,
+            msg.PrepareRefitCmd(
+                refit_id=run.refit_id,
+                version=run.record.version,
+                epoch=run.prepare_epoch,
+                plan=None if named_only else plan,
+                config=self._s.transfer_config(),
+                plan_digest=plan.plan_digest,
+                plan_rank=plan.rank,
+            ),
+        )
+        how = "resent" if resend else "reference" if named_only else "body"
+        self._ctx.metrics.rank_plans.labels(how).inc()
+
+    def _on_plan_missing(self, run: RefitRun, member: MemberRecord, body: msg.PlanMissing) -> bool:
+        """A member does not hold the plan its PrepareRefit named: send it the body (the
+        refit goes on; PREPARING's deadline still bounds it)."""
+        mid = member.member_id
+        plan = run.rank_plans.get(mid)
+        if (
+            plan is None
+            or (plan.plan_digest, plan.rank) != (body.plan_digest, body.plan_rank)
+            or mid in run.prepared
+            or run.transfer_started
+        ):
+            return False
+        self.plan_holdings.forget(mid, (plan.plan_digest, plan.rank))
+        resends = run.plan_resends.get(mid, 0)
+        if resends >= MAX_PLAN_RESENDS:
+            run.fail(
+                Reason.PLAN_MISSING,
+                f"{member.describe()} reported plan {plan.plan_digest[:12]} (rank {plan.rank}) "
+                f"missing again after it was sent {resends} time(s): {body.message}",
+            )
+            return True
+        run.plan_resends[mid] = resends + 1
+        log.info(
+            "refit %s: %s does not hold plan %s rank %d (%s): sending it",
+            run.refit_id,
+            member.describe(),
+            plan.plan_digest[:12],
+            plan.rank,
+            body.message,
+        )
+        self._send_prepare(run, mid, resend=True)
+        return True
 
     def _check_alive(self, run: RefitRun, member_ids: Iterable[str]) -> None:
         """Members may have left while the plan was built; fail now rather than time out."""
@@ -654,6 +711,7 @@ class JobDriver:
     # --- signals from reports and membership ---------------------------------------------
 
     async def on_departure(self, member: MemberRecord, why: Departure) -> None:
+        self.plan_holdings.forget(member.member_id)
         run = self.current
         if run is not None and (
             member.member_id in run.participants or member.member_id in run.forming_members
@@ -712,7 +770,14 @@ class JobDriver:
         match body:
             case msg.Prepared():
                 run.prepared.add(mid)
+                plan = run.rank_plans.get(mid)
+                if plan is not None:
+                    self.plan_holdings.acknowledge(
+                        mid, run.prepare_epoch, (plan.plan_digest, plan.rank)
+                    )
                 run.touch()
+            case msg.PlanMissing():
+                return self._on_plan_missing(run, member, body)
             case msg.Progress():
                 run.set_progress(
                     mid, sent=body.bytes_sent, received=body.bytes_received, total=body.bytes_total

@@ -58,6 +58,14 @@ class Metrics:
             registry=r,
         )
         self.epochs = Counter("refit_group_epochs", "Group epochs started", registry=r)
+        self.rank_plans = Counter(
+            "refit_rank_plans",
+            "Rank plans in PrepareRefit commands: 'body' (sent whole), 'reference' (named "
+            "only: the member holds it), 'resent' (sent whole after the member reported it "
+            "missing)",
+            ["how"],
+            registry=r,
+        )
         r.register(_MemberGauge(count_members))
 
     def finished(

@@ -202,6 +202,49 @@ class PlannedRefit:
     rank_plans: dict[int, RankPlan]
 
 
+# Rank plans remembered per member: as many as an agent keeps by default, so the coordinator
+# rarely names a plan the rank has already evicted (it would answer PlanMissing).
+HELD_PLANS_PER_MEMBER = 4
+
+PlanKey = tuple[str, int]
+
+
+class PlanHoldings:
+    """Which rank plans (plan digest, group rank) each member holds, as far as the
+    coordinator knows: a member acknowledges a plan by reporting Prepared for a PrepareRefit
+    that carried or named it. Kept per member id and group epoch, so a re-registered member
+    (a new id) and every member of a new epoch get the body again; memory only, so a
+    restarted coordinator sends each plan once more. A member that evicted a plan this still
+    lists answers PlanMissing, and `forget` drops it."""
+
+    def __init__(self, *, per_member: int = HELD_PLANS_PER_MEMBER) -> None:
+        self._per_member = per_member
+        self._held: dict[str, tuple[int, collections.OrderedDict[PlanKey, None]]] = {}
+
+    def holds(self, member_id: str, epoch: int, key: PlanKey) -> bool:
+        entry = self._held.get(member_id)
+        return entry is not None and entry[0] == epoch and key in entry[1]
+
+    def acknowledge(self, member_id: str, epoch: int, key: PlanKey) -> None:
+        entry = self._held.get(member_id)
+        if entry is None or entry[0] != epoch:
+            entry = self._held[member_id] = (epoch, collections.OrderedDict())
+        keys = entry[1]
+        keys[key] = None
+        keys.move_to_end(key)
+        while len(keys) > self._per_member:
+            keys.popitem(last=False)
+
+    def forget(self, member_id: str, key: PlanKey | None = None) -> None:
+        """Drop one plan of a member, or (`key` None) everything about it."""
+        if key is None:
+            self._held.pop(member_id, None)
+            return
+        entry = self._held.get(member_id)
+        if entry is not None:
+            entry[1].pop(key, None)
+
+
 class PlanCache:
     """Plans by their inputs (the members' layout digests at their group ranks, plus hosts),
     so a steady job re-plans never; `PlanInfo` goes to the store."""

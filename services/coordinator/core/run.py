@@ -14,6 +14,7 @@ from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
 from refitplane.coordinator.core.records import MemberRecord, RefitRecord
 from refitplane.coordinator.core.waits import wait_event
 from refitplane.protocol import RefitState, Role
+from refitplane.reshard.plan import RankPlan
 
 
 @dataclass
@@ -41,6 +42,12 @@ class RefitRun:
     forming_members: list[str] = field(default_factory=list)
     rendezvous: bytes | None = None
     joined: set[str] = field(default_factory=set)
+    # PrepareRefit of data-plane participants: each one's rank plan (sent again, with its
+    # body, to a member that reports PlanMissing), the group epoch it runs in, and how many
+    # times each member was sent the body again in this refit.
+    rank_plans: dict[str, RankPlan] = field(default_factory=dict)
+    prepare_epoch: int = 0
+    plan_resends: dict[str, int] = field(default_factory=dict)
     # Reports
     prepared: set[str] = field(default_factory=set)
     done: dict[str, msg.TransferDone] = field(default_factory=dict)

@@ -129,3 +129,47 @@ def test_refit_commits_and_bytes_match(
         again = client.wait(client.trigger("job-a", idempotency_key="k2").refit_id, timeout_s=60)
         assert again.state == RefitState.COMMITTED
         assert again.version == final.version + 1
+
+
+def test_named_plans_and_a_lost_plan_cache_over_gloo(
+    coordinator_factory: Callable[..., Any],
+) -> None:
+    """Refits after the first name the plan; ranks whose plan cache was emptied (evicted, or
+    lost under the same member id) answer PlanMissing, get the body again, and the refit
+    still moves and verifies every byte."""
+    coordinator = coordinator_factory(
+        transfer_timeout_s=30.0, prepare_timeout_s=30.0, group_timeout_s=30.0
+    )
+    with (
+        _world(coordinator, 2, 2) as (trainers, gens, truth),
+        RefitClient(coordinator.grpc_target) as client,
+    ):
+        _wait_ready(client, "job-a", 4)
+        for key in ("k1", "k2"):
+            done = client.wait(client.trigger("job-a", idempotency_key=key).refit_id, timeout_s=60)
+            assert done.state == RefitState.COMMITTED, done
+        for agent in (*trainers, *gens):
+            assert (agent.member.plans.bodies, agent.member.plans.hits) == (1, 1)
+
+        trainers[0].member.plans.clear()
+        gens[1].member.plans.clear()
+        for g in gens:  # so that only this refit's bytes can make them right again
+            for name in truth:
+                box = tp_boxes(g.specs[name], g.world_size).get(g.rank)
+                if box is not None:
+                    g.shards.view(name, box).view(torch.uint8).zero_()
+        final = client.wait(client.trigger("job-a", idempotency_key="k3").refit_id, timeout_s=60)
+        assert final.state == RefitState.COMMITTED, final
+        assert final.tensors_verified == final.tensors_total > 0
+        metrics = coordinator.core.metrics.registry
+        assert metrics.get_sample_value("refit_rank_plans_total", {"how": "resent"}) == 2
+        assert trainers[0].member.plans.misses == 1
+        assert gens[1].member.plans.misses == 1
+        for g in gens:
+            for name, t in truth.items():
+                box = tp_boxes(g.specs[name], g.world_size).get(g.rank)
+                if box is not None:
+                    assert torch.equal(
+                        g.shards.view(name, box).view(torch.uint8),
+                        t[to_slices(box)].view(torch.uint8),
+                    ), name

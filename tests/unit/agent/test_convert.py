@@ -14,6 +14,7 @@ from refitplane.errors import InvalidArgument, LayoutError
 from refitplane.protocol import Backend, MemberState, RefitState, Role
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.layout import LayoutBuilder, TensorSpec
+from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.planner import build_plan
 
 pytestmark = pytest.mark.unit
@@ -116,6 +117,8 @@ _commands = st.one_of(
         version=st.integers(0, 2**50),
         epoch=st.integers(0, 2**40),
         pause_mode=st.sampled_from(["", "keep", "wait", "abort"]),
+        plan_digest=st.text(alphabet="0123456789abcdef", max_size=64),
+        plan_rank=st.integers(0, 2**20),
     ),
     st.builds(m.StartTransferCmd, refit_id=st.text(max_size=20), version=st.integers(0, 2**50)),
     st.builds(
@@ -154,6 +157,12 @@ _reports = st.one_of(
         )
     ),
     st.builds(m.ReplicaUpdated, version=st.integers(0, 2**50)),
+    st.builds(
+        m.PlanMissing,
+        plan_digest=st.text(alphabet="0123456789abcdef", min_size=1, max_size=64),
+        plan_rank=st.integers(0, 2**20),
+        message=st.text(max_size=50),
+    ),
     st.builds(
         m.Failure,
         reason=st.text(min_size=1, max_size=20),
@@ -201,3 +210,19 @@ def test_registration_round_trip():
     with pytest.raises(InvalidArgument) as err:
         convert.register_from_proto(apb.RegisterRequest(job="j"))
     assert err.value.field == "role"
+
+
+def test_prepare_refit_from_a_coordinator_that_sends_only_bodies_names_the_plan():
+    plan = RankPlan(rank=3, specs={}, sends=(), recvs=(), plan_digest="ab" * 32)
+    cmd = m.Command(seq=1, body=m.PrepareRefitCmd(refit_id="r", version=1, epoch=1, plan=plan))
+    back = convert.command_from_proto(convert.command_to_proto(cmd)).body
+    assert isinstance(back, m.PrepareRefitCmd)
+    assert back.plan_key == ("ab" * 32, 3)
+
+
+def test_plan_missing_must_name_a_plan():
+    request = apb.ReportRequest(member_id="m", refit_id="r")
+    request.plan_missing.SetInParent()
+    with pytest.raises(InvalidArgument) as err:
+        convert.report_from_proto(request)
+    assert err.value.field == "plan_missing.plan_digest"

@@ -126,3 +126,23 @@ async def test_plan_cache_reuses_plans_and_survives_a_cold_layout_cache(anyio_ba
     with pytest.raises(RefitFailed) as err:
         await cache.plan([(0, trainer)], [(1, missing)])
     assert err.value.reason == "LAYOUT_MISSING"
+
+
+def test_plan_holdings_are_per_member_id_and_epoch():
+    from refitplane.coordinator.core.planning import PlanHoldings
+
+    held = PlanHoldings(per_member=2)
+    held.acknowledge("m1", 1, ("p", 0))
+    assert held.holds("m1", 1, ("p", 0))
+    assert not held.holds("m1", 2, ("p", 0))  # a new epoch sends the body again
+    assert not held.holds("m2", 1, ("p", 0))  # so does a new member id
+    held.acknowledge("m1", 1, ("q", 0))
+    held.acknowledge("m1", 1, ("r", 0))
+    assert not held.holds("m1", 1, ("p", 0))  # bounded: the oldest is dropped
+    held.forget("m1", ("q", 0))
+    assert not held.holds("m1", 1, ("q", 0))
+    assert held.holds("m1", 1, ("r", 0))
+    held.acknowledge("m1", 2, ("r", 0))
+    assert not held.holds("m1", 1, ("r", 0))
+    held.forget("m1")
+    assert not held.holds("m1", 2, ("r", 0))

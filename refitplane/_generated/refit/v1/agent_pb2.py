@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from refitplane._generated.refit.v1 import common_pb2 as refit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14refit/v1/agent.proto\x12\x08refit.v1\x1a\x15refit/v1/common.proto\"\x87\x02\n\x0fRegisterRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.refit.v1.Role\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x35\n\x06labels\x18\x08 \x03(\x0b\x32%.refit.v1.RegisterRequest.LabelsEntry\x12\x0f\n\x07version\x18\t \x01(\x04\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\x10RegisterResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x18\n\x10renew_interval_s\x18\x03 \x01(\x01\"&\n\x11RenewLeaseRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\"V\n\x12RenewLeaseResponse\x12\x1a\n\x12lease_expires_unix\x18\x01 \x01(\x01\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.refit.v1.MemberState\"O\n\x14PublishLayoutRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.refit.v1.RankLayout\"C\n\x15PublishLayoutResponse\x12\x15\n\rlayout_digest\x18\x01 \x01(\t\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\"*\n\x15StreamCommandsRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\"\xc3\x02\n\x07\x43ommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x37\n\x11\x63reate_rendezvous\x18\x02 \x01(\x0b\x32\x1a.refit.v1.CreateRendezvousH\x00\x12)\n\njoin_group\x18\x03 \x01(\x0b\x32\x13.refit.v1.JoinGroupH\x00\x12/\n\rprepare_refit\x18\x04 \x01(\x0b\x32\x16.refit.v1.PrepareRefitH\x00\x12\x31\n\x0estart_transfer\x18\x05 \x01(\x0b\x32\x17.refit.v1.StartTransferH\x00\x12+\n\x0b\x61\x62ort_refit\x18\x06 \x01(\x0b\x32\x14.refit.v1.AbortRefitH\x00\x12+\n\x0bleave_group\x18\x07 \x01(\x0b\x32\x14.refit.v1.LeaveGroupH\x00\x42\t\n\x07\x63ommand\"o\n\x10\x43reateRendezvous\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\"\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x11.refit.v1.Backend\x12\x12\n\ngroup_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_channels\x18\x04 \x01(\r\"\xa3\x01\n\tJoinGroup\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\"\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x11.refit.v1.Backend\x12\x12\n\ngroup_rank\x18\x03 \x01(\r\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_channels\x18\x05 \x01(\r\x12\x12\n\nrendezvous\x18\x06 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"*\n\nLeaveGroup\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05\x61\x62ort\x18\x02 \x01(\x08\"\xa0\x01\n\x0cPrepareRefit\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12 \n\x04plan\x18\x04 \x01(\x0b\x32\x12.refit.v1.RankPlan\x12(\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x18.refit.v1.TransferConfig\x12\x12\n\npause_mode\x18\x06 \x01(\t\"2\n\rStartTransfer\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"?\n\nAbortRefit\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x80\x03\n\rReportRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x10\n\x08refit_id\x18\x02 \x01(\t\x12\x35\n\x10rendezvous_ready\x18\x03 \x01(\x0b\x32\x19.refit.v1.RendezvousReadyH\x00\x12-\n\x0cgroup_joined\x18\x04 \x01(\x0b\x32\x15.refit.v1.GroupJoinedH\x00\x12&\n\x08prepared\x18\x05 \x01(\x0b\x32\x12.refit.v1.PreparedH\x00\x12&\n\x08progress\x18\x06 \x01(\x0b\x32\x12.refit.v1.ProgressH\x00\x12/\n\rtransfer_done\x18\x07 \x01(\x0b\x32\x16.refit.v1.TransferDoneH\x00\x12\x33\n\x0freplica_updated\x18\x08 \x01(\x0b\x32\x18.refit.v1.ReplicaUpdatedH\x00\x12$\n\x07\x66\x61ilure\x18\t \x01(\x0b\x32\x11.refit.v1.FailureH\x00\x42\x08\n\x06report\"4\n\x0fRendezvousReady\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x12\n\nrendezvous\x18\x02 \x01(\x0c\"\x1c\n\x0bGroupJoined\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\n\n\x08Prepared\"K\n\x08Progress\x12\x12\n\nbytes_sent\x18\x01 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x04\"|\n\x0cTransferDone\x12\x12\n\nbytes_sent\x18\x01 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x18\n\x10tensors_verified\x18\x04 \x01(\r\x12\x15\n\rtensors_total\x18\x05 \x01(\r\"!\n\x0eReplicaUpdated\x12\x0f\n\x07version\x18\x01 \x01(\x04\"S\n\x07\x46\x61ilure\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10weights_modified\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\"\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse2\xba\x03\n\x0c\x41gentService\x12\x41\n\x08Register\x12\x19.refit.v1.RegisterRequest\x1a\x1a.refit.v1.RegisterResponse\x12G\n\nRenewLease\x12\x1b.refit.v1.RenewLeaseRequest\x1a\x1c.refit.v1.RenewLeaseResponse\x12P\n\rPublishLayout\x12\x1e.refit.v1.PublishLayoutRequest\x1a\x1f.refit.v1.PublishLayoutResponse\x12\x46\n\x0eStreamCommands\x12\x1f.refit.v1.StreamCommandsRequest\x1a\x11.refit.v1.Command0\x01\x12;\n\x06Report\x12\x17.refit.v1.ReportRequest\x1a\x18.refit.v1.ReportResponse\x12G\n\nDeregister\x12\x1b.refit.v1.DeregisterRequest\x1a\x1c.refit.v1.DeregisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14refit/v1/agent.proto\x12\x08refit.v1\x1a\x15refit/v1/common.proto\"\x87\x02\n\x0fRegisterRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.refit.v1.Role\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x35\n\x06labels\x18\x08 \x03(\x0b\x32%.refit.v1.RegisterRequest.LabelsEntry\x12\x0f\n\x07version\x18\t \x01(\x04\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\x10RegisterResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x18\n\x10renew_interval_s\x18\x03 \x01(\x01\"&\n\x11RenewLeaseRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\"V\n\x12RenewLeaseResponse\x12\x1a\n\x12lease_expires_unix\x18\x01 \x01(\x01\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.refit.v1.MemberState\"O\n\x14PublishLayoutRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.refit.v1.RankLayout\"C\n\x15PublishLayoutResponse\x12\x15\n\rlayout_digest\x18\x01 \x01(\t\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\"*\n\x15StreamCommandsRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\"\xc3\x02\n\x07\x43ommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x37\n\x11\x63reate_rendezvous\x18\x02 \x01(\x0b\x32\x1a.refit.v1.CreateRendezvousH\x00\x12)\n\njoin_group\x18\x03 \x01(\x0b\x32\x13.refit.v1.JoinGroupH\x00\x12/\n\rprepare_refit\x18\x04 \x01(\x0b\x32\x16.refit.v1.PrepareRefitH\x00\x12\x31\n\x0estart_transfer\x18\x05 \x01(\x0b\x32\x17.refit.v1.StartTransferH\x00\x12+\n\x0b\x61\x62ort_refit\x18\x06 \x01(\x0b\x32\x14.refit.v1.AbortRefitH\x00\x12+\n\x0bleave_group\x18\x07 \x01(\x0b\x32\x14.refit.v1.LeaveGroupH\x00\x42\t\n\x07\x63ommand\"o\n\x10\x43reateRendezvous\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\"\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x11.refit.v1.Backend\x12\x12\n\ngroup_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_channels\x18\x04 \x01(\r\"\xa3\x01\n\tJoinGroup\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\"\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x11.refit.v1.Backend\x12\x12\n\ngroup_rank\x18\x03 \x01(\r\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_channels\x18\x05 \x01(\r\x12\x12\n\nrendezvous\x18\x06 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"*\n\nLeaveGroup\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05\x61\x62ort\x18\x02 \x01(\x08\"\xc8\x01\n\x0cPrepareRefit\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12 \n\x04plan\x18\x04 \x01(\x0b\x32\x12.refit.v1.RankPlan\x12(\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x18.refit.v1.TransferConfig\x12\x12\n\npause_mode\x18\x06 \x01(\t\x12\x13\n\x0bplan_digest\x18\x07 \x01(\t\x12\x11\n\tplan_rank\x18\x08 \x01(\r\"2\n\rStartTransfer\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"?\n\nAbortRefit\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xaf\x03\n\rReportRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x10\n\x08refit_id\x18\x02 \x01(\t\x12\x35\n\x10rendezvous_ready\x18\x03 \x01(\x0b\x32\x19.refit.v1.RendezvousReadyH\x00\x12-\n\x0cgroup_joined\x18\x04 \x01(\x0b\x32\x15.refit.v1.GroupJoinedH\x00\x12&\n\x08prepared\x18\x05 \x01(\x0b\x32\x12.refit.v1.PreparedH\x00\x12&\n\x08progress\x18\x06 \x01(\x0b\x32\x12.refit.v1.ProgressH\x00\x12/\n\rtransfer_done\x18\x07 \x01(\x0b\x32\x16.refit.v1.TransferDoneH\x00\x12\x33\n\x0freplica_updated\x18\x08 \x01(\x0b\x32\x18.refit.v1.ReplicaUpdatedH\x00\x12$\n\x07\x66\x61ilure\x18\t \x01(\x0b\x32\x11.refit.v1.FailureH\x00\x12-\n\x0cplan_missing\x18\n \x01(\x0b\x32\x15.refit.v1.PlanMissingH\x00\x42\x08\n\x06report\"4\n\x0fRendezvousReady\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x12\n\nrendezvous\x18\x02 \x01(\x0c\"\x1c\n\x0bGroupJoined\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\n\n\x08Prepared\"K\n\x08Progress\x12\x12\n\nbytes_sent\x18\x01 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x04\"|\n\x0cTransferDone\x12\x12\n\nbytes_sent\x18\x01 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x18\n\x10tensors_verified\x18\x04 \x01(\r\x12\x15\n\rtensors_total\x18\x05 \x01(\r\"!\n\x0eReplicaUpdated\x12\x0f\n\x07version\x18\x01 \x01(\x04\"S\n\x07\x46\x61ilure\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10weights_modified\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"F\n\x0bPlanMissing\x12\x13\n\x0bplan_digest\x18\x01 \x01(\t\x12\x11\n\tplan_rank\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"\"\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse2\xba\x03\n\x0c\x41gentService\x12\x41\n\x08Register\x12\x19.refit.v1.RegisterRequest\x1a\x1a.refit.v1.RegisterResponse\x12G\n\nRenewLease\x12\x1b.refit.v1.RenewLeaseRequest\x1a\x1c.refit.v1.RenewLeaseResponse\x12P\n\rPublishLayout\x12\x1e.refit.v1.PublishLayoutRequest\x1a\x1f.refit.v1.PublishLayoutResponse\x12\x46\n\x0eStreamCommands\x12\x1f.refit.v1.StreamCommandsRequest\x1a\x11.refit.v1.Command0\x01\x12;\n\x06Report\x12\x17.refit.v1.ReportRequest\x1a\x18.refit.v1.ReportResponse\x12G\n\nDeregister\x12\x1b.refit.v1.DeregisterRequest\x1a\x1c.refit.v1.DeregisterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -59,33 +59,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEAVEGROUP']._serialized_start=1336
   _globals['_LEAVEGROUP']._serialized_end=1378
   _globals['_PREPAREREFIT']._serialized_start=1381
-  _globals['_PREPAREREFIT']._serialized_end=1541
-  _globals['_STARTTRANSFER']._serialized_start=1543
-  _globals['_STARTTRANSFER']._serialized_end=1593
-  _globals['_ABORTREFIT']._serialized_start=1595
-  _globals['_ABORTREFIT']._serialized_end=1658
-  _globals['_REPORTREQUEST']._serialized_start=1661
-  _globals['_REPORTREQUEST']._serialized_end=2045
-  _globals['_RENDEZVOUSREADY']._serialized_start=2047
-  _globals['_RENDEZVOUSREADY']._serialized_end=2099
-  _globals['_GROUPJOINED']._serialized_start=2101
-  _globals['_GROUPJOINED']._serialized_end=2129
-  _globals['_PREPARED']._serialized_start=2131
-  _globals['_PREPARED']._serialized_end=2141
-  _globals['_PROGRESS']._serialized_start=2143
-  _globals['_PROGRESS']._serialized_end=2218
-  _globals['_TRANSFERDONE']._serialized_start=2220
-  _globals['_TRANSFERDONE']._serialized_end=2344
-  _globals['_REPLICAUPDATED']._serialized_start=2346
-  _globals['_REPLICAUPDATED']._serialized_end=2379
-  _globals['_FAILURE']._serialized_start=2381
-  _globals['_FAILURE']._serialized_end=2464
-  _globals['_REPORTRESPONSE']._serialized_start=2466
-  _globals['_REPORTRESPONSE']._serialized_end=2500
-  _globals['_DEREGISTERREQUEST']._serialized_start=2502
-  _globals['_DEREGISTERREQUEST']._serialized_end=2540
-  _globals['_DEREGISTERRESPONSE']._serialized_start=2542
-  _globals['_DEREGISTERRESPONSE']._serialized_end=2562
-  _globals['_AGENTSERVICE']._serialized_start=2565
-  _globals['_AGENTSERVICE']._serialized_end=3007
+  _globals['_PREPAREREFIT']._serialized_end=1581
+  _globals['_STARTTRANSFER']._serialized_start=1583
+  _globals['_STARTTRANSFER']._serialized_end=1633
+  _globals['_ABORTREFIT']._serialized_start=1635
+  _globals['_ABORTREFIT']._serialized_end=1698
+  _globals['_REPORTREQUEST']._serialized_start=1701
+  _globals['_REPORTREQUEST']._serialized_end=2132
+  _globals['_RENDEZVOUSREADY']._serialized_start=2134
+  _globals['_RENDEZVOUSREADY']._serialized_end=2186
+  _globals['_GROUPJOINED']._serialized_start=2188
+  _globals['_GROUPJOINED']._serialized_end=2216
+  _globals['_PREPARED']._serialized_start=2218
+  _globals['_PREPARED']._serialized_end=2228
+  _globals['_PROGRESS']._serialized_start=2230
+  _globals['_PROGRESS']._serialized_end=2305
+  _globals['_TRANSFERDONE']._serialized_start=2307
+  _globals['_TRANSFERDONE']._serialized_end=2431
+  _globals['_REPLICAUPDATED']._serialized_start=2433
+  _globals['_REPLICAUPDATED']._serialized_end=2466
+  _globals['_FAILURE']._serialized_start=2468
+  _globals['_FAILURE']._serialized_end=2551
+  _globals['_PLANMISSING']._serialized_start=2553
+  _globals['_PLANMISSING']._serialized_end=2623
+  _globals['_REPORTRESPONSE']._serialized_start=2625
+  _globals['_REPORTRESPONSE']._serialized_end=2659
+  _globals['_DEREGISTERREQUEST']._serialized_start=2661
+  _globals['_DEREGISTERREQUEST']._serialized_end=2699
+  _globals['_DEREGISTERRESPONSE']._serialized_start=2701
+  _globals['_DEREGISTERRESPONSE']._serialized_end=2721
+  _globals['_AGENTSERVICE']._serialized_start=2724
+  _globals['_AGENTSERVICE']._serialized_end=3166
 # @@protoc_insertion_point(module_scope)

@@ -372,8 +372,14 @@ Global___LeaveGroup: _TypeAlias = LeaveGroup  # noqa: Y015
 @_typing.final
 class PrepareRefit(_message.Message):
     """Trainers: take the weights read-lock (wait for the optimizer step to finish).
-    Generators: receive and keep the plan. Sidecars: pause the engine and start the update.
-    Each answers with a Prepared report.
+    Generators: get ready to receive. Sidecars: pause the engine and start the update.
+    Each answers with a Prepared report (a data-plane rank that does not hold the named plan
+    answers PlanMissing instead, and gets this command again with the plan's body).
+
+    Plans are sent once: data-plane ranks keep the rank plans they were sent (a small cache
+    keyed by plan digest and rank), and the refits after the first one of a layout name
+    theirs by `plan_digest` + `plan_rank` alone, so nothing proportional to the number of
+    tensors crosses the control plane per refit.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -384,14 +390,22 @@ class PrepareRefit(_message.Message):
     PLAN_FIELD_NUMBER: _builtins.int
     CONFIG_FIELD_NUMBER: _builtins.int
     PAUSE_MODE_FIELD_NUMBER: _builtins.int
+    PLAN_DIGEST_FIELD_NUMBER: _builtins.int
+    PLAN_RANK_FIELD_NUMBER: _builtins.int
     refit_id: _builtins.str
     version: _builtins.int
     epoch: _builtins.int
     pause_mode: _builtins.str
     """Sidecars: how to pause the engine ("abort", "wait" or "keep")."""
+    plan_digest: _builtins.str
+    """Data-plane ranks: which rank plan this refit runs (always set, with or without `plan`)."""
+    plan_rank: _builtins.int
+    """The group rank the plan is cut for (RankPlan.rank)."""
     @_builtins.property
     def plan(self) -> _common_pb2.RankPlan:
-        """Data-plane ranks only."""
+        """Data-plane ranks: the body of the rank's plan, set only when the coordinator has no
+        acknowledgement (a Prepared report) that this member id holds it in this group epoch.
+        """
 
     @_builtins.property
     def config(self) -> _common_pb2.TransferConfig: ...
@@ -404,10 +418,12 @@ class PrepareRefit(_message.Message):
         plan: _common_pb2.RankPlan | None = ...,
         config: _common_pb2.TransferConfig | None = ...,
         pause_mode: _builtins.str = ...,
+        plan_digest: _builtins.str = ...,
+        plan_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "epoch", b"epoch", "pause_mode", b"pause_mode", "plan", b"plan", "refit_id", b"refit_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "epoch", b"epoch", "pause_mode", b"pause_mode", "plan", b"plan", "plan_digest", b"plan_digest", "plan_rank", b"plan_rank", "refit_id", b"refit_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -475,6 +491,7 @@ class ReportRequest(_message.Message):
     TRANSFER_DONE_FIELD_NUMBER: _builtins.int
     REPLICA_UPDATED_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
+    PLAN_MISSING_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     refit_id: _builtins.str
     @_builtins.property
@@ -491,6 +508,8 @@ class ReportRequest(_message.Message):
     def replica_updated(self) -> Global___ReplicaUpdated: ...
     @_builtins.property
     def failure(self) -> Global___Failure: ...
+    @_builtins.property
+    def plan_missing(self) -> Global___PlanMissing: ...
     def __init__(
         self,
         *,
@@ -503,12 +522,13 @@ class ReportRequest(_message.Message):
         transfer_done: Global___TransferDone | None = ...,
         replica_updated: Global___ReplicaUpdated | None = ...,
         failure: Global___Failure | None = ...,
+        plan_missing: Global___PlanMissing | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "group_joined", b"group_joined", "prepared", b"prepared", "progress", b"progress", "rendezvous_ready", b"rendezvous_ready", "replica_updated", b"replica_updated", "report", b"report", "transfer_done", b"transfer_done"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "group_joined", b"group_joined", "plan_missing", b"plan_missing", "prepared", b"prepared", "progress", b"progress", "rendezvous_ready", b"rendezvous_ready", "replica_updated", b"replica_updated", "report", b"report", "transfer_done", b"transfer_done"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "group_joined", b"group_joined", "member_id", b"member_id", "prepared", b"prepared", "progress", b"progress", "refit_id", b"refit_id", "rendezvous_ready", b"rendezvous_ready", "replica_updated", b"replica_updated", "report", b"report", "transfer_done", b"transfer_done"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "group_joined", b"group_joined", "member_id", b"member_id", "plan_missing", b"plan_missing", "prepared", b"prepared", "progress", b"progress", "refit_id", b"refit_id", "rendezvous_ready", b"rendezvous_ready", "replica_updated", b"replica_updated", "report", b"report", "transfer_done", b"transfer_done"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_report: _TypeAlias = _typing.Literal["rendezvous_ready", "group_joined", "prepared", "progress", "transfer_done", "replica_updated", "failure"]  # noqa: Y015
+    _WhichOneofReturnType_report: _TypeAlias = _typing.Literal["rendezvous_ready", "group_joined", "prepared", "progress", "transfer_done", "replica_updated", "failure", "plan_missing"]  # noqa: Y015
     _WhichOneofArgType_report: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_report) -> _WhichOneofReturnType_report | None: ...
 
@@ -679,6 +699,37 @@ class Failure(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Failure: _TypeAlias = Failure  # noqa: Y015
+
+@_typing.final
+class PlanMissing(_message.Message):
+    """A data-plane rank was told to run a plan it does not hold (evicted from its cache, or
+    state lost under the same member id): not a failure; the coordinator sends the
+    PrepareRefit again with the plan's body.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLAN_DIGEST_FIELD_NUMBER: _builtins.int
+    PLAN_RANK_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    plan_digest: _builtins.str
+    plan_rank: _builtins.int
+    message: _builtins.str
+    """Why, for logs (e.g. "not in this rank's plan cache (4 plans kept)")."""
+    def __init__(
+        self,
+        *,
+        plan_digest: _builtins.str = ...,
+        plan_rank: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "plan_digest", b"plan_digest", "plan_rank", b"plan_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanMissing: _TypeAlias = PlanMissing  # noqa: Y015
 
 @_typing.final
 class ReportResponse(_message.Message):
