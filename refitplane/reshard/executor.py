@@ -134,6 +134,8 @@ class _Prepared:
     rounds: tuple[tuple[tuple[Message, MessageIO], ...], ...]
     # Reserved checksum launch tables (verified runs on CUDA), one entry per message.
     tables: LaunchTables | None = None
+    # Distinct tensors received, counted once per plan rather than per refit.
+    tensors_received: int = 0
 
     def serves(self, plan: RankPlan, shards: LocalShards) -> bool:
         same_plan = plan is self.plan or (
@@ -212,7 +214,14 @@ class Executor:
             count = sum(len(r) for r in schedule.rounds)
             tables = LaunchTables(self.transport.device, count)
         self._prepared = _Prepared(
-            plan, shards, shards.version, shards.fingerprint(), schedule, rounds, tables
+            plan,
+            shards,
+            shards.version,
+            shards.fingerprint(),
+            schedule,
+            rounds,
+            tables,
+            tensors_received=len({p.tensor for link in plan.recvs for p in link.pieces}),
         )
         return self._prepared
 
@@ -252,7 +261,7 @@ class _Run:
         self.in_flight: deque[_Group] = deque()
         self.receives_posted = False
         self.report = TransferReport()
-        self.report.tensors_total = len({p.tensor for link in plan.recvs for p in link.pieces})
+        self.report.tensors_total = prepared.tensors_received
         self.total = plan.send_bytes + plan.recv_bytes
         self.done = 0
         self.group_bytes = GROUP_BUCKETS * self.cfg.bucket_bytes
@@ -426,12 +435,20 @@ class _Run:
             with self.t.channel_context(0):
                 handle = self.t.fence(self.t.issue(0, ops, self.deadline))
             self.t.wait(handle, self.deadline, self.cancel)
+        mismatched = {
+            link: (self.sums[link].cpu() != theirs.cpu()).any(dim=1)
+            for link, theirs in remote.items()
+        }
+        if not any(bool(differs.any()) for differs in mismatched.values()):
+            # Every received message matched: every received tensor is verified (counting
+            # them per message would cost a pass over every chunk on every refit).
+            self.report.tensors_verified = self.report.tensors_total
+            return
         verified: set[str] = set()
         failed: set[str] = set()
         messages = self._recv_messages()
-        for link, theirs in sorted(remote.items()):
-            differs = (self.sums[link].cpu() != theirs.cpu()).any(dim=1)
-            bad = differs.nonzero().flatten().tolist()
+        for link in sorted(remote):
+            bad = mismatched[link].nonzero().flatten().tolist()
             for round_index, m in enumerate(messages[link]):
                 names = {c.tensor for c in m.chunks}
                 (failed if round_index in bad else verified).update(names)

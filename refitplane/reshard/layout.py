@@ -136,15 +136,40 @@ class Layout:
     def digest(self) -> str:
         """A stable hash of the layout's content (names, specs, ranks, boxes)."""
         if not self._hash:
-            h = hashlib.sha256()
-            for t in self:
-                s = t.spec
-                h.update(f"{s.name}|{s.shape}|{s.dtype}".encode())
-                for rank in sorted(t.boxes):
-                    h.update(f"|{rank}:{sorted(t.boxes[rank])}".encode())
-                h.update(b"\n")
-            self._hash.append(h.hexdigest())
+            self._hash.append(_digest(self))
         return self._hash[0]
+
+
+def _digest(layout: Layout) -> str:
+    """sha256 over, per tensor in name order, `name|shape|dtype`, then `|rank:[boxes]` per
+    rank in order (boxes sorted), then a newline. Fed in large chunks (the same bytes as
+    one update per field), and the text of each rank-to-boxes mapping is made once: a model
+    repeats the same mapping over its layers and experts."""
+    h = hashlib.sha256()
+    mapping_text: dict[tuple[tuple[int, tuple[Box, ...]], ...], str] = {}
+    parts: list[str] = []
+    tensors = layout.tensors
+    for name in sorted(tensors):
+        t = tensors[name]
+        s = t.spec
+        parts.append(f"{s.name}|{s.shape}|{s.dtype}")
+        boxes = t.boxes
+        items = tuple(boxes.items())
+        try:
+            text = mapping_text.get(items)
+        except TypeError:  # a box given as lists: unhashable, and never shared
+            text, items = None, ()
+        if text is None:
+            text = "".join(f"|{rank}:{sorted(boxes[rank])}" for rank in sorted(boxes))
+            if items:
+                mapping_text[items] = text
+        parts.append(text)
+        parts.append("\n")
+        if len(parts) >= 3 * 4096:
+            h.update("".join(parts).encode())
+            parts.clear()
+    h.update("".join(parts).encode())
+    return h.hexdigest()
 
 
 class LayoutBuilder:
@@ -156,7 +181,10 @@ class LayoutBuilder:
 
     def __init__(self) -> None:
         self._specs: dict[str, TensorSpec] = {}
-        self._boxes: dict[str, dict[int, list[Box]]] = {}
+        # Per tensor, per rank, the boxes in the order added (sorted by `build`)
+        self._boxes: dict[str, dict[int, tuple[Box, ...]]] = {}
+        # Tensors with a rank listing more than one box (only those need their boxes sorted)
+        self._several: set[str] = set()
 
     def add_spec(self, spec: TensorSpec) -> None:
         known = self._specs.get(spec.name)
@@ -172,6 +200,24 @@ class LayoutBuilder:
             )
 
     def add(self, spec: TensorSpec, rank: int, box: Box) -> None:
+        # Fast path first (layouts of the largest models add ~10^6 boxes): the spec object
+        # already known, an int rank, a box inside the shape, nothing else on that rank yet.
+        if self._specs.get(spec.name) is not spec:
+            self.add_spec(spec)  # registers it, or checks it against the one known
+        if rank.__class__ is int and rank >= 0:
+            shape = spec.shape
+            if len(box) == len(shape):
+                for (start, stop), n in zip(box, shape):  # noqa: B905 (lengths checked)
+                    if not 0 <= start < stop <= n:
+                        break
+                else:
+                    per_rank_boxes = self._boxes[spec.name]
+                    if rank not in per_rank_boxes:
+                        per_rank_boxes[rank] = (box,)
+                        return
+        self._add_checked(spec, rank, box)
+
+    def _add_checked(self, spec: TensorSpec, rank: int, box: Box) -> None:
         self.add_spec(spec)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise LayoutError(
@@ -187,7 +233,8 @@ class LayoutBuilder:
                 box=format_box(box),
                 field="boxes",
             )
-        per_rank = self._boxes[spec.name].setdefault(rank, [])
+        per_tensor = self._boxes[spec.name]
+        per_rank = per_tensor.get(rank, ())
         for other in per_rank:
             if intersect(other, box) is not None:
                 raise LayoutError(
@@ -197,7 +244,9 @@ class LayoutBuilder:
                     box=format_box(box),
                     field="boxes",
                 )
-        per_rank.append(box)
+        per_tensor[rank] = (*per_rank, box)
+        if per_rank:
+            self._several.add(spec.name)
 
     def add_many(self, spec: TensorSpec, rank_boxes: Mapping[int, Iterable[Box]]) -> None:
         for rank, boxes in rank_boxes.items():
@@ -214,9 +263,12 @@ class LayoutBuilder:
     def build(self) -> Layout:
         tensors = {}
         for name, spec in self._specs.items():
-            tensors[name] = TensorLayout(
-                spec, {rank: tuple(sorted(b)) for rank, b in sorted(self._boxes[name].items())}
-            )
+            per_rank = self._boxes[name]
+            if name in self._several:
+                per_rank = {rank: tuple(sorted(b)) for rank, b in per_rank.items()}
+            # Ranks in order, boxes sorted per rank; copies, so the builder may go on.
+            boxes = dict(sorted(per_rank.items())) if len(per_rank) > 1 else dict(per_rank)
+            tensors[name] = TensorLayout(spec, boxes)
         return Layout(tensors)
 
 

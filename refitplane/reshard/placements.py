@@ -9,6 +9,7 @@ hold nothing.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -104,7 +105,15 @@ def placement_boxes(
             raise LayoutError(
                 f"Shard({p.dim}) on a {len(shape)}-d tensor", tensor=tensor, field="placements"
             )
-    out: dict[int, Box] = {}
+    return dict(_placement_boxes(tuple(shape), mesh, tuple(placements)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement_boxes(
+    shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> tuple[tuple[int, Box], ...]:
+    # Cached: a model repeats a few shapes over many layers and experts, on the same meshes.
+    out: list[tuple[int, Box]] = []
     for index, rank in enumerate(mesh.ranks):
         coords = mesh.coordinates(index)
         ranges = [(0, int(n)) for n in shape]
@@ -114,5 +123,5 @@ def placement_boxes(
                 c0, c1 = chunk_range(hi - lo, mesh.shape[mesh_dim], coords[mesh_dim])
                 ranges[p.dim] = (lo + c0, lo + c1)
         if all(hi > lo for lo, hi in ranges):
-            out[rank] = tuple(ranges)
-    return out
+            out.append((rank, tuple(ranges)))
+    return tuple(out)

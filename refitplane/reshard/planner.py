@@ -162,8 +162,10 @@ def build_plan(
         )
     cutter = _Cutter({}, {})
     send_load: dict[int, int] = dict.fromkeys(source.ranks(), 0)
-    link_pieces: dict[tuple[int, int], list[Piece]] = {}
-    link_load: dict[tuple[int, int], int] = {}
+    # Per destination rank, per source rank: the link's pieces and bytes so far (keyed by
+    # plain ints: no (src, dst) tuple is built or hashed per piece).
+    link_pieces: dict[int, dict[int, list[Piece]]] = {}
+    link_load: dict[int, dict[int, int]] = {}
     specs: dict[str, TensorSpec] = {}
     host_of = hosts or {}
 
@@ -176,8 +178,15 @@ def build_plan(
             # Common case (experts, replicated weights): one box held, wanted whole.
             only = holders[0] if len(holders) == 1 else None
             whole: tuple[Cut, ...] = ((only, 0, box_numel(only)),) if only is not None else ()
+            # Replicas need the same boxes: one Piece object per box of this tensor.
+            pieces_of: dict[Box, Piece] = {}
             for dst in sorted(t.boxes):
                 dst_host = host_of.get(dst) if host_of else None
+                to_dst = link_pieces.get(dst)
+                if to_dst is None:
+                    to_dst = link_pieces[dst] = {}
+                    link_load[dst] = {}
+                load_to_dst = link_load[dst]
                 for need in t.boxes[dst]:
                     try:
                         cuts = whole if need == only else cutter.cut(holders, need)
@@ -195,21 +204,24 @@ def build_plan(
                             src = candidates[0]
                         else:
                             src = _pick_sender(
-                                candidates, dst, dst_host, host_of, send_load, link_load
+                                candidates, dst_host, host_of, send_load, load_to_dst
                             )
                         send_load[src] += nbytes
-                        key = (src, dst)
-                        pieces = link_pieces.get(key)
+                        piece = pieces_of.get(box)
+                        if piece is None:
+                            piece = pieces_of[box] = Piece(name, box)
+                        pieces = to_dst.get(src)
                         if pieces is None:
-                            link_pieces[key] = [Piece(name, box)]
-                            link_load[key] = nbytes
+                            to_dst[src] = [piece]
+                            load_to_dst[src] = nbytes
                         else:
-                            pieces.append(Piece(name, box))
-                            link_load[key] += nbytes
+                            pieces.append(piece)
+                            load_to_dst[src] += nbytes
 
+        pairs = sorted((src, dst) for dst, by_src in link_pieces.items() for src in by_src)
         links = tuple(
-            Link(src=s, dst=d, pieces=tuple(link_pieces[(s, d)]), nbytes=link_load[(s, d)])
-            for s, d in sorted(link_pieces)
+            Link(src=s, dst=d, pieces=tuple(link_pieces[d][s]), nbytes=link_load[d][s])
+            for s, d in pairs
         )
 
     host_key = ",".join(f"{r}={h}" for r, h in sorted(host_of.items()))
@@ -251,24 +263,34 @@ def _distinct_holders(held: TensorLayout) -> tuple[tuple[Box, ...], list[list[in
 
 def _pick_sender(
     candidates: list[int],
-    dst: int,
     dst_host: str | None,
     host_of: Mapping[int, str],
     send_load: Mapping[int, int],
-    link_load: Mapping[tuple[int, int], int],
+    load_to_dst: Mapping[int, int],
 ) -> int:
+    """The candidate with the least (remote, bytes to send, bytes on its link to the
+    destination) — `load_to_dst` is by source rank — the first one on ties."""
     best = candidates[0]
     if not host_of:
-        best_load: tuple[int, int] | None = None
-        for c in candidates:
-            load = (send_load[c], link_load.get((c, dst), 0))
-            if best_load is None or load < best_load:
-                best, best_load = c, load
+        # The first candidate with the least (bytes to send, bytes on its link to dst); the
+        # link's load is looked up only to break a tie on the first.
+        best_send = send_load[best]
+        best_link = -1
+        for c in candidates[1:]:
+            c_send = send_load[c]
+            if c_send < best_send:
+                best, best_send, best_link = c, c_send, -1
+            elif c_send == best_send:
+                if best_link < 0:
+                    best_link = load_to_dst.get(best, 0)
+                c_link = load_to_dst.get(c, 0)
+                if c_link < best_link:
+                    best, best_link = c, c_link
         return best
     best_key: tuple[bool, int, int] | None = None
     for c in candidates:
         remote = dst_host is not None and host_of.get(c) != dst_host
-        key = (remote, send_load[c], link_load.get((c, dst), 0))
+        key = (remote, send_load[c], load_to_dst.get(c, 0))
         if best_key is None or key < best_key:
             best, best_key = c, key
     return best
