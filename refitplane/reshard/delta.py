@@ -32,6 +32,7 @@ _INDEX_BYTES = 4
 # Sections of a payload start at multiples of this, so each can be viewed as its words.
 _SECTION_ALIGN = 8
 _BIT_WEIGHTS_CACHE: dict[torch.device, torch.Tensor] = {}
+_PACK_MAGIC = 0x0102040810204080
 
 
 class Encoding(IntEnum):
@@ -108,6 +109,17 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
     return weights
 
 
+def _pack_bits(mask: torch.Tensor, bitmap: torch.Tensor) -> None:
+    """Word i's flag into bit i % 8 of byte i // 8. Eight 0/1 bytes read as one int64
+    (little-endian) times _PACK_MAGIC put byte k's bit at bit 56 + k with no carries into
+    the top byte (checked for all 256 patterns by the unit tests); one multiply and shift
+    instead of eight strided passes."""
+    bits = torch.zeros(bitmap.numel() * 8, dtype=torch.uint8, device=mask.device)
+    bits[: mask.numel()] = mask
+    packed = (bits.view(torch.int64) * _PACK_MAGIC) >> 56
+    bitmap.copy_(packed.bitwise_and_(0xFF))
+
+
 def encode_into(
     current: torch.Tensor, base: torch.Tensor, header: DeltaHeader, word: int, out: torch.Tensor
 ) -> None:
@@ -122,6 +134,14 @@ def encode_into(
     mask = cur != old
     values_at = header.nbytes - header.changed * word
     values = out[values_at:].view(_WORD_DTYPES[word])
+    # The gap before the values is alignment padding: zeroed, so a payload's bytes depend
+    # on the data alone (the same on every device).
+    section_end = (
+        header.changed * _INDEX_BYTES
+        if header.encoding is Encoding.INDEX
+        else (mask.numel() + 7) // 8
+    )
+    out[section_end:values_at].zero_()
     if header.encoding is Encoding.INDEX:
         index = torch.nonzero(mask).flatten()
         if index.numel() != header.changed:
@@ -131,11 +151,8 @@ def encode_into(
         out[: header.changed * _INDEX_BYTES].view(torch.int32).copy_(index)
         torch.index_select(cur, 0, index, out=values)
         return
-    bits = torch.zeros((mask.numel() + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
-    bits[: mask.numel()] = mask
-    bitmap = (bits.view(-1, 8) * _bit_weights(mask.device)).sum(dim=1, dtype=torch.uint8)
-    out[: bitmap.numel()].copy_(bitmap[: (mask.numel() + 7) // 8])
-    selected = torch.masked_select(cur, mask)
+    _pack_bits(mask, out[: (mask.numel() + 7) // 8])
+    selected = cur[mask]  # masked_select is several times slower on CPU
     if selected.numel() != header.changed:
         raise InvalidArgument(
             f"{selected.numel()} words changed since they were counted ({header.changed})"

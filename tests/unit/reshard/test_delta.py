@@ -35,8 +35,11 @@ def _roundtrip(base: torch.Tensor, current: torch.Tensor, encoding: Encoding) ->
     old, new = _image(base), _image(current)
     changed = int(changed_words(new, old, word))
     header = DeltaHeader(encoding, changed, encoded_nbytes(encoding, new.numel(), changed, word))
-    payload = torch.empty(header.nbytes, dtype=torch.uint8)
+    payload = torch.full((header.nbytes,), 0xFF, dtype=torch.uint8)
     encode_into(new, old, header, word, payload)
+    again = torch.zeros(header.nbytes, dtype=torch.uint8)
+    encode_into(new, old, header, word, again)
+    assert torch.equal(payload, again)  # no byte left over from the buffer's past
     received = old.clone()
     apply_delta(received, header, word, payload)
     return received
@@ -108,3 +111,25 @@ def test_a_payload_of_the_wrong_size_is_refused() -> None:
         apply_delta(base.clone(), header, 4, torch.empty(header.nbytes + 1, dtype=torch.uint8))
     with pytest.raises(InvalidArgument, match="changed since they were counted"):
         encode_into(base, base, header, 4, torch.empty(header.nbytes, dtype=torch.uint8))
+
+
+def test_bitmap_packing_for_every_byte_pattern() -> None:
+    """All 256 patterns of eight words (the packing multiplies eight 0/1 bytes as one int64):
+    only the flagged words change."""
+    patterns = torch.arange(256)
+    flags = ((patterns.unsqueeze(1) >> torch.arange(8)) & 1).bool().flatten()
+    base = torch.zeros(flags.numel(), dtype=torch.int16)
+    current = base.clone()
+    current[flags] = 7
+    old, new = _image(base), _image(current)
+    header = DeltaHeader(
+        Encoding.BITMAP,
+        int(flags.sum()),
+        encoded_nbytes(Encoding.BITMAP, new.numel(), int(flags.sum()), 2),
+    )
+    payload = torch.empty(header.nbytes, dtype=torch.uint8)
+    encode_into(new, old, header, 2, payload)
+    assert torch.equal(payload[:256], patterns.to(torch.uint8))
+    received = old.clone()
+    apply_delta(received, header, 2, payload)
+    assert torch.equal(received, new)
