@@ -21,6 +21,16 @@ checksummed by the torch path, which allocates temporaries; staged messages neve
 The schedule and resolved views are kept for the next refit while plan and shards (or the
 memory behind them) stay the same.
 
+A receiver whose registry is a `StagedShards` (tensors it stages and applies itself: a
+vLLM worker whose kernels repack their weights) gets its staged tensors a bucket of stages
+at a time (`staged.py`): the schedule goes stage by stage, and at each bucket boundary the
+rank completes everything in flight, then the owner applies the finished bucket (its bytes
+are in place and checksummed) and the next one is given memory. Only there, with nothing
+in flight, is staging memory touched, and the messages of a bucket are resolved against it
+each time (their memory is new every refit). The last bucket is left for the owner to apply
+after the transfer verified. A boundary waits on nothing from peers: they block in their
+next transfer until this rank posts again.
+
 With verification on, both ends checksum every message (the sender what it sends, the
 receiver what arrived: its parameters themselves for direct messages; one kernel launch
 per group of messages) and, after the last message, senders ship their checksum vectors;
@@ -48,10 +58,16 @@ from refitplane.errors import (
 from refitplane.reshard.boxes import format_box
 from refitplane.reshard.checksum import LaunchTables, accumulate_sums_many
 from refitplane.reshard.config import TransferConfig
-from refitplane.reshard.message_io import MessageIO, StridedChunk, resolve_messages
+from refitplane.reshard.message_io import (
+    MessageIO,
+    StridedChunk,
+    resolve_message,
+    resolve_messages,
+)
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.schedule import Message, RankSchedule, rank_schedule
 from refitplane.reshard.shards import LocalShards
+from refitplane.reshard.staged import StagedBucket, StagedShards
 from refitplane.reshard.staging import StagingRing
 from refitplane.reshard.transport.base import Handle, P2POp, Transport
 
@@ -70,6 +86,11 @@ class TransferReport:
     tensors_total: int = 0
     tensors_verified: int = 0
     staging_peak_bytes: int = 0
+    # Staged receivers (`StagedShards`): buckets of stages, how many were applied during the
+    # transfer (the last one is left to the owner), and the staging arena's size.
+    staged_buckets: int = 0
+    staged_applied: int = 0
+    staged_peak_bytes: int = 0
     # Host-side timeline, from the start of `run`: schedule and views resolved; every
     # transfer posted (the rest of `seconds` is waiting for the devices and verifying).
     prepared_seconds: float = 0.0
@@ -130,12 +151,16 @@ class _Prepared:
     shards_version: int
     fingerprint: tuple[tuple[object, ...], ...]
     schedule: RankSchedule
-    # The schedule's rounds with each message's resolved local memory.
-    rounds: tuple[tuple[tuple[Message, MessageIO], ...], ...]
+    # The schedule's steps with each message's resolved local memory (None: a staged
+    # message, resolved when its bucket opens).
+    steps: tuple[tuple[tuple[Message, MessageIO | None], ...], ...]
     # Reserved checksum launch tables (verified runs on CUDA), one entry per message.
     tables: LaunchTables | None = None
     # Distinct tensors received, counted once per plan rather than per refit.
     tensors_received: int = 0
+    # Staged receivers: the buckets, and the steps each one spans.
+    buckets: tuple[StagedBucket, ...] = ()
+    bucket_steps: tuple[range, ...] = ()
 
     def serves(self, plan: RankPlan, shards: LocalShards) -> bool:
         same_plan = plan is self.plan or (
@@ -147,6 +172,8 @@ class _Prepared:
             return False
         if shards is self.shards and shards.version == self.shards_version:
             return True
+        if isinstance(shards, StagedShards):
+            return False  # its buckets follow its own settings, whatever its memory
         # A new registry over the same memory (the cached views keep the old memory alive,
         # so equal addresses mean the same memory).
         return shards.fingerprint() == self.fingerprint
@@ -187,7 +214,14 @@ class Executor:
         started = time.monotonic()
         self.receives_posted = False
         prepared = self._prepare(plan, shards)
-        run = _Run(self, prepared, progress, cancel, started)
+        staged = shards if prepared.buckets and isinstance(shards, StagedShards) else None
+        if staged is not None and len(prepared.buckets) > 1 and not self.config.verify_checksums:
+            raise InvalidArgument(
+                f"rank {plan.rank} applies staged weights a bucket at a time during the "
+                "transfer, which needs checksums (verify_checksums / REFIT_VERIFY_CHECKSUMS)",
+                field="verify_checksums",
+            )
+        run = _Run(self, prepared, progress, cancel, started, staged)
         run.report.prepared_seconds = time.monotonic() - started
         try:
             report = run.execute()
@@ -195,10 +229,15 @@ class Executor:
             self.receives_posted = run.receives_posted
             self.transport.abort()
             self.ring = StagingRing(self.config.max_inflight_bytes, self.transport.device)
+            if staged is not None:
+                staged.discard()
             raise
         self.receives_posted = run.receives_posted
         report.seconds = time.monotonic() - started
         report.staging_peak_bytes = self.ring.peak
+        if staged is not None:
+            # A staged receiver holds no transfer memory between refits.
+            self.ring.free()
         return report
 
     def _prepare(self, plan: RankPlan, shards: LocalShards) -> _Prepared:
@@ -208,10 +247,14 @@ class Executor:
             return kept
         self._prepared = None  # let go of the old views first
         schedule = rank_schedule(plan, self.config)
-        rounds = resolve_messages(plan, schedule, shards)
+        deferred = shards.staged_names if isinstance(shards, StagedShards) else frozenset()
+        steps = resolve_messages(plan, schedule, shards, deferred)
+        buckets: list[StagedBucket] = []
+        if isinstance(shards, StagedShards):
+            buckets = shards.plan(schedule.receive_stages(plan.rank))
         tables = None
         if self.config.verify_checksums and self.transport.device.type == "cuda":
-            count = sum(len(r) for r in schedule.rounds)
+            count = sum(len(step) for step in schedule.steps)
             tables = LaunchTables(self.transport.device, count)
         self._prepared = _Prepared(
             plan,
@@ -219,11 +262,26 @@ class Executor:
             shards.version,
             shards.fingerprint(),
             schedule,
-            rounds,
+            steps,
             tables,
             tensors_received=len({p.tensor for link in plan.recvs for p in link.pieces}),
+            buckets=tuple(buckets),
+            bucket_steps=tuple(_bucket_steps(schedule, buckets)),
         )
         return self._prepared
+
+
+def _bucket_steps(schedule: RankSchedule, buckets: list[StagedBucket]) -> list[range]:
+    """For each bucket, the steps from its first stage's first to its last stage's last."""
+    bucket_of = {stage: b.index for b in buckets for stage in b.stages}
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, step in enumerate(schedule.steps):
+        b = bucket_of.get(step[0].stage)
+        if b is not None:
+            first.setdefault(b, i)
+            last[b] = i
+    return [range(first[b.index], last[b.index] + 1) for b in buckets]
 
 
 class _Run:
@@ -236,6 +294,7 @@ class _Run:
         progress: ProgressFn | None,
         cancel: threading.Event | None,
         started: float,
+        staged: StagedShards | None = None,
     ) -> None:
         self.t = executor.transport
         self.cfg = executor.config
@@ -247,8 +306,15 @@ class _Run:
         self.started = started
         self.deadline = started + self.cfg.timeout_s
         self.schedule = prepared.schedule
-        self.rounds = prepared.rounds
+        self.steps = prepared.steps
         self.tables = prepared.tables
+        self.staged = staged
+        self.buckets = prepared.buckets if staged is not None else ()
+        self.bucket_spans = prepared.bucket_steps if staged is not None else ()
+        self.bucket_starts = {span.start: b for b, span in enumerate(self.bucket_spans)}
+        self.open_bucket: StagedBucket | None = None
+        # The open bucket's steps, their staged messages resolved against its memory.
+        self.resolved: dict[int, tuple[tuple[Message, MessageIO | None], ...]] = {}
         if self.tables is not None:
             self.tables.reset()
         self.verify = self.cfg.verify_checksums
@@ -272,27 +338,67 @@ class _Run:
 
     def execute(self) -> TransferReport:
         self.t.begin()
-        for round_msgs in self.rounds:
+        if self.staged is not None:
+            # Before any byte moves: the staging arena, and the ring (freed after each
+            # staged transfer), so that nothing allocates while transfers are in flight.
+            self.staged.begin(self.buckets)
+            self.ring.reserve()
+            self.report.staged_buckets = len(self.buckets)
+            self.report.staged_peak_bytes = self.staged.staging_peak_bytes
+        for i, step in enumerate(self.steps):
             self._check_cancel()
-            channel = round_msgs[0][0].channel
-            for m, io in round_msgs:
+            bucket = self.bucket_starts.get(i)
+            if bucket is not None:
+                self._next_bucket(self.buckets[bucket])
+            channels = set()
+            for m, io in self.resolved.pop(i, step):
+                if io is None:
+                    raise TransferError(
+                        f"rank {self.rank}: message {m.round} from rank {m.src} to rank {m.dst} "
+                        f"(first tensor {m.chunks[0].tensor!r}) has no memory: its stage is in "
+                        "no staged bucket"
+                    )
                 self._add(m, io)
-            group = self.pending.get(channel)
-            if group is not None and (
-                group.nbytes >= self.group_bytes
-                or group.staged >= self.group_staged
-                or len(group.ops) >= GROUP_MAX_OPS
-            ):
-                self._flush(channel)
+                channels.add(m.channel)
+            for channel in sorted(channels):
+                group = self.pending.get(channel)
+                if group is not None and (
+                    group.nbytes >= self.group_bytes
+                    or group.staged >= self.group_staged
+                    or len(group.ops) >= GROUP_MAX_OPS
+                ):
+                    self._flush(channel)
             self._retire_completed()
-        self._flush_all()
-        self.report.posted_seconds = time.monotonic() - self.started
-        while self.in_flight:
-            self._complete_oldest()
+        self._drain()
         if self.verify:
             self._verify()
         self.t.end()
         return self.report
+
+    def _drain(self) -> None:
+        """Post everything pending and complete everything in flight."""
+        self._flush_all()
+        self.report.posted_seconds = time.monotonic() - self.started
+        while self.in_flight:
+            self._complete_oldest()
+
+    def _next_bucket(self, bucket: StagedBucket) -> None:
+        """With nothing in flight: apply the open bucket (every byte of it arrived and was
+        checksummed), then give `bucket` memory and resolve its messages against it."""
+        if self.staged is None:
+            return
+        self._drain()
+        if self.open_bucket is not None:
+            self.staged.close(self.open_bucket)
+            self.report.staged_applied += 1
+        self.staged.open(bucket)
+        self.open_bucket = bucket
+        specs = self.plan.specs
+        for i in self.bucket_spans[bucket.index]:
+            self.resolved[i] = tuple(
+                (m, io if io is not None else resolve_message(m, self.staged, specs))
+                for m, io in self.steps[i]
+            )
 
     def _add(self, m: Message, io: MessageIO) -> None:
         sending = m.src == self.rank
@@ -463,8 +569,11 @@ class _Run:
         self.report.tensors_verified = len(verified - failed)
 
     def _recv_messages(self) -> dict[Link, list[Message]]:
+        """Each incoming link's messages in round order (their rows in its checksums)."""
         out: dict[Link, list[Message]] = {}
         for m in self.schedule.messages:
             if m.dst == self.rank:
                 out.setdefault((m.src, m.dst), []).append(m)
+        for messages in out.values():
+            messages.sort(key=lambda m: m.round)
         return out

@@ -11,7 +11,7 @@ alone, through a typed strided view (resharded boxes).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import torch
@@ -87,10 +87,15 @@ def message_io(m: Message, views: list[torch.Tensor], specs: Mapping[str, Tensor
 
 
 def resolve_messages(
-    plan: RankPlan, schedule: RankSchedule, shards: LocalShards
-) -> tuple[tuple[tuple[Message, MessageIO], ...], ...]:
-    """The schedule's rounds with every message's local memory, each view checked against
-    the plan before any byte moves."""
+    plan: RankPlan,
+    schedule: RankSchedule,
+    shards: LocalShards,
+    deferred: Set[str] = frozenset(),
+) -> tuple[tuple[tuple[Message, MessageIO | None], ...], ...]:
+    """The schedule's steps with every message's local memory, each view checked against
+    the plan before any byte moves. A message with a chunk of a `deferred` tensor (staged:
+    its memory exists only while its bucket is open) gets None, resolved later by
+    `resolve_message`."""
     for name, spec in plan.specs.items():
         try:
             local = shards.spec(name)
@@ -109,8 +114,18 @@ def resolve_messages(
             )
     return tuple(
         tuple(
-            (m, message_io(m, [shards.view(c.tensor, c.box) for c in m.chunks], plan.specs))
-            for m in round_msgs
+            (
+                m,
+                None
+                if deferred and any(c.tensor in deferred for c in m.chunks)
+                else resolve_message(m, shards, plan.specs),
+            )
+            for m in step
         )
-        for round_msgs in schedule.rounds
+        for step in schedule.steps
     )
+
+
+def resolve_message(m: Message, shards: LocalShards, specs: Mapping[str, TensorSpec]) -> MessageIO:
+    """One message's local memory, from the views `shards` gives for its chunks now."""
+    return message_io(m, [shards.view(c.tensor, c.box) for c in m.chunks], specs)

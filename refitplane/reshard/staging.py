@@ -32,6 +32,11 @@ class StagingRing:
 
     @property
     def buffer(self) -> torch.Tensor:
+        return self.reserve()
+
+    def reserve(self) -> torch.Tensor:
+        """The arena, allocated now if it is not yet (call it before transfers are in
+        flight: device allocations then can deadlock, see executor.py)."""
         if self._buffer is None:
             self._buffer = torch.empty(self.size, dtype=torch.uint8, device=self.device)
         return self._buffer

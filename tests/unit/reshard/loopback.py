@@ -1,0 +1,104 @@
+"""An in-process transport for executor unit tests: ranks are threads of one process.
+
+Sends complete at once (their bytes are copied into the hub, as Gloo's do not block on the
+receiver); a receive completes when the next message from its peer on its channel is there,
+matched in posting order. `corrupt(src, dst, channel, n)` may change the n-th message of a
+pair on a channel after the sender checksummed it (a bit flip on the wire).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from refitplane.errors import TransferError, TransferTimeout
+from refitplane.reshard.transport.base import Handle, P2POp, Transport
+
+Corrupt = Callable[[int, int, int, int, torch.Tensor], None]
+
+
+class LoopbackHub:
+    def __init__(self, corrupt: Corrupt | None = None) -> None:
+        self.cond = threading.Condition()
+        self.mail: dict[tuple[int, int, int], deque[torch.Tensor]] = {}
+        self.sent: dict[tuple[int, int, int], int] = {}
+        self.aborted: set[int] = set()
+        self.corrupt = corrupt
+
+
+class LoopbackTransport(Transport):
+    def __init__(self, hub: LoopbackHub, rank: int, world_size: int, num_channels: int) -> None:
+        self.hub = hub
+        self.rank = rank
+        self.world_size = world_size
+        self.num_channels = num_channels
+        self.device = torch.device("cpu")
+        self.issued = 0
+
+    def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
+        hub = self.hub
+        pending: list[P2POp] = []
+        with hub.cond:
+            for op in ops:
+                if op.send:
+                    key = (self.rank, op.peer, channel)
+                    data = op.buffer.clone()
+                    n = hub.sent.get(key, 0)
+                    hub.sent[key] = n + 1
+                    if hub.corrupt is not None:
+                        hub.corrupt(self.rank, op.peer, channel, n, data)
+                    hub.mail.setdefault(key, deque()).append(data)
+                else:
+                    pending.append(op)
+            hub.cond.notify_all()
+        self.issued += 1
+        return Handle(channel, pending)
+
+    def _progress(self, handle: Handle) -> bool:
+        """Match what can be matched (caller holds the hub's lock); True when done."""
+        pending: list[P2POp] = handle.payload
+        blocked: set[int] = set()
+        left: list[P2POp] = []
+        for op in pending:
+            queue = self.hub.mail.get((op.peer, self.rank, handle.channel))
+            if op.peer in blocked or not queue:
+                blocked.add(op.peer)  # later receives from this peer stay in order
+                left.append(op)
+                continue
+            data = queue.popleft()
+            if data.numel() != op.buffer.numel():
+                raise TransferError(
+                    f"rank {self.rank}: {data.numel()} bytes from rank {op.peer}, "
+                    f"{op.buffer.numel()} expected"
+                )
+            op.buffer.copy_(data)
+        handle.payload = left
+        return not left
+
+    def poll(self, handle: Handle) -> bool:
+        with self.hub.cond:
+            return self._progress(handle)
+
+    def wait(self, handle: Handle, deadline: float, cancel: threading.Event | None = None) -> None:
+        with self.hub.cond:
+            while not self._progress(handle):
+                if self.rank in self.hub.aborted:
+                    raise TransferError(f"rank {self.rank}: aborted")
+                if cancel is not None and cancel.is_set():
+                    raise TransferError(f"rank {self.rank}: cancelled")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeout(f"rank {self.rank}: deadline passed")
+                self.hub.cond.wait(min(remaining, 0.05))
+
+    def abort(self) -> None:
+        with self.hub.cond:
+            self.hub.aborted.add(self.rank)
+            self.hub.cond.notify_all()
+
+    def close(self) -> None:
+        return None
