@@ -1,9 +1,11 @@
 """Checks run inside vLLM workers after a refit (`llm.collective_rpc(check_refit, ...)`).
 
 Every vLLM parameter must equal what the model's own `load_weights` writes from the full
-checkpoint the trainer held: for a staged engine, what `load_weights` writes from the
-received staging equals what it writes from the checkpoint (and every received box equals
-the checkpoint's box); for a live engine, the live parameters themselves.
+checkpoint the trainer held: for staged tensors, what `load_weights` writes from the
+tensors the engine applied (recorded bucket by bucket: `vllm_reference.record_applied`
+must run in the worker before the refit) equals what it writes from the checkpoint, and
+every received box equals the checkpoint's box; for a live engine, the live parameters
+themselves.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import torch
 
 from refitplane.models.tiny import load_checkpoint
 from refitplane.reshard.boxes import format_box, to_slices
-from refitplane.testing.vllm_reference import loaded_reference, received_parameters
+from refitplane.testing.vllm_reference import (
+    applied_staging,
+    loaded_reference,
+    received_parameters,
+)
 
 
 def check_refit(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
@@ -25,17 +31,23 @@ def check_refit(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
     layout = engine.layout
     checkpoint = load_checkpoint(checkpoint_dir)
     failures: list[str] = []
-    # Live views are the parameters themselves, staged ones the staging: both hold the
-    # checkpoint's boxes as received. Fallback tensors are not compared here: vLLM's own
-    # loader consumes them and may write into them (gpt-oss zeroes the row-parallel expert
-    # bias it is handed on TP ranks > 0); the parameters they load are compared below.
-    consumed_by_vllm = set(layout.fallback_tensors)
+    # Live views are the parameters themselves; staged tensors exist only while their
+    # bucket is applied, so their boxes are read from what the engine applied (recorded
+    # before vLLM's loader saw them: it may write into them, as gpt-oss's zeroes the
+    # row-parallel expert bias it is handed on TP ranks > 0).
+    applied = applied_staging(engine) or {}
     for sv in engine.shards:
-        if sv.spec.name in consumed_by_vllm:
-            continue
+        if sv.tensor.is_meta:
+            whole = applied.get(sv.spec.name)
+            if whole is None:
+                failures.append(f"{sv.spec.name}: staged but never applied")
+                continue
+            received = whole[to_slices(sv.box)]
+        else:
+            received = sv.tensor
         want = checkpoint[sv.spec.name][to_slices(sv.box)]
         if not torch.equal(
-            sv.tensor.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+            received.contiguous().cpu().view(torch.uint8), want.contiguous().view(torch.uint8)
         ):
             failures.append(
                 f"{sv.spec.name}{format_box(sv.box)}: received bytes differ from the checkpoint"
@@ -45,9 +57,12 @@ def check_refit(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
     for name in sorted(want_params):
         if not torch.equal(got[name], want_params[name]):
             failures.append(f"{name}: differs from what load_weights writes from the checkpoint")
+    staged = engine.staged
     return {
         "mode": engine.mode,
         "error": engine.error,
+        "staging_bytes": staged.staging_bytes if staged is not None else 0,
+        "staging_peak_bytes": staged.staging_peak_bytes if staged is not None else 0,
         "params": len(layout.params),
         "fallback_params": len(layout.fallback),
         "summary": layout.summary(),

@@ -31,9 +31,11 @@ from refitplane.errors import LayoutError
 from refitplane.generator.checkpoint_index import safetensors_specs
 from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_shards
 from refitplane.generator.vllm_live import live_storage
-from refitplane.generator.vllm_reload import apply_received, reload_weights
+from refitplane.generator.vllm_reload import reload_weights
+from refitplane.generator.vllm_staging import ReceiveBinding, bind_receive
 from refitplane.models.tiny import load_checkpoint
 from refitplane.reshard.boxes import format_box, to_slices
+from refitplane.reshard.stages import stage_of
 from refitplane.testing.vllm_reference import loaded_reference
 
 
@@ -208,13 +210,14 @@ def receive_like_the_engine(
 
     In the worker: describe the model as the engine does (checkpoint index from
     `checkpoint_dir`, or from the served model's config when empty: dummy-weight GPU runs),
-    bind the same storage the engine binds (live fast-path parameters where the kernels
-    read them as loaded, staging elsewhere, fallback tensors whole), fill every view with
-    its box of the checkpoint (`checkpoint_dir`'s tensors, or the synthetic tensors of
-    `refit_world`), apply staging through the reload as `finish_weight_update` does, and
-    take the digest of every parameter and buffer as the kernels read them. Then reload the
-    whole checkpoint through vLLM's layerwise reload and take the digests again: a refit
-    must leave the model exactly as vLLM's own reload of the same weights does.
+    bind the same storage the engine binds (`vllm_staging.bind_receive`: live fast-path
+    parameters where the kernels read them as loaded, staging a bucket of layers at a time
+    elsewhere, fallback tensors whole), fill every view with its box of the checkpoint
+    (`checkpoint_dir`'s tensors, or the synthetic tensors of `refit_world`) bucket by
+    bucket, applying each one as the transfer and `finish_weight_update` do, and take the
+    digest of every parameter and buffer as the kernels read them. Then reload the whole
+    checkpoint through vLLM's layerwise reload and take the digests again: a refit must
+    leave the model exactly as vLLM's own reload of the same weights does.
     """
     from refitplane.generator.checkpoint_index import CheckpointIndex, checkpoint_specs
     from refitplane.testing.refit_world import parameter_digests, synthetic
@@ -235,26 +238,47 @@ def receive_like_the_engine(
         tensors = {
             n: synthetic(n, spec.shape, spec.dtype, device) for n, spec in layout.specs.items()
         }
-    live = live_storage(model, layout)
-    if live.blocked:
-        mode = "staged"
-        shards, staging = layout.checkpoint_staging(device)
-    else:
-        mode = "live"
-        shards, padding = layout.bind(live.writable)
-        for pad in padding:
-            pad.tensor.zero_()
-        staging = layout.stage_fallback(shards, device)
-    for sv in shards:
-        sv.tensor.copy_(tensors[sv.spec.name][to_slices(sv.box)])
-    apply_received(model, worker.vllm_config, staging, live=mode == "live")
+    binding = bind_receive(model, layout, device=device, vllm_config=worker.vllm_config)
+    buckets = receive_without_transfer(binding, tensors)
     received = parameter_digests(worker)
     reload_weights(model, worker.vllm_config, tensors.items())
     reloaded = parameter_digests(worker)
     return {
-        "mode": mode,
+        "mode": binding.mode,
+        "buckets": buckets,
         "summary": layout.summary(),
         "fallback": sorted({p.reason for p in layout.fallback.values()}),
         "digests": len(received),
         "differ": sorted(n for n in reloaded if received.get(n) != reloaded[n]),
     }
+
+
+def receive_without_transfer(binding: ReceiveBinding, tensors: dict[str, torch.Tensor]) -> int:
+    """Fill `binding`'s views with their boxes of `tensors` as a transfer would — live views
+    first, staged tensors bucket by bucket in stage order, each bucket applied once filled,
+    the last one by the finish — and finish as `finish_weight_update` does. Returns the
+    number of buckets."""
+    staged = binding.staged
+    if staged is None:
+        for sv in binding.shards:
+            sv.tensor.copy_(tensors[sv.spec.name][to_slices(sv.box)])
+        binding.reloader.finish()
+        return 0
+    for spec, box, view in staged.resident():
+        view.copy_(tensors[spec.name][to_slices(box)])
+    by_stage: dict[tuple[str, int], list[str]] = {}
+    for name in sorted(staged.staged_names):
+        by_stage.setdefault(stage_of(name), []).append(name)
+    buckets = staged.plan(sorted(by_stage.items()))
+    binding.reloader.begin()
+    staged.begin(buckets)
+    for bucket in buckets:
+        if staged.held is not None:
+            staged.close(staged.held)
+        staged.open(bucket)
+        for name in bucket.names:
+            for sv in staged.views_of(name):
+                staged.view(name, sv.box).copy_(tensors[name][to_slices(sv.box)])
+    staged.apply_held()
+    binding.reloader.finish()
+    return len(buckets)

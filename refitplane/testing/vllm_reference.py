@@ -11,7 +11,7 @@ Runs inside a vLLM worker (e.g. through `LLM.collective_rpc`), between generatio
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import torch
@@ -64,13 +64,60 @@ def loaded_reference(
     return {name: param.data for name, param in fresh.items()}
 
 
+class AppliedRecorder:
+    """An engine apply observer (`LayerReloader.observers`): a CPU copy of every staged
+    tensor the engine applied, the latest of each (a refit sends every tensor again)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self.tensors[name] = tensor.detach().to("cpu", copy=True)
+
+
+def record_applied(worker: Any) -> bool:
+    """In a vLLM worker (`llm.collective_rpc(record_applied)`, after the engine's init):
+    keep what the refitplane engine applies from now on, for `received_parameters` (staged
+    tensors exist only while their bucket is applied). False without an engine."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    binding = getattr(engine, "binding", None)
+    if binding is None:
+        return False
+    observers = binding.reloader.observers
+    if not any(isinstance(o, AppliedRecorder) for o in observers):
+        observers.append(AppliedRecorder())
+    return True
+
+
+def applied_staging(engine: Any) -> dict[str, torch.Tensor] | None:
+    """What `record_applied` kept on this engine (None if it was not installed)."""
+    binding = getattr(engine, "binding", None)
+    for observer in binding.reloader.observers if binding is not None else ():
+        if isinstance(observer, AppliedRecorder):
+            return observer.tensors
+    return None
+
+
 def received_parameters(model: torch.nn.Module, engine: Any) -> dict[str, torch.Tensor]:
     """Every described parameter as the refitplane `engine` of this worker now holds it in
-    loader format: a staged engine's staging loaded by `load_weights`; a live engine's live
-    fast-path parameters, plus its fallback staging loaded by `load_weights`."""
+    loader format: for staged tensors (a layerwise or staged engine, a live engine's fallback
+    layers), what `load_weights` writes from the tensors the engine applied (recorded by
+    `record_applied`); a live engine's fast-path parameters as they are."""
     layout = engine.layout
-    staged = loaded_reference(model, layout, engine.staging.items()) if engine.staging else {}
-    if engine.mode == "staged":
+    recorded = applied_staging(engine)
+    if engine.staged is not None and recorded is None:
+        raise RuntimeError(
+            "this engine stages tensors and applies them a bucket at a time: run "
+            "record_applied in the worker before the refit to check what it applied"
+        )
+    device = next(model.parameters()).device
+    staged = (
+        loaded_reference(model, layout, ((n, t.to(device)) for n, t in recorded.items()))
+        if recorded
+        else {}
+    )
+    if engine.mode != "live":
         return staged
     live = dict(model.named_parameters())
     got = {name: live[name].detach() for name in layout.params}

@@ -89,5 +89,9 @@ class OfflineLLMControl:
             )
         return call_verb("finish_weight_update", self.llm.finish_weight_update)
 
+    def engine_status(self) -> list[dict[str, Any]] | None:
+        statuses = self.llm.collective_rpc("weight_transfer_engine", kwargs={"op": "status"})
+        return list(statuses) if isinstance(statuses, list) else None
+
     def close(self) -> None:
         return None

@@ -12,10 +12,16 @@ engine in vLLM's workers (`/init_weight_transfer_engine`), and drives every refi
 
 Success is read from the coordinator, never from HTTP status codes (vLLM's replies can
 belong to an earlier call after a worker error). A refit that fails before any weight was
-written resumes the engine on its old weights; one that may have written some (a live
-receive had started, or a staged reload) leaves it paused and the sidecar not ready
+written resumes the engine on its old weights; one that may have written some (a live or
+layerwise receive had started — every `receive_mode` but "staged" writes weights during
+the transfer — or a reload at finish) leaves it paused and the sidecar not ready
 (`/readyz` 503) until a later refit commits — the replica never serves a version it does
 not fully hold.
+
+`/metrics` (Prometheus) exports `refit_generator_staging_peak_bytes{replica, rank}`: each
+worker's staging memory peak during the last refit (checkpoint tensors it staged, not the
+executor's ring), read from the engines' status after every refit (vLLM's dev-mode
+`/collective_rpc`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
 import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -43,6 +50,7 @@ from refitplane.agent.session import AgentSession
 from refitplane.client.models import Refit
 from refitplane.client.sync import RefitClient
 from refitplane.errors import FailedPrecondition, RefitError, TransferError, Unavailable
+from refitplane.generator.vllm_contract import ENGINE_ATTR
 from refitplane.protocol import RefitState, Role
 
 log = logging.getLogger("refitplane.sidecar")
@@ -60,6 +68,8 @@ class SidecarSettings(BaseSettings):
     replica_id: str
     vllm_url: str = "http://127.0.0.1:8000"
     pause_mode: str = "keep"
+    # The workers' receive mode (init_info.mode): auto, layerwise or staged (vllm_staging).
+    receive_mode: str = "auto"
     auth_token: str = ""
     auth_token_file: str = ""
     tls_ca_file: str = ""
@@ -89,6 +99,8 @@ class EngineControl(Protocol):
     def update(self, update_info: dict[str, Any]) -> int: ...
     # None closes the update without naming a version (a discarded or failed one).
     def finish(self, version: int | None) -> int: ...
+    # Every worker's engine status (the refitplane engine's status channel), or None.
+    def engine_status(self) -> list[dict[str, Any]] | None: ...
     def close(self) -> None: ...
 
 
@@ -152,6 +164,21 @@ class VllmControl:
         body = None if version is None else {"weight_version": str(version)}
         return self._post("/finish_weight_update", body=body)
 
+    def engine_status(self) -> list[dict[str, Any]] | None:
+        try:
+            response = self._http.post(
+                "/collective_rpc",
+                json={"method": ENGINE_ATTR, "kwargs": {"op": "status"}},
+                timeout=30.0,
+            )
+        except httpx.HTTPError as exc:
+            log.debug("vLLM /collective_rpc: %s", exc)
+            return None
+        if response.status_code != 200:
+            return None
+        results = response.json().get("results")
+        return results if isinstance(results, list) else None
+
 
 @dataclass
 class SidecarState:
@@ -185,6 +212,34 @@ class _Steps:
         return ", ".join(f"{step} {ms:.1f} ms" for step, ms in self._steps)
 
 
+def touches_live_weights(receive_modes: Sequence[str]) -> bool:
+    """Whether a transfer into ranks with these `receive_mode` labels may change the served
+    weights before it verified: every mode but "staged" does (live bytes land as they
+    arrive; layerwise buckets are applied as they complete), as does a rank without the
+    label. The coordinator reads the labels the same way."""
+    return not receive_modes or any(mode != "staged" for mode in receive_modes)
+
+
+class StagingMetrics:
+    """`refit_generator_staging_peak_bytes{replica, rank}` from the engines' status."""
+
+    def __init__(self, registry: CollectorRegistry, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self.peak = Gauge(
+            "refit_generator_staging_peak_bytes",
+            "Staging memory (checkpoint tensors staged for vLLM's reload, not the transfer "
+            "ring) a generator worker held at most during its last refit",
+            ("replica", "rank"),
+            registry=registry,
+        )
+
+    def update(self, statuses: Sequence[dict[str, Any]]) -> None:
+        for status in statuses:
+            peak = status.get("staging_peak_bytes")
+            if isinstance(peak, int):
+                self.peak.labels(self.replica_id, str(status.get("rank", -1))).set(peak)
+
+
 class SidecarMember(NullHandler):
     """The replica controller's command handler."""
 
@@ -197,6 +252,7 @@ class SidecarMember(NullHandler):
         replica_id: str,
         default_pause_mode: str,
         verify_wait_s: float = 30.0,
+        metrics: StagingMetrics | None = None,
     ) -> None:
         self.control = control
         self.client = client
@@ -210,8 +266,9 @@ class SidecarMember(NullHandler):
         # Read from the topology at PrepareRefit (`_read_ranks`), for group epoch
         # `_ranks_epoch`.
         self._rank_ids: set[str] = set()
-        self._live = False
+        self._touches_live = False
         self._ranks_epoch = -1
+        self.metrics = metrics
 
     def attach(self, session: AgentSession) -> None:
         self.session = session
@@ -248,7 +305,7 @@ class SidecarMember(NullHandler):
         steps = _Steps()
         if self.state.refit_id != cmd.refit_id:  # no PrepareRefit seen in this process
             self._read_ranks(-1)
-        self.state.weights_touched = self._live
+        self.state.weights_touched = self._touches_live
         self.control.update({"refit_id": cmd.refit_id, "version": cmd.version})
         steps.mark("update")
         try:
@@ -284,6 +341,8 @@ class SidecarMember(NullHandler):
             self.state.degraded = False
             self.state.version = cmd.version
             self.state.last_error = ""
+        # Before the report: once it commits, the caller may use the engine again.
+        self._export_staging()
         assert self.session is not None
         self.session.report_replica_updated(cmd.refit_id, cmd.version)
         steps.mark("reported")
@@ -318,6 +377,19 @@ class SidecarMember(NullHandler):
         self.control.update({"refit_id": refit_id, "action": "discard"})
         self.control.finish(None)
         self.state.update_open = False
+        self._export_staging()
+
+    def _export_staging(self) -> None:
+        """Refresh the staging gauge after a refit (never fails one: metrics only)."""
+        if self.metrics is None:
+            return
+        try:
+            statuses = self.control.engine_status()
+        except Exception:  # a metric must not fail a refit
+            log.debug("reading the engines' status for metrics failed", exc_info=True)
+            return
+        if statuses:
+            self.metrics.update(statuses)
 
     def _replica_ranks(self) -> list[Any]:
         topo = self.client.topology(self.job)
@@ -329,7 +401,7 @@ class SidecarMember(NullHandler):
         """The replica's rank member ids, and whether they receive into live parameters."""
         ranks = self._replica_ranks()
         self._rank_ids = {m.member_id for m in ranks}
-        self._live = any(m.labels.get("receive_mode") == "live" for m in ranks)
+        self._touches_live = touches_live_weights([m.labels.get("receive_mode", "") for m in ranks])
         self._ranks_epoch = epoch
 
     def _require_ranks_verified(self, refit_id: str) -> None:
@@ -412,6 +484,13 @@ class _HealthHandler(BaseHTTPRequestHandler):
             self._reply(200 if ready else 503, {"ready": ready, **s.member.state.as_dict()})
         elif self.path == "/status":
             self._reply(200, {"ready": s.ready(), **s.member.state.as_dict()})
+        elif self.path == "/metrics":
+            data = generate_latest(s.registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         else:
             self._reply(404, {"error": f"no route {self.path}"})
 
@@ -436,12 +515,14 @@ class Sidecar:
             settings.vllm_url, timeout_s=settings.update_timeout_s
         )
         self.client = RefitClient(settings.coordinator, token=token, tls_ca=tls)
+        self.registry = CollectorRegistry()
         self.member = SidecarMember(
             self.control,
             self.client,
             job=settings.job,
             replica_id=settings.replica_id,
             default_pause_mode=settings.pause_mode,
+            metrics=StagingMetrics(self.registry, settings.replica_id),
         )
         info = MemberInfo(
             job=settings.job,
@@ -478,6 +559,7 @@ class Sidecar:
                 "coordinator": self.settings.coordinator,
                 "job": self.settings.job,
                 "replica_id": self.settings.replica_id,
+                "mode": self.settings.receive_mode,
             }
         )
         if not _ok(status):

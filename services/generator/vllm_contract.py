@@ -54,7 +54,10 @@ class RefitInitInfo:
     # Address peers reach this worker at (default: REFIT_HOST, else the host's address).
     host: str = ""
     tls_ca: str = ""
-    # "auto": live where possible else staged; "staged" forces the reload path.
+    # How received bytes reach the weights (`vllm_staging`): "auto" is live where possible,
+    # else "layerwise" (staged a bucket of layers at a time, bounded memory); "layerwise"
+    # forces that reload path; "staged" stages the whole share and applies it only at
+    # finish_weight_update (a failed transfer never touches the served weights).
     mode: str = "auto"
     # vLLM layer classes (e.g. "QKVParallelLinear") sent to the fallback path as if no fast
     # path existed for them: a way around a fast-path rule that is wrong for some model.
@@ -93,7 +96,7 @@ _KINDS: Final[dict[type[Any], dict[str, tuple[type[Any], ...]]]] = {
         "prepare_wait_s": (int, float),
     },
 }
-_MODES: Final = ("auto", "staged")
+_MODES: Final = ("auto", "layerwise", "staged")
 _ACTIONS: Final = ("receive", "discard")
 
 
@@ -213,6 +216,10 @@ class EngineStatus(TypedDict):
     incomplete: bool
     applied_sessions: int
     receive_mode: str
+    # Staging memory (checkpoint tensors the worker stages, `reshard.staged`) held now and
+    # at most during the last transfer; 0 for a live receive without fallback layers.
+    staging_bytes: int
+    staging_peak_bytes: int
 
 
 def read_statuses(replies: Any) -> list[EngineStatus]:

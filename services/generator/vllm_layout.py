@@ -214,6 +214,12 @@ class VllmLayout:
         """Register views of `tensors` (vLLM parameter name → loader-format storage) for
         every placement, and return the padding regions as views of the same storage."""
         shards = LocalShards()
+        return shards, self.bind_into(shards, tensors)
+
+    def bind_into(
+        self, shards: LocalShards, tensors: Mapping[str, torch.Tensor]
+    ) -> list[PaddingView]:
+        """`bind` into an existing registry; returns the padding regions."""
         padding: list[PaddingView] = []
         for param in self.params.values():
             tensor = tensors.get(param.name)
@@ -229,18 +235,19 @@ class VllmLayout:
                 PaddingView(param.name, r.param_box, r.reason, data[to_slices(r.param_box)])
                 for r in param.padding
             )
-        return shards, padding
+        return padding
 
     def checkpoint_staging(
         self, device: torch.device | str = "cpu"
     ) -> tuple[LocalShards, dict[str, torch.Tensor]]:
         """Whole-shape checkpoint tensors with this rank's boxes registered as views.
 
-        For the reload path: receive into the views, then hand the tensors to
-        `model.load_weights` inside vLLM's layerwise reload. The loader reads exactly the
-        registered boxes of each tensor (the rest stays zero and is never read), so the
-        result is what loading the full checkpoint would give. Costs one whole tensor per
-        needed checkpoint tensor; stage a layer at a time for large models.
+        The reload path's staging, all at once (checks and tools): fill the views, then
+        hand the tensors to `model.load_weights` inside vLLM's layerwise reload. The loader
+        reads exactly the registered boxes of each tensor (the rest stays zero and is never
+        read), so the result is what loading the full checkpoint would give. Costs one
+        whole tensor per needed checkpoint tensor: the engine stages a bucket of layers at
+        a time instead (`vllm_staging`).
         """
         staging: dict[str, torch.Tensor] = {}
         shards = LocalShards()
@@ -252,18 +259,17 @@ class VllmLayout:
                 shards.add(spec, box, tensor[to_slices(box)])
         return shards, staging
 
-    def stage_fallback(
-        self, shards: LocalShards, device: torch.device | str = "cpu"
-    ) -> dict[str, torch.Tensor]:
-        """Whole-shape tensors for the fallback path's checkpoint tensors, registered in
-        `shards`; after a transfer, `vllm_reload.reload_weights` applies them."""
-        staging: dict[str, torch.Tensor] = {}
-        for name in self.fallback_tensors:
-            spec = self.specs[name]
-            tensor = torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype), device=device)
-            shards.add(spec, full_box(spec.shape), tensor)
-            staging[name] = tensor
-        return staging
+    def tensor_roots(self) -> dict[str, frozenset[str]]:
+        """Checkpoint tensor → the vLLM layers its loader writes into, as module paths
+        (`layer_root`): what a reload of that tensor must set up and finalize."""
+        roots: dict[str, set[str]] = {}
+        for param in self.params.values():
+            for p in param.placements:
+                roots.setdefault(p.hf_name, set()).add(layer_root(param.name))
+        for fallback in self.fallback.values():
+            for source in fallback.sources:
+                roots.setdefault(source, set()).add(layer_root(fallback.name))
+        return {name: frozenset(r) for name, r in roots.items()}
 
     def allocate(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Zeroed loader-format tensors for every parameter (a staging copy to receive into
@@ -272,6 +278,18 @@ class VllmLayout:
             p.name: torch.zeros(p.shape, dtype=torch_dtype(p.dtype), device=device)
             for p in self.params.values()
         }
+
+
+def layer_root(param: str) -> str:
+    """The module a reload of vLLM parameter `param` covers: the decoder layer for a
+    parameter inside a numbered layer list (`model.layers.3.self_attn.qkv_proj.weight` →
+    `model.layers.3`, so the layer's attention is post-processed with it), else the module
+    that owns the parameter (`model.norm.weight` → `model.norm`)."""
+    parts = param.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isascii() and part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1])
 
 
 def vllm_ranks() -> VllmRanks:
@@ -397,7 +415,7 @@ def vllm_shards(
     to_hf_name: Callable[[str], str] | None = None,
 ) -> tuple[LocalShards, list[PaddingView]]:
     """This worker's shard views and padding regions of the fast-path parameters (the
-    fallback path's whole tensors are staged with `VllmLayout.stage_fallback`).
+    fallback path's whole tensors are staged by `vllm_staging.bind_receive`).
 
     Views go into the model's live parameters wherever the kernels read them as loaded (the
     zero-copy receive path, `vllm_live.live_storage`); `params` (vLLM parameter name →

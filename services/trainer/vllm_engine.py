@@ -176,6 +176,11 @@ class ClientControl:
         label = None if version is None else str(version)
         return call_verb("finish_weight_update", lambda: self.client.finish_weight_update(label))
 
+    def engine_status(self) -> list[dict[str, Any]] | None:
+        # vLLM's weight-sync clients have no status channel (the controller exports no
+        # staging metric; each worker's status has it).
+        return None
+
     def close(self) -> None:
         return None
 

