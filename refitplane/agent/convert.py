@@ -17,7 +17,7 @@ from refitplane.agent import messages as m
 from refitplane.errors import InvalidArgument, LayoutError
 from refitplane.protocol import Backend, MemberState, RefitState, Role
 from refitplane.reshard.boxes import Box
-from refitplane.reshard.config import DIRECT_MIN_BYTES, TransferConfig
+from refitplane.reshard.config import DELTA_MAX_CHANGED, DIRECT_MIN_BYTES, TransferConfig
 from refitplane.reshard.layout import Layout, LayoutBuilder, TensorSpec
 from refitplane.reshard.plan import Link, Piece, RankPlan
 
@@ -209,6 +209,8 @@ def config_to_proto(config: TransferConfig) -> cpb.TransferConfig:
         timeout_s=config.timeout_s,
         verify_checksums=config.verify_checksums,
         direct_min_bytes=config.direct_min_bytes,
+        delta=config.delta,
+        delta_max_changed=config.delta_max_changed,
     )
 
 
@@ -221,6 +223,8 @@ def config_from_proto(msg: cpb.TransferConfig) -> TransferConfig:
         verify_checksums=msg.verify_checksums,
         # 0: a coordinator that predates the field; use the default.
         direct_min_bytes=msg.direct_min_bytes or DIRECT_MIN_BYTES,
+        delta=msg.delta or "off",
+        delta_max_changed=msg.delta_max_changed if msg.delta else DELTA_MAX_CHANGED,
     )
 
 
@@ -238,6 +242,7 @@ def register_to_proto(info: m.MemberInfo) -> apb.RegisterRequest:
         device=info.device,
         labels=dict(info.labels),
         version=info.version,
+        delta_receive=info.delta_receive,
     )
 
 
@@ -253,6 +258,7 @@ def register_from_proto(msg: apb.RegisterRequest) -> m.MemberInfo:
         device=msg.device,
         labels=dict(msg.labels),
         version=msg.version,
+        delta_receive=msg.delta_receive,
     )
 
 
@@ -294,6 +300,8 @@ def command_to_proto(cmd: m.Command) -> apb.Command:
                 pause_mode=body.pause_mode,
                 plan_digest=body.plan_digest,
                 plan_rank=body.plan_rank,
+                delta_peers=sorted(body.delta_peers),
+                delta_base_version=body.delta_base_version,
             )
             if body.plan is not None:
                 prepare.plan.CopyFrom(rank_plan_to_proto(body.plan))
@@ -353,6 +361,8 @@ def command_from_proto(msg: apb.Command) -> m.Command:
             pause_mode=p.pause_mode,
             plan_digest=digest,
             plan_rank=rank,
+            delta_peers=frozenset(p.delta_peers),
+            delta_base_version=p.delta_base_version,
         )
     elif kind == "start_transfer":
         body = m.StartTransferCmd(
@@ -397,6 +407,8 @@ def report_to_proto(report: m.Report) -> apb.ReportRequest:
                     seconds=body.seconds,
                     tensors_verified=body.tensors_verified,
                     tensors_total=body.tensors_total,
+                    bytes_full=body.bytes_full,
+                    delta_base_version=body.delta_base_version,
                 )
             )
         case m.ReplicaUpdated():
@@ -453,6 +465,8 @@ def report_from_proto(msg: apb.ReportRequest) -> m.Report:
             seconds=d.seconds,
             tensors_verified=d.tensors_verified,
             tensors_total=d.tensors_total,
+            bytes_full=d.bytes_full,
+            delta_base_version=d.delta_base_version,
         )
     elif kind == "replica_updated":
         body = m.ReplicaUpdated(version=msg.replica_updated.version)

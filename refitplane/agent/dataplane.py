@@ -39,6 +39,8 @@ from refitplane.agent.session import AgentSession
 from refitplane.errors import FailedPrecondition, InvalidArgument, RefitError, TransferError
 from refitplane.protocol import Backend
 from refitplane.reshard.config import TransferConfig
+from refitplane.reshard.delta_base import DeltaSnapshot
+from refitplane.reshard.delta_exchange import DeltaLinks
 from refitplane.reshard.executor import Executor, TransferReport
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.transport.base import Transport
@@ -80,8 +82,12 @@ class DataPlaneMember(NullHandler):
         local_host: str = "127.0.0.1",
         run_on_start: bool = True,
         plan_cache_size: int = DEFAULT_CAPACITY,
+        delta_snapshot: DeltaSnapshot | None = None,
     ) -> None:
+        """`delta_snapshot`: senders that may send deltas keep the bytes of their last
+        complete send in it (taken only while the refit config asks for deltas)."""
         self._shards = shards
+        self.delta_snapshot = delta_snapshot
         self.plans = RankPlanCache(plan_cache_size)
         self.device = device
         self.local_host = local_host
@@ -181,6 +187,7 @@ class DataPlaneMember(NullHandler):
             raise FailedPrecondition(
                 f"refit {cmd.refit_id} is for group epoch {cmd.epoch}, this rank is in {self.epoch}"
             )
+        self._check_delta_base(cmd)
         held = self.plans.resolve(cmd)
         if held is None:
             # Not a failure: the coordinator sends this command again with the body.
@@ -235,9 +242,18 @@ class DataPlaneMember(NullHandler):
                 )
 
         executor: Executor | None = None
+        shards = self._shards()
         try:
             executor = self._executor_for(config)
-            report = executor.run(plan, self._shards(), progress=progress, cancel=self._cancel)
+            report = executor.run(
+                plan,
+                shards,
+                progress=progress,
+                cancel=self._cancel,
+                delta=self._delta_links(prepared.command, shards),
+            )
+            # Still under the trainer's weights read-lock: the bytes are exactly those sent.
+            self._keep_delta_base(config, shards, prepared, sent=sent_side)
         except BaseException as exc:
             # A receiver that posted any receive no longer holds its old weights intact:
             # bytes land in the parameters as they arrive, long before a group completes
@@ -258,8 +274,48 @@ class DataPlaneMember(NullHandler):
             seconds=report.seconds,
             tensors_verified=report.tensors_verified,
             tensors_total=report.tensors_total,
+            bytes_full=report.bytes_full,
+            delta_base_version=self.delta_snapshot.version if self.delta_snapshot else 0,
         )
         return report
+
+    # -- delta refits --------------------------------------------------------------------------
+
+    def _check_delta_base(self, cmd: PrepareRefitCmd) -> None:
+        """A sender named for deltas must hold the base the coordinator assumes: refuse at
+        PREPARING, before any byte moves, rather than encode against other bytes."""
+        if not cmd.delta_peers or self.delta_snapshot is None:
+            return
+        held = self.delta_snapshot.version
+        if held != cmd.delta_base_version or self.delta_snapshot.base_for(self._shards()) is None:
+            raise FailedPrecondition(
+                f"refit {cmd.refit_id} sends deltas against version {cmd.delta_base_version}, "
+                f"but this rank's delta base is "
+                + (f"version {held}" if held else "empty")
+                + " (or was taken of other boxes); the next refit goes in full"
+            )
+
+    def _delta_links(self, cmd: PrepareRefitCmd, shards: LocalShards) -> DeltaLinks | None:
+        if not cmd.delta_peers or cmd.config is None or cmd.config.delta == "off":
+            return None
+        base = self.delta_snapshot.base_for(shards) if self.delta_snapshot else None
+        return DeltaLinks(
+            peers=cmd.delta_peers,
+            base=base,
+            mode=cmd.config.delta,
+            max_changed=cmd.config.delta_max_changed,
+        )
+
+    def _keep_delta_base(
+        self, config: TransferConfig, shards: LocalShards, prepared: Prepared, *, sent: bool
+    ) -> None:
+        snapshot = self.delta_snapshot
+        if snapshot is None or not sent:
+            return
+        if config.delta == "off":
+            snapshot.release()  # deltas turned off: give the memory back
+            return
+        snapshot.capture(shards, prepared.version)
 
     def _executor_for(self, config: TransferConfig) -> Executor:
         if self.transport is None:

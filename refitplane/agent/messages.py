@@ -28,6 +28,9 @@ class MemberInfo:
     labels: Mapping[str, str] = field(default_factory=dict)
     # Generators/sidecars coming back after a restart: the version they fully hold.
     version: int = 0
+    # Generators: the rank's registered views are its live weights, kept between refits,
+    # so a delta can be applied to them in place.
+    delta_receive: bool = False
 
 
 # --- commands (coordinator → member) -----------------------------------------------------
@@ -79,6 +82,10 @@ class PrepareRefitCmd:
     pause_mode: str = ""
     plan_digest: str = ""
     plan_rank: int = 0
+    # Group ranks on the other side of this rank's links that exchange a delta against
+    # `delta_base_version` (empty: every link in full).
+    delta_peers: frozenset[int] = frozenset()
+    delta_base_version: int = 0
 
     @property
     def plan_key(self) -> tuple[str, int]:
@@ -151,6 +158,10 @@ class TransferDone:
     # Receivers: tensors whose every piece matched the sender's checksum.
     tensors_verified: int = 0
     tensors_total: int = 0
+    # Senders: the bytes a full refit would have sent, and the version whose bytes the rank
+    # now keeps as its delta base (0: none).
+    bytes_full: int = 0
+    delta_base_version: int = 0
 
 
 @dataclass(frozen=True)

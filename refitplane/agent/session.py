@@ -256,6 +256,8 @@ class AgentSession:
         seconds: float = 0.0,
         tensors_verified: int = 0,
         tensors_total: int = 0,
+        bytes_full: int = 0,
+        delta_base_version: int = 0,
     ) -> bool:
         return self._report(
             refit_id,
@@ -265,6 +267,8 @@ class AgentSession:
                 seconds=seconds,
                 tensors_verified=tensors_verified,
                 tensors_total=tensors_total,
+                bytes_full=bytes_full,
+                delta_base_version=delta_base_version,
             ),
         )
 

@@ -52,6 +52,8 @@ def refit_to_proto(refit: Refit) -> cpb.Refit:
         coalesced=refit.coalesced,
         tensors_verified=refit.tensors_verified,
         tensors_total=refit.tensors_total,
+        bytes_on_wire=refit.bytes_on_wire,
+        delta_replicas=refit.delta_replicas,
     )
 
 
@@ -91,6 +93,8 @@ def refit_from_proto(msg: cpb.Refit) -> Refit:
         coalesced=msg.coalesced,
         tensors_verified=msg.tensors_verified,
         tensors_total=msg.tensors_total,
+        bytes_on_wire=msg.bytes_on_wire,
+        delta_replicas=list(msg.delta_replicas),
     )
 
 

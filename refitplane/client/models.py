@@ -61,6 +61,10 @@ class Refit(BaseModel):
     coalesced: int = 0
     tensors_verified: int = 0
     tensors_total: int = 0
+    # Bytes the senders put on the wire (below bytes_done when replicas took a delta).
+    bytes_on_wire: int = 0
+    # Replicas that received a delta against the version they held; the rest, in full.
+    delta_replicas: list[str] = Field(default_factory=list)
 
     @property
     def terminal(self) -> bool:

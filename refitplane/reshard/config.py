@@ -9,6 +9,8 @@ from refitplane.errors import InvalidArgument
 
 MiB = 1 << 20
 DIRECT_MIN_BYTES = 16 * MiB
+DELTA_MODES = ("off", "auto", "on")
+DELTA_MAX_CHANGED = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +29,12 @@ class TransferConfig:
     # memory where the view is contiguous; smaller ones are packed (two extra copies each,
     # but fewer, larger messages).
     direct_min_bytes: int = DIRECT_MIN_BYTES
+    # Delta refits (`delta.py`): "off"; "auto": a message goes as a delta only while at
+    # most `delta_max_changed` of its words changed (above that, dense costs no encoding
+    # work on either end); "on": always the smallest encoding. A link takes a delta only
+    # when the coordinator names it (both ends hold the same base version).
+    delta: str = "off"
+    delta_max_changed: float = DELTA_MAX_CHANGED
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1:
@@ -41,5 +49,14 @@ class TransferConfig:
             )
         if self.direct_min_bytes < 1:
             raise InvalidArgument("direct_min_bytes must be positive", field="direct_min_bytes")
+        if self.delta not in DELTA_MODES:
+            raise InvalidArgument(
+                f"delta must be one of {', '.join(DELTA_MODES)}, got {self.delta!r}", field="delta"
+            )
+        if not 0.0 <= self.delta_max_changed <= 1.0:
+            raise InvalidArgument(
+                f"delta_max_changed must be within [0, 1], got {self.delta_max_changed}",
+                field="delta_max_changed",
+            )
         if not self.timeout_s > 0:
             raise InvalidArgument("timeout_s must be positive", field="timeout_s")

@@ -58,6 +58,7 @@ from refitplane.errors import (
 from refitplane.reshard.boxes import format_box
 from refitplane.reshard.checksum import LaunchTables, accumulate_sums_many
 from refitplane.reshard.config import TransferConfig
+from refitplane.reshard.delta_exchange import DeltaExchange, DeltaLinks, DeltaMessage
 from refitplane.reshard.message_io import (
     MessageIO,
     StridedChunk,
@@ -86,6 +87,10 @@ class TransferReport:
     tensors_total: int = 0
     tensors_verified: int = 0
     staging_peak_bytes: int = 0
+    # Delta refits: what a full refit would have sent (bytes_sent is what went on the
+    # wire), and the messages that went as deltas.
+    bytes_full: int = 0
+    delta_messages: int = 0
     # Staged receivers (`StagedShards`): buckets of stages, how many were applied during the
     # transfer (the last one is left to the owner), and the staging arena's size.
     staged_buckets: int = 0
@@ -111,6 +116,8 @@ class _Group:
     unpack_dst: list[torch.Tensor] = field(default_factory=list)
     unpack_src: list[torch.Tensor] = field(default_factory=list)
     unpack_strided: list[tuple[torch.Tensor, StridedChunk]] = field(default_factory=list)
+    # Received deltas, applied in place to (message image, delta) before unpacking.
+    delta_apply: list[tuple[torch.Tensor, DeltaMessage]] = field(default_factory=list)
     # After the transfer (and unpacking): one checksum launch for every message buffer of
     # the group into its row (`sum_rows[i]` for `sum_bufs[i]`).
     sum_bufs: list[torch.Tensor] = field(default_factory=list)
@@ -210,7 +217,10 @@ class Executor:
         *,
         progress: ProgressFn | None = None,
         cancel: threading.Event | None = None,
+        delta: DeltaLinks | None = None,
     ) -> TransferReport:
+        """`delta`: the links that exchange deltas against a base version (`delta_exchange`);
+        None or no peers: every message in full."""
         started = time.monotonic()
         self.receives_posted = False
         prepared = self._prepare(plan, shards)
@@ -221,7 +231,12 @@ class Executor:
                 "transfer, which needs checksums (verify_checksums / REFIT_VERIFY_CHECKSUMS)",
                 field="verify_checksums",
             )
-        run = _Run(self, prepared, progress, cancel, started, staged)
+        if delta is not None and staged is not None and delta.peers:
+            raise InvalidArgument(
+                f"rank {plan.rank} stages its weights: it cannot apply a delta in place",
+                field="delta_peers",
+            )
+        run = _Run(self, prepared, progress, cancel, started, staged, delta)
         run.report.prepared_seconds = time.monotonic() - started
         try:
             report = run.execute()
@@ -295,8 +310,14 @@ class _Run:
         cancel: threading.Event | None,
         started: float,
         staged: StagedShards | None = None,
+        delta: DeltaLinks | None = None,
     ) -> None:
         self.t = executor.transport
+        self.delta = (
+            DeltaExchange(prepared.plan.rank, delta, executor.transport.device)
+            if delta is not None and delta.peers
+            else None
+        )
         self.cfg = executor.config
         self.ring = executor.ring
         self.plan = plan = prepared.plan
@@ -345,6 +366,8 @@ class _Run:
             self.ring.reserve()
             self.report.staged_buckets = len(self.buckets)
             self.report.staged_peak_bytes = self.staged.staging_peak_bytes
+        if self.delta is not None:
+            self._exchange_delta_headers(self.delta)
         for i, step in enumerate(self.steps):
             self._check_cancel()
             bucket = self.bucket_starts.get(i)
@@ -400,8 +423,34 @@ class _Run:
                 for m, io in self.steps[i]
             )
 
+    def _exchange_delta_headers(self, deltas: DeltaExchange) -> None:
+        """Before the first message: encode this rank's delta messages, then swap the header
+        tables of its delta links (one group), so both ends know every payload's size."""
+        specs = self.plan.specs
+        deltas.encode(
+            ((m, io) for step in self.steps for m, io in step if m.src == self.rank and io),
+            specs,
+        )
+        deltas.expect(m for step in self.steps for m, _ in step if m.dst == self.rank)
+        ops = [
+            P2POp(True, dst, table.view(-1).view(torch.uint8))
+            for dst, table in sorted(deltas.headers_out.items())
+        ] + [
+            P2POp(False, src, table.view(-1).view(torch.uint8))
+            for src, table in sorted(deltas.headers_in.items())
+        ]
+        if self.t.device.type == "cuda":
+            # The payloads were encoded on the current stream; channels send them.
+            torch.cuda.current_stream(self.t.device).synchronize()
+        if ops:
+            with self.t.channel_context(0):
+                handle = self.t.fence(self.t.issue(0, ops, self.deadline))
+            self.t.wait(handle, self.deadline, self.cancel)
+        deltas.receive(specs)
+
     def _add(self, m: Message, io: MessageIO) -> None:
         sending = m.src == self.rank
+        delta = self.delta.find(m) if self.delta is not None else None
         if io.direct is not None:
             buf = io.direct
         else:
@@ -418,14 +467,20 @@ class _Run:
             group.staged += m.nbytes
             parts = io.parts(buf)
             staged = parts if not io.strided else [parts[i] for i in io.flat]
-            if sending:
+            if delta is not None:
+                # Checksums cover the alignment gaps: zero on both ends of a delta message
+                # (a full message carries the sender's gaps to the receiver).
+                with self.t.channel_context(m.channel):
+                    buf.zero_()
+            # A delta receiver starts from its own bytes (the base) in the slice.
+            if sending or delta is not None:
                 group.pack_dst += staged
                 group.pack_src += io.flat_views
                 if io.strided:
                     with self.t.channel_context(m.channel):
                         for chunk in io.strided:
                             chunk.typed(parts[chunk.index]).copy_(chunk.view)
-            else:
+            if not sending:
                 group.unpack_dst += io.flat_views
                 group.unpack_src += staged
                 group.unpack_strided += [(parts[c.index], c) for c in io.strided]
@@ -435,13 +490,24 @@ class _Run:
             # receiver what arrived (for direct messages, the parameters themselves).
             group.sum_bufs.append(buf)
             group.sum_rows.append(self.sums[(m.src, m.dst)][m.round])
-        group.ops.append(P2POp(sending, m.dst if sending else m.src, buf))
+        wire = buf
+        if delta is not None:
+            # The sender still packs and checksums its full bytes; the payload travels.
+            wire = delta.payload
+            if not sending:
+                group.delta_apply.append((buf, delta))
+        group.ops.append(P2POp(sending, m.dst if sending else m.src, wire))
         group.messages.append(m)
         group.nbytes += m.nbytes
         payload = io.payload
         group.payload += payload
         r = self.report
         r.messages += 1
+        if delta is not None:
+            r.delta_messages += 1
+            payload = delta.header.nbytes  # what the wire carries
+        if sending:
+            r.bytes_full += io.payload
         if io.direct is not None:
             r.direct_messages += 1
         else:
@@ -466,7 +532,7 @@ class _Run:
             with self.t.beside(channel):
                 self._after_transfer(group)
             handle = self.t.fence(handle)
-        elif group.unpack_dst or group.unpack_strided or group.sum_bufs:
+        elif group.unpack_dst or group.unpack_strided or group.sum_bufs or group.delta_apply:
             group.post = lambda: self._after_transfer(group)
         group.handle = handle
         group.ops = []
@@ -516,6 +582,8 @@ class _Run:
     # -- packing, unpacking, checksums -----------------------------------------------------------
 
     def _after_transfer(self, group: _Group) -> None:
+        for image, delta in group.delta_apply:
+            DeltaExchange.apply(image, delta)
         if group.unpack_dst:
             torch._foreach_copy_(group.unpack_dst, group.unpack_src)
         for part, chunk in group.unpack_strided:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -55,6 +55,11 @@ class Settings(BaseSettings):
     max_inflight_bytes: int = Field(256 * MiB, ge=1)
     verify_checksums: bool = True
     direct_min_bytes: int = Field(16 * MiB, ge=1)
+    # Delta refits (docs/coordinator.md): "off", "auto" or "on"; a replica takes one only
+    # when it holds, intact, the version every trainer rank keeps as its delta base.
+    delta: Literal["off", "auto", "on"] = "off"
+    # "auto": a message whose changed fraction is above this goes dense.
+    delta_max_changed: float = Field(0.5, ge=0.0, le=1.0)
     # Accept trainer tensors that no generator needs (else the refit fails: model mismatch).
     allow_unused_tensors: bool = False
     # Empty: any job that has registered members.
@@ -133,6 +138,8 @@ class Settings(BaseSettings):
             timeout_s=self.transfer_timeout_s,
             verify_checksums=self.verify_checksums,
             direct_min_bytes=self.direct_min_bytes,
+            delta=self.delta,
+            delta_max_changed=self.delta_max_changed,
         )
 
     @property

@@ -33,6 +33,7 @@ from refitplane.agent.session import AgentSession
 from refitplane.client.models import Refit
 from refitplane.errors import FailedPrecondition, TransferTimeout
 from refitplane.protocol import Role
+from refitplane.reshard.delta_base import DeltaSnapshot
 from refitplane.reshard.executor import TransferReport
 from refitplane.reshard.shards import LocalShards
 
@@ -105,8 +106,11 @@ class _TrainerMember(DataPlaneMember):
         device: torch.device,
         local_host: str,
         step_timeout_s: float,
+        delta_snapshot: DeltaSnapshot,
     ) -> None:
-        super().__init__(shards, device=device, local_host=local_host)
+        super().__init__(
+            shards, device=device, local_host=local_host, delta_snapshot=delta_snapshot
+        )
         self.guard = guard
         self.step_timeout_s = step_timeout_s
 
@@ -138,7 +142,11 @@ class TrainerAgent:
         coordinator_http: str | None = None,
         step_timeout_s: float = 600.0,
         labels: dict[str, str] | None = None,
+        delta_snapshot: str | None = None,
     ) -> None:
+        """`delta_snapshot` ("device" or "host"; default REFIT_DELTA_SNAPSHOT, else
+        "device"): where this rank keeps the bytes of its last send while the coordinator
+        runs delta refits (REFIT_DELTA=auto|on): one copy of the rank's shards."""
         coordinator = coordinator or os.environ.get("REFIT_COORDINATOR")
         job = job or os.environ.get("REFIT_JOB")
         if not coordinator:
@@ -163,6 +171,9 @@ class TrainerAgent:
             device=self.device,
             local_host=host,
             step_timeout_s=step_timeout_s,
+            delta_snapshot=DeltaSnapshot(
+                delta_snapshot or os.environ.get("REFIT_DELTA_SNAPSHOT") or "device"
+            ),
         )
         info = MemberInfo(
             job=job,

@@ -85,6 +85,10 @@ class JobDriver:
         self.target_digest = ""
         # Which members hold which rank plans: PrepareRefit names those instead of sending them.
         self.plan_holdings = PlanHoldings()
+        # Trainer member id → (its layout digest, the version it keeps as its delta base),
+        # from its last TransferDone. In memory only: after a restart refits go in full
+        # until every trainer sent once more.
+        self.delta_bases: dict[str, tuple[str, int]] = {}
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -313,6 +317,7 @@ class JobDriver:
 
         run.commands_sent = True
         run.prepare_epoch = epoch.epoch
+        self._choose_delta(run, planned)
         for member_id, p in run.participants.items():
             if p.data_plane:
                 run.rank_plans[member_id] = planned.rank_plans[p.group_rank]
@@ -355,10 +360,59 @@ class JobDriver:
                 config=self._s.transfer_config(),
                 plan_digest=plan.plan_digest,
                 plan_rank=plan.rank,
+                delta_peers=run.delta_peers.get(member_id, frozenset()),
+                delta_base_version=run.delta_base_version,
             ),
         )
         how = "resent" if resend else "reference" if named_only else "body"
         self._ctx.metrics.rank_plans.labels(how).inc()
+
+    def _choose_delta(self, run: RefitRun, planned: PlannedRefit) -> None:
+        """Which target replicas take a delta: those whose every rank holds, intact, the
+        version every trainer rank keeps as its delta base (taken of the layout it has now)
+        and can apply one in place. Everyone else, a first refit, a new or restarted
+        trainer, a changed trainer layout or a DEGRADED replica gets the full path."""
+        if self._s.delta == "off":
+            return
+        # Only the ranks that send in this refit need a base (a DP copy that the planner
+        # leaves idle sends nothing).
+        trainers = [
+            p.member
+            for p in run.participants.values()
+            if p.member.role is Role.TRAINER and planned.rank_plans[p.group_rank].send_bytes
+        ]
+        if not trainers:
+            return
+        bases = set()
+        for trainer in trainers:
+            current = self._ctx.membership.find(trainer.member_id)
+            held = self.delta_bases.get(trainer.member_id)
+            if current is None or held is None or held[0] != current.layout_digest:
+                return
+            bases.add(held[1])
+        if len(bases) != 1:
+            return
+        base = bases.pop()
+        chosen: list[str] = []
+        for replica, rank_ids in run.replica_ranks.items():
+            record = self.replicas.get(replica)
+            if record is not None and record.degraded:
+                continue
+            members = [self._ctx.membership.find(i) for i in rank_ids]
+            if all(m is not None and m.delta_receive and m.version == base for m in members):
+                chosen.append(replica)
+        if not chosen:
+            return
+        trainer_ranks = frozenset(run.participants[t.member_id].group_rank for t in trainers)
+        receiver_ranks: set[int] = set()
+        for replica in chosen:
+            for member_id in run.replica_ranks[replica]:
+                run.delta_peers[member_id] = trainer_ranks
+                receiver_ranks.add(run.participants[member_id].group_rank)
+        for trainer in trainers:
+            run.delta_peers[trainer.member_id] = frozenset(receiver_ranks)
+        run.delta_base_version = base
+        run.record = run.record.model_copy(update={"delta_replicas": sorted(chosen)})
 
     def _on_plan_missing(self, run: RefitRun, member: MemberRecord, body: msg.PlanMissing) -> bool:
         """A member does not hold the plan its PrepareRefit named: send it the body (the
@@ -785,6 +839,14 @@ class JobDriver:
                 self._ctx.events.publish(run.record)
             case msg.TransferDone():
                 run.done[mid] = body
+                if member.role is Role.TRAINER:
+                    if body.delta_base_version:
+                        self.delta_bases[mid] = (member.layout_digest, body.delta_base_version)
+                    else:
+                        self.delta_bases.pop(mid, None)
+                    run.record = run.record.model_copy(
+                        update={"bytes_on_wire": run.record.bytes_on_wire + body.bytes_sent}
+                    )
                 run.set_progress(
                     mid,
                     sent=body.bytes_sent,
@@ -805,6 +867,9 @@ class JobDriver:
             case msg.Failure():
                 if body.weights_modified and member.role is not Role.TRAINER:
                     run.weights_modified.add(member.replica_id)
+                if member.role is Role.TRAINER:
+                    # Whatever the trainer's base is now, the next refit does not rely on it.
+                    self.delta_bases.pop(mid, None)
                 run.fail(body.reason, f"{member.describe()}: {body.message or body.reason}")
         return True
 

@@ -137,6 +137,7 @@ class Membership:
             device=info.device,
             labels=dict(info.labels),
             version=info.version if info.role is not Role.TRAINER else 0,
+            delta_receive=info.delta_receive and info.role is Role.GENERATOR,
             state=MemberState.JOINING if info.role.is_data_plane else MemberState.READY,
             registered_unix=now,
             lease_expires_unix=now + self.ttl,

@@ -40,6 +40,8 @@ class MemberRecord(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     # Generators and sidecars: the version this member fully holds.
     version: int = 0
+    # Generators: can apply a delta in place (its registered views are its live weights).
+    delta_receive: bool = False
     layout_digest: str = ""
     # Stored states are JOINING, READY and LOST; BUSY and DEGRADED are derived for views.
     state: MemberState = MemberState.JOINING
@@ -83,6 +85,8 @@ class RefitRecord(BaseModel):
     coalesced: int = 0
     tensors_verified: int = 0
     tensors_total: int = 0
+    bytes_on_wire: int = 0
+    delta_replicas: list[str] = Field(default_factory=list)
     # --- internal -------------------------------------------------------------------------
     # Every member that was sent a command for this refit (aborts go to them after a restart).
     participants: list[str] = Field(default_factory=list)
@@ -95,7 +99,14 @@ class RefitRecord(BaseModel):
     @classmethod
     def _lists(cls, data: Any) -> Any:
         return _empty_tables_as_lists(
-            data, ("target_replicas", "participants", "replicas_done", "replicas_degraded")
+            data,
+            (
+                "target_replicas",
+                "participants",
+                "replicas_done",
+                "replicas_degraded",
+                "delta_replicas",
+            ),
         )
 
     def view(self) -> Refit:
@@ -119,6 +130,8 @@ class RefitRecord(BaseModel):
             coalesced=self.coalesced,
             tensors_verified=self.tensors_verified,
             tensors_total=self.tensors_total,
+            bytes_on_wire=self.bytes_on_wire,
+            delta_replicas=list(self.delta_replicas),
         )
 
 

@@ -46,6 +46,9 @@ class RefitRun:
     # body, to a member that reports PlanMissing), the group epoch it runs in, and how many
     # times each member was sent the body again in this refit.
     rank_plans: dict[str, RankPlan] = field(default_factory=dict)
+    # Delta refits: each data-plane member's peers that exchange a delta, and the base.
+    delta_peers: dict[str, frozenset[int]] = field(default_factory=dict)
+    delta_base_version: int = 0
     prepare_epoch: int = 0
     plan_resends: dict[str, int] = field(default_factory=dict)
     # Reports

@@ -61,6 +61,7 @@ class RegisterRequest(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    DELTA_RECEIVE_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     role: _common_pb2.Role.ValueType
     replica_id: _builtins.str
@@ -73,6 +74,10 @@ class RegisterRequest(_message.Message):
     """e.g. "cuda:3" or "cpu"."""
     version: _builtins.int
     """Generators/sidecars coming back after a restart: the version they fully hold (0: none)."""
+    delta_receive: _builtins.bool
+    """Generators: the views this rank registers are its live weights and keep their bytes
+    between refits, so it can apply a delta in place (staged receivers cannot).
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -87,10 +92,11 @@ class RegisterRequest(_message.Message):
         device: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         version: _builtins.int = ...,
+        delta_receive: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "host", b"host", "job", b"job", "labels", b"labels", "rank", b"rank", "replica_id", b"replica_id", "role", b"role", "version", b"version", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta_receive", b"delta_receive", "device", b"device", "host", b"host", "job", b"job", "labels", b"labels", "rank", b"rank", "replica_id", b"replica_id", "role", b"role", "version", b"version", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -392,6 +398,8 @@ class PrepareRefit(_message.Message):
     PAUSE_MODE_FIELD_NUMBER: _builtins.int
     PLAN_DIGEST_FIELD_NUMBER: _builtins.int
     PLAN_RANK_FIELD_NUMBER: _builtins.int
+    DELTA_PEERS_FIELD_NUMBER: _builtins.int
+    DELTA_BASE_VERSION_FIELD_NUMBER: _builtins.int
     refit_id: _builtins.str
     version: _builtins.int
     epoch: _builtins.int
@@ -401,6 +409,7 @@ class PrepareRefit(_message.Message):
     """Data-plane ranks: which rank plan this refit runs (always set, with or without `plan`)."""
     plan_rank: _builtins.int
     """The group rank the plan is cut for (RankPlan.rank)."""
+    delta_base_version: _builtins.int
     @_builtins.property
     def plan(self) -> _common_pb2.RankPlan:
         """Data-plane ranks: the body of the rank's plan, set only when the coordinator has no
@@ -409,6 +418,13 @@ class PrepareRefit(_message.Message):
 
     @_builtins.property
     def config(self) -> _common_pb2.TransferConfig: ...
+    @_builtins.property
+    def delta_peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Delta refits: the group ranks on the other side of this rank's links that exchange a
+        delta against `delta_base_version` (senders encode against their snapshot of it,
+        receivers apply in place); every other link is sent in full.
+        """
+
     def __init__(
         self,
         *,
@@ -420,10 +436,12 @@ class PrepareRefit(_message.Message):
         pause_mode: _builtins.str = ...,
         plan_digest: _builtins.str = ...,
         plan_rank: _builtins.int = ...,
+        delta_peers: _abc.Iterable[_builtins.int] | None = ...,
+        delta_base_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "epoch", b"epoch", "pause_mode", b"pause_mode", "plan", b"plan", "plan_digest", b"plan_digest", "plan_rank", b"plan_rank", "refit_id", b"refit_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "delta_base_version", b"delta_base_version", "delta_peers", b"delta_peers", "epoch", b"epoch", "pause_mode", b"pause_mode", "plan", b"plan", "plan_digest", b"plan_digest", "plan_rank", b"plan_rank", "refit_id", b"refit_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -624,12 +642,19 @@ class TransferDone(_message.Message):
     SECONDS_FIELD_NUMBER: _builtins.int
     TENSORS_VERIFIED_FIELD_NUMBER: _builtins.int
     TENSORS_TOTAL_FIELD_NUMBER: _builtins.int
+    BYTES_FULL_FIELD_NUMBER: _builtins.int
+    DELTA_BASE_VERSION_FIELD_NUMBER: _builtins.int
     bytes_sent: _builtins.int
     bytes_received: _builtins.int
     seconds: _builtins.float
     tensors_verified: _builtins.int
     """Receivers: tensors whose every piece matched the sender's checksum."""
     tensors_total: _builtins.int
+    bytes_full: _builtins.int
+    """Senders: what a full refit would have sent (bytes_sent is what went on the wire), and
+    the version whose bytes the rank now keeps as its delta base (0: none).
+    """
+    delta_base_version: _builtins.int
     def __init__(
         self,
         *,
@@ -638,10 +663,12 @@ class TransferDone(_message.Message):
         seconds: _builtins.float = ...,
         tensors_verified: _builtins.int = ...,
         tensors_total: _builtins.int = ...,
+        bytes_full: _builtins.int = ...,
+        delta_base_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "seconds", b"seconds", "tensors_total", b"tensors_total", "tensors_verified", b"tensors_verified"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_full", b"bytes_full", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "delta_base_version", b"delta_base_version", "seconds", b"seconds", "tensors_total", b"tensors_total", "tensors_verified", b"tensors_verified"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -340,6 +340,8 @@ class TransferConfig(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     VERIFY_CHECKSUMS_FIELD_NUMBER: _builtins.int
     DIRECT_MIN_BYTES_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    DELTA_MAX_CHANGED_FIELD_NUMBER: _builtins.int
     bucket_bytes: _builtins.int
     num_channels: _builtins.int
     max_inflight_bytes: _builtins.int
@@ -347,6 +349,11 @@ class TransferConfig(_message.Message):
     verify_checksums: _builtins.bool
     direct_min_bytes: _builtins.int
     """Chunks at least this large travel alone, straight from/to parameter memory (0: default)."""
+    delta: _builtins.str
+    """Delta refits: "off", "auto" (a message whose changed fraction is above
+    delta_max_changed goes dense) or "on" (always the smallest encoding). Empty: "off".
+    """
+    delta_max_changed: _builtins.float
     def __init__(
         self,
         *,
@@ -356,10 +363,12 @@ class TransferConfig(_message.Message):
         timeout_s: _builtins.float = ...,
         verify_checksums: _builtins.bool = ...,
         direct_min_bytes: _builtins.int = ...,
+        delta: _builtins.str = ...,
+        delta_max_changed: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_bytes", b"bucket_bytes", "direct_min_bytes", b"direct_min_bytes", "max_inflight_bytes", b"max_inflight_bytes", "num_channels", b"num_channels", "timeout_s", b"timeout_s", "verify_checksums", b"verify_checksums"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_bytes", b"bucket_bytes", "delta", b"delta", "delta_max_changed", b"delta_max_changed", "direct_min_bytes", b"direct_min_bytes", "max_inflight_bytes", b"max_inflight_bytes", "num_channels", b"num_channels", "timeout_s", b"timeout_s", "verify_checksums", b"verify_checksums"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -606,6 +615,8 @@ class Refit(_message.Message):
     COALESCED_FIELD_NUMBER: _builtins.int
     TENSORS_VERIFIED_FIELD_NUMBER: _builtins.int
     TENSORS_TOTAL_FIELD_NUMBER: _builtins.int
+    BYTES_ON_WIRE_FIELD_NUMBER: _builtins.int
+    DELTA_REPLICAS_FIELD_NUMBER: _builtins.int
     refit_id: _builtins.str
     job: _builtins.str
     version: _builtins.int
@@ -624,6 +635,8 @@ class Refit(_message.Message):
     """Number of triggers coalesced into this refit."""
     tensors_verified: _builtins.int
     tensors_total: _builtins.int
+    bytes_on_wire: _builtins.int
+    """Bytes the senders put on the wire: less than bytes_done when replicas took a delta."""
     @_builtins.property
     def target_replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Replicas being updated (empty at trigger time means all)."""
@@ -632,6 +645,10 @@ class Refit(_message.Message):
     def timings(self) -> _containers.RepeatedCompositeFieldContainer[Global___PhaseTiming]: ...
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankProgress]: ...
+    @_builtins.property
+    def delta_replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Replicas that received a delta against the version they held (the rest: full)."""
+
     def __init__(
         self,
         *,
@@ -654,10 +671,12 @@ class Refit(_message.Message):
         coalesced: _builtins.int = ...,
         tensors_verified: _builtins.int = ...,
         tensors_total: _builtins.int = ...,
+        bytes_on_wire: _builtins.int = ...,
+        delta_replicas: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_done", b"bytes_done", "bytes_total", b"bytes_total", "coalesced", b"coalesced", "created_unix", b"created_unix", "group_epoch", b"group_epoch", "idempotency_key", b"idempotency_key", "job", b"job", "message", b"message", "plan_digest", b"plan_digest", "ranks", b"ranks", "reason", b"reason", "refit_id", b"refit_id", "state", b"state", "target_replicas", b"target_replicas", "tensors_total", b"tensors_total", "tensors_verified", b"tensors_verified", "timings", b"timings", "updated_unix", b"updated_unix", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_done", b"bytes_done", "bytes_on_wire", b"bytes_on_wire", "bytes_total", b"bytes_total", "coalesced", b"coalesced", "created_unix", b"created_unix", "delta_replicas", b"delta_replicas", "group_epoch", b"group_epoch", "idempotency_key", b"idempotency_key", "job", b"job", "message", b"message", "plan_digest", b"plan_digest", "ranks", b"ranks", "reason", b"reason", "refit_id", b"refit_id", "state", b"state", "target_replicas", b"target_replicas", "tensors_total", b"tensors_total", "tensors_verified", b"tensors_verified", "timings", b"timings", "updated_unix", b"updated_unix", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
