@@ -659,6 +659,10 @@ class JobDriver:
         total = record.updated_unix - record.created_unix
         self._ctx.metrics.finished(RefitState.COMMITTED, record.timings, total)
         self._ctx.metrics.bytes.inc(record.bytes_done)
+        self._ctx.metrics.wire_bytes.inc(record.bytes_on_wire)
+        deltas = len(record.delta_replicas)
+        self._ctx.metrics.delta_replicas.labels("delta").inc(deltas)
+        self._ctx.metrics.delta_replicas.labels("full").inc(len(record.target_replicas) - deltas)
         transfer_s = record.timings.get(RefitState.TRANSFERRING, 0.0)
         if transfer_s > 0 and record.bytes_done:
             self._ctx.metrics.throughput.observe(record.bytes_done / transfer_s / 1e9)

@@ -51,6 +51,19 @@ class Metrics:
             registry=r,
         )
         self.bytes = Counter("refit_bytes", "Bytes moved by refits", registry=r)
+        self.wire_bytes = Counter(
+            "refit_wire_bytes",
+            "Bytes senders put on the wire for committed refits (below refit_bytes_total by "
+            "what delta refits saved)",
+            registry=r,
+        )
+        self.delta_replicas = Counter(
+            "refit_replica_updates",
+            "Replica updates of committed refits by path: 'delta' (changed words against the "
+            "version the replica held) or 'full'",
+            ["path"],
+            registry=r,
+        )
         self.throughput = Histogram(
             "refit_throughput_gigabytes_per_second",
             "Bytes received per second of TRANSFERRING, per committed refit",

@@ -163,6 +163,15 @@ def test_delta_refits_move_only_changes_and_end_exact(
             assert done.bytes_on_wire < done.bytes_total, (fraction, done.bytes_on_wire)
             if fraction <= 0.01:
                 assert done.bytes_on_wire < done.bytes_total / 5, fraction
+        metrics = coordinator.core.metrics.registry
+        assert (
+            metrics.get_sample_value("refit_replica_updates_total", {"path": "delta"})
+            == 5 * replicas
+        )
+        assert metrics.get_sample_value("refit_replica_updates_total", {"path": "full"}) == replicas
+        assert metrics.get_sample_value("refit_wire_bytes_total") < metrics.get_sample_value(
+            "refit_bytes_total"
+        )
 
 
 def test_a_replica_that_missed_a_version_gets_the_full_path(
