@@ -56,22 +56,34 @@ def _perturb(state: dict[str, torch.Tensor], fraction: float, seed: int) -> None
         flat[picked, 0] ^= 0x01
 
 
+def _stage(name: str, pp: int) -> int:
+    """Pipeline stage of a tensor: decoder layer i on stage i % pp, the embedding first,
+    the final norm last."""
+    if ".layers." in name:
+        return int(name.split(".layers.")[1].split(".")[0]) % pp
+    return 0 if "embed" in name else pp - 1
+
+
 @contextlib.contextmanager
 def _world(
-    coordinator: Any, trainer_tp: int, gen_tp: int, replicas: int
+    coordinator: Any, trainer_tp: int, gen_tp: int, replicas: int, pp: int = 1
 ) -> Iterator[tuple[list[TrainerAgent], list[ReferenceEngine], dict[str, torch.Tensor]]]:
+    """Trainer ranks PP x TP (rank = stage * tp + tp_rank); generator replicas at gen_tp."""
     v0, truth = _state(0), _state(1)
     specs = specs_of(truth)
-    trainers = [
-        TrainerAgent(
-            coordinator=coordinator.grpc_target,
-            job=JOB,
-            rank=r,
-            world_size=trainer_tp,
-            shards=shard_state(specs, r, trainer_tp, torch.device("cpu"), truth),
+    trainers = []
+    for r in range(pp * trainer_tp):
+        stage, tp_rank = divmod(r, trainer_tp)
+        held = {n: spec for n, spec in specs.items() if _stage(n, pp) == stage}
+        trainers.append(
+            TrainerAgent(
+                coordinator=coordinator.grpc_target,
+                job=JOB,
+                rank=r,
+                world_size=pp * trainer_tp,
+                shards=shard_state(held, tp_rank, trainer_tp, torch.device("cpu"), truth),
+            )
         )
-        for r in range(trainer_tp)
-    ]
     gens = [
         ReferenceEngine(
             coordinator=coordinator.grpc_target,
@@ -138,19 +150,23 @@ def _refit(client: RefitClient, key: str, replicas: list[str] | None = None) -> 
     return done
 
 
-@pytest.mark.parametrize(("trainer_tp", "gen_tp", "replicas"), [(2, 3, 1), (2, 1, 1), (3, 2, 2)])
+@pytest.mark.parametrize(
+    ("pp", "trainer_tp", "gen_tp", "replicas"),
+    [(1, 2, 3, 1), (1, 2, 1, 1), (1, 3, 2, 2), (2, 2, 4, 1)],
+    ids=["tp2-tp3", "tp2-tp1", "tp3-2xtp2", "pp2tp2-tp4"],
+)
 def test_delta_refits_move_only_changes_and_end_exact(
-    coordinator_factory: Callable[..., Any], trainer_tp: int, gen_tp: int, replicas: int
+    coordinator_factory: Callable[..., Any], pp: int, trainer_tp: int, gen_tp: int, replicas: int
 ) -> None:
     coordinator = coordinator_factory(
         transfer_timeout_s=30.0, prepare_timeout_s=30.0, group_timeout_s=30.0, delta="on"
     )
     names = [f"rep-{i}" for i in range(replicas)]
     with (
-        _world(coordinator, trainer_tp, gen_tp, replicas) as (trainers, gens, truth),
+        _world(coordinator, trainer_tp, gen_tp, replicas, pp) as (trainers, gens, truth),
         RefitClient(coordinator.grpc_target) as client,
     ):
-        _wait_ready(client, trainer_tp + gen_tp * replicas)
+        _wait_ready(client, pp * trainer_tp + gen_tp * replicas)
         first = _refit(client, "k0")
         assert first.delta_replicas == []  # no base yet: the full path
         assert first.bytes_on_wire == first.bytes_total
