@@ -234,3 +234,41 @@ def test_delta_off_sends_in_full_and_keeps_no_snapshot(
             assert done.bytes_on_wire == done.bytes_total
         _assert_holds(gens, truth, done.version)
         assert all(t.member.delta_snapshot.nbytes == 0 for t in trainers)
+
+
+def test_a_restarted_trainer_rank_sends_in_full_once(
+    coordinator_factory: Callable[..., Any],
+) -> None:
+    """A trainer rank that comes back (new process, new member id) holds no base: the next
+    refit goes in full, the one after is a delta again."""
+    coordinator = coordinator_factory(
+        transfer_timeout_s=30.0, prepare_timeout_s=30.0, group_timeout_s=30.0, delta="on"
+    )
+    with (
+        _world(coordinator, 2, 2, 1) as (trainers, gens, truth),
+        RefitClient(coordinator.grpc_target) as client,
+    ):
+        _wait_ready(client, 4)
+        _refit(client, "k0")
+        _step(trainers, truth, 0.01, seed=1)
+        assert _refit(client, "k1").delta_replicas == ["rep-0"]
+        old = trainers[1]
+        old.close()
+        trainers[1] = TrainerAgent(
+            coordinator=coordinator.grpc_target,
+            job=JOB,
+            rank=1,
+            world_size=2,
+            shards=shard_state(specs_of(truth), 1, 2, torch.device("cpu"), truth),
+        )
+        trainers[1].start()
+        _wait_ready(client, 4)
+        _step(trainers, truth, 0.01, seed=2)
+        restarted = _refit(client, "k2")
+        assert restarted.delta_replicas == []
+        assert restarted.bytes_on_wire == restarted.bytes_total
+        _assert_holds(gens, truth, restarted.version)
+        _step(trainers, truth, 0.01, seed=3)
+        again = _refit(client, "k3")
+        assert again.delta_replicas == ["rep-0"]
+        _assert_holds(gens, truth, again.version)
