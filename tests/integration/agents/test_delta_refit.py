@@ -8,7 +8,6 @@ under `updating_weights()`, as an optimizer step would."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,9 +17,15 @@ import torch
 from refitplane.client import RefitClient
 from refitplane.client.models import Refit, RefitState
 from refitplane.generator.hf_tensor_parallel import tp_boxes
-from refitplane.generator.reference_engine import ReferenceEngine, shard_state, specs_of
+from refitplane.generator.reference_engine import ReferenceEngine, specs_of
 from refitplane.reshard.boxes import to_slices
 from refitplane.trainer.agent import TrainerAgent
+from tests.integration.agents.reference_world import (
+    reference_generators,
+    running,
+    trainer_ranks,
+    wait_layouts,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -65,54 +70,32 @@ def _stage(name: str, pp: int) -> int:
 
 
 @contextlib.contextmanager
-def _world(
-    coordinator: Any, trainer_tp: int, gen_tp: int, replicas: int, pp: int = 1
-) -> Iterator[tuple[list[TrainerAgent], list[ReferenceEngine], dict[str, torch.Tensor]]]:
-    """Trainer ranks PP x TP (rank = stage * tp + tp_rank); generator replicas at gen_tp."""
-    v0, truth = _state(0), _state(1)
-    specs = specs_of(truth)
-    trainers = []
-    for r in range(pp * trainer_tp):
-        stage, tp_rank = divmod(r, trainer_tp)
-        held = {n: spec for n, spec in specs.items() if _stage(n, pp) == stage}
-        trainers.append(
-            TrainerAgent(
-                coordinator=coordinator.grpc_target,
-                job=JOB,
-                rank=r,
-                world_size=pp * trainer_tp,
-                shards=shard_state(held, tp_rank, trainer_tp, torch.device("cpu"), truth),
-            )
-        )
-    gens = [
-        ReferenceEngine(
-            coordinator=coordinator.grpc_target,
-            job=JOB,
-            replica_id=f"rep-{i}",
-            rank=r,
-            world_size=gen_tp,
-            specs=specs,
-            initial=v0,
-        )
-        for i in range(replicas)
-        for r in range(gen_tp)
-    ]
-    try:
-        for a in (*trainers, *gens):
-            a.start()
-        yield trainers, gens, truth
-    finally:
-        for a in (*trainers, *gens):
-            a.close()
-
-
-def _wait_ready(client: RefitClient, members: int) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if sum(1 for m in client.topology(JOB).members if m.layout_digest) >= members:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"members did not publish layouts: {client.topology(JOB)}")
+def _session(
+    coordinator_factory: Callable[..., Any],
+    delta: str,
+    *,
+    trainer_tp: int,
+    gen_tp: int,
+    replicas: int = 1,
+    pp: int = 1,
+) -> Iterator[
+    tuple[Any, list[TrainerAgent], list[ReferenceEngine], dict[str, torch.Tensor], RefitClient]
+]:
+    """A coordinator with REFIT_DELTA=`delta`, PP x TP trainer ranks holding `truth`,
+    generator replicas at `gen_tp` holding another checkpoint, all layouts published."""
+    coordinator = coordinator_factory(
+        transfer_timeout_s=30.0, prepare_timeout_s=30.0, group_timeout_s=30.0, delta=delta
+    )
+    truth = _state(1)
+    trainers = trainer_ranks(
+        coordinator, JOB, truth, tp=trainer_tp, pp=pp, stage_of=lambda n: _stage(n, pp)
+    )
+    gens = reference_generators(
+        coordinator, JOB, specs_of(truth), tp=gen_tp, replicas=replicas, initial=_state(0)
+    )
+    with running([*trainers, *gens]), RefitClient(coordinator.grpc_target) as client:
+        wait_layouts(client, JOB, len(trainers) + len(gens))
+        yield coordinator, trainers, gens, truth, client
 
 
 def _step(
@@ -137,7 +120,7 @@ def _assert_holds(
             if box is not None:
                 assert torch.equal(
                     g.shards.view(name, box).view(torch.uint8), t[to_slices(box)].view(torch.uint8)
-                ), (g.replica_id, g.rank, name)
+                ), (g.session.info.replica_id, g.rank, name)
 
 
 def _refit(client: RefitClient, key: str, replicas: list[str] | None = None) -> Refit:
@@ -158,15 +141,10 @@ def _refit(client: RefitClient, key: str, replicas: list[str] | None = None) -> 
 def test_delta_refits_move_only_changes_and_end_exact(
     coordinator_factory: Callable[..., Any], pp: int, trainer_tp: int, gen_tp: int, replicas: int
 ) -> None:
-    coordinator = coordinator_factory(
-        transfer_timeout_s=30.0, prepare_timeout_s=30.0, group_timeout_s=30.0, delta="on"
-    )
     names = [f"rep-{i}" for i in range(replicas)]
-    with (
-        _world(coordinator, trainer_tp, gen_tp, replicas, pp) as (trainers, gens, truth),
-        RefitClient(coordinator.grpc_target) as client,
-    ):
-        _wait_ready(client, pp * trainer_tp + gen_tp * replicas)
+    with _session(
+        coordinator_factory, "on", trainer_tp=trainer_tp, gen_tp=gen_tp, replicas=replicas, pp=pp
+    ) as (coordinator, trainers, gens, truth, client):
         first = _refit(client, "k0")
         assert first.delta_replicas == []  # no base yet: the full path
         assert first.bytes_on_wire == first.bytes_total
@@ -193,14 +171,13 @@ def test_delta_refits_move_only_changes_and_end_exact(
 def test_a_replica_that_missed_a_version_gets_the_full_path(
     coordinator_factory: Callable[..., Any],
 ) -> None:
-    coordinator = coordinator_factory(
-        transfer_timeout_s=30.0, prepare_timeout_s=30.0, group_timeout_s=30.0, delta="auto"
-    )
-    with (
-        _world(coordinator, 2, 2, 2) as (trainers, gens, truth),
-        RefitClient(coordinator.grpc_target) as client,
+    with _session(coordinator_factory, "auto", trainer_tp=2, gen_tp=2, replicas=2) as (
+        _,
+        trainers,
+        gens,
+        truth,
+        client,
     ):
-        _wait_ready(client, 6)
         _refit(client, "k0")
         _step(trainers, truth, 0.01, seed=1)
         only_first = _refit(client, "k1", ["rep-0"])
@@ -219,14 +196,13 @@ def test_a_replica_that_missed_a_version_gets_the_full_path(
 def test_delta_off_sends_in_full_and_keeps_no_snapshot(
     coordinator_factory: Callable[..., Any],
 ) -> None:
-    coordinator = coordinator_factory(
-        transfer_timeout_s=30.0, prepare_timeout_s=30.0, group_timeout_s=30.0
-    )
-    with (
-        _world(coordinator, 2, 1, 1) as (trainers, gens, truth),
-        RefitClient(coordinator.grpc_target) as client,
+    with _session(coordinator_factory, "off", trainer_tp=2, gen_tp=1) as (
+        _,
+        trainers,
+        gens,
+        truth,
+        client,
     ):
-        _wait_ready(client, 3)
         for i in range(2):
             _step(trainers, truth, 0.01, seed=i)
             done = _refit(client, f"k{i}")
@@ -241,34 +217,26 @@ def test_a_restarted_trainer_rank_sends_in_full_once(
 ) -> None:
     """A trainer rank that comes back (new process, new member id) holds no base: the next
     refit goes in full, the one after is a delta again."""
-    coordinator = coordinator_factory(
-        transfer_timeout_s=30.0, prepare_timeout_s=30.0, group_timeout_s=30.0, delta="on"
-    )
-    with (
-        _world(coordinator, 2, 2, 1) as (trainers, gens, truth),
-        RefitClient(coordinator.grpc_target) as client,
+    with _session(coordinator_factory, "on", trainer_tp=2, gen_tp=2) as (
+        coordinator,
+        trainers,
+        gens,
+        truth,
+        client,
     ):
-        _wait_ready(client, 4)
         _refit(client, "k0")
         _step(trainers, truth, 0.01, seed=1)
         assert _refit(client, "k1").delta_replicas == ["rep-0"]
-        old = trainers[1]
-        old.close()
-        trainers[1] = TrainerAgent(
-            coordinator=coordinator.grpc_target,
-            job=JOB,
-            rank=1,
-            world_size=2,
-            shards=shard_state(specs_of(truth), 1, 2, torch.device("cpu"), truth),
-        )
-        trainers[1].start()
-        _wait_ready(client, 4)
-        _step(trainers, truth, 0.01, seed=2)
-        restarted = _refit(client, "k2")
-        assert restarted.delta_replicas == []
-        assert restarted.bytes_on_wire == restarted.bytes_total
-        _assert_holds(gens, truth, restarted.version)
-        _step(trainers, truth, 0.01, seed=3)
-        again = _refit(client, "k3")
-        assert again.delta_replicas == ["rep-0"]
-        _assert_holds(gens, truth, again.version)
+        trainers[1].close()
+        (trainers[1],) = trainer_ranks(coordinator, JOB, truth, tp=2, ranks=[1])
+        with running([trainers[1]]):
+            wait_layouts(client, JOB, 4)
+            _step(trainers, truth, 0.01, seed=2)
+            restarted = _refit(client, "k2")
+            assert restarted.delta_replicas == []
+            assert restarted.bytes_on_wire == restarted.bytes_total
+            _assert_holds(gens, truth, restarted.version)
+            _step(trainers, truth, 0.01, seed=3)
+            again = _refit(client, "k3")
+            assert again.delta_replicas == ["rep-0"]
+            _assert_holds(gens, truth, again.version)

@@ -15,9 +15,15 @@ import torch
 from refitplane.client import RefitClient
 from refitplane.client.models import RefitState
 from refitplane.generator.hf_tensor_parallel import tp_boxes
-from refitplane.generator.reference_engine import ReferenceEngine, shard_state, specs_of
+from refitplane.generator.reference_engine import ReferenceEngine, specs_of
 from refitplane.reshard.boxes import to_slices
 from refitplane.trainer.agent import TrainerAgent
+from tests.integration.agents.reference_world import (
+    reference_generators,
+    running,
+    trainer_ranks,
+    wait_layouts,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -52,50 +58,12 @@ def _world(
     coordinator: Any, trainer_tp: int, gen_tp: int, replicas: int = 1
 ) -> Iterator[tuple[list[TrainerAgent], list[ReferenceEngine], dict[str, torch.Tensor]]]:
     v0, v1 = _state(0), _state(1)
-    specs = specs_of(v1)
-    trainer_state = {n: t.clone() for n, t in v1.items()}
-    trainers = [
-        TrainerAgent(
-            coordinator=coordinator.grpc_target,
-            job="job-a",
-            rank=r,
-            world_size=trainer_tp,
-            shards=shard_state(specs, r, trainer_tp, torch.device("cpu"), trainer_state),
-        )
-        for r in range(trainer_tp)
-    ]
-    gens = [
-        ReferenceEngine(
-            coordinator=coordinator.grpc_target,
-            job="job-a",
-            replica_id=f"rep-{i}",
-            rank=r,
-            world_size=gen_tp,
-            specs=specs,
-            initial=v0,
-        )
-        for i in range(replicas)
-        for r in range(gen_tp)
-    ]
-    try:
-        for a in (*trainers, *gens):
-            a.start()
+    trainers = trainer_ranks(coordinator, "job-a", v1, tp=trainer_tp)
+    gens = reference_generators(
+        coordinator, "job-a", specs_of(v1), tp=gen_tp, replicas=replicas, initial=v0
+    )
+    with running([*trainers, *gens]):
         yield trainers, gens, v1
-    finally:
-        for a in (*trainers, *gens):
-            a.close()
-
-
-def _wait_ready(client: RefitClient, job: str, members: int) -> None:
-    import time
-
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        topo = client.topology(job)
-        if sum(1 for m in topo.members if m.layout_digest) >= members:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"members did not publish layouts: {client.topology(job)}")
 
 
 @pytest.mark.parametrize(("trainer_tp", "gen_tp", "replicas"), [(2, 1, 1), (2, 3, 1), (3, 2, 2)])
@@ -109,7 +77,7 @@ def test_refit_commits_and_bytes_match(
         _world(coordinator, trainer_tp, gen_tp, replicas) as (_trainers, gens, truth),
         RefitClient(coordinator.grpc_target) as client,
     ):
-        _wait_ready(client, "job-a", trainer_tp + gen_tp * replicas)
+        wait_layouts(client, "job-a", trainer_tp + gen_tp * replicas)
         refit = client.trigger("job-a", idempotency_key="k1")
         final = client.wait(refit.refit_id, timeout_s=60)
         assert final.state == RefitState.COMMITTED, final
@@ -144,7 +112,7 @@ def test_named_plans_and_a_lost_plan_cache_over_gloo(
         _world(coordinator, 2, 2) as (trainers, gens, truth),
         RefitClient(coordinator.grpc_target) as client,
     ):
-        _wait_ready(client, "job-a", 4)
+        wait_layouts(client, "job-a", 4)
         for key in ("k1", "k2"):
             done = client.wait(client.trigger("job-a", idempotency_key=key).refit_id, timeout_s=60)
             assert done.state == RefitState.COMMITTED, done
