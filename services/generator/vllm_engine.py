@@ -342,7 +342,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             )
             return
         self._record(update_info, ok=True, modified=live)
-        # Staged weights reload at finish; live ones re-run attention's post-load processing.
+        # Finish applies the last staged bucket and re-runs attention's post-load processing.
         self._pending_reload = refit_id
 
     def finish_weight_update(self, *args: Any, **kwargs: Any) -> None:
