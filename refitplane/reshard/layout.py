@@ -8,9 +8,12 @@ until the coordinator maps them onto group ranks.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import (
@@ -21,11 +24,30 @@ from refitplane.reshard.boxes import (
     is_empty,
     within_shape,
 )
-from refitplane.reshard.dtypes import canonical_dtype, itemsize
+from refitplane.reshard.dtypes import ITEMSIZE, canonical_dtype, itemsize
+from refitplane.reshard.placements import DeviceMesh, Placement, placement_table
 
 # Limits that keep a malformed layout from exhausting memory in the planner.
 MAX_DIMS = 8
 MAX_DIM_SIZE = 1 << 40
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Building layouts and plans allocates ~10^5-10^6 small objects and no cycles;
+    generational GC passes over them would cost a good part of the building itself."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+# Shapes made by `TensorSpec.create`, each once (bounded: a new model's shapes refill it).
+_SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
+_MAX_SHAPES = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +74,22 @@ class TensorSpec:
     @staticmethod
     def create(name: str, shape: Sequence[int], dtype: str) -> TensorSpec:
         """Validated constructor: a clear error for every malformed field."""
+        # Fast path (the largest models have ~10^5 tensors): a valid name, int dimensions in
+        # range, a canonical dtype name. Equal shapes share one tuple, so work keyed by a
+        # shape object (the layout digest's text) is done once per distinct shape.
+        if name.__class__ is str and name and len(shape) <= MAX_DIMS:
+            given = tuple(shape)
+            for d in given:
+                if d.__class__ is not int or not 0 <= d <= MAX_DIM_SIZE:
+                    break
+            else:
+                if dtype.__class__ is str and dtype in ITEMSIZE:
+                    known = _SHAPES.get(given)
+                    if known is None:
+                        if len(_SHAPES) >= _MAX_SHAPES:
+                            _SHAPES.clear()
+                        known = _SHAPES[given] = given
+                    return TensorSpec(name, known, dtype)
         if not isinstance(name, str) or not name:
             raise LayoutError("tensor name must be a non-empty string", field="name")
         if len(shape) > MAX_DIMS:
@@ -85,23 +123,40 @@ class TensorLayout:
 
 @dataclass(frozen=True)
 class Layout:
-    """All tensors of one side, by canonical name (iteration is in sorted name order)."""
+    """All tensors of one side, by canonical name (iteration is in sorted name order).
+
+    Tensors placed the same way may share one `boxes` mapping object (a builder hands out
+    one per distinct placement or content): mappings are read-only, and work per distinct
+    mapping (digest text, planner geometry) is done once per object.
+    """
 
     tensors: Mapping[str, TensorLayout]
-    _hash: list[str] = field(default_factory=list, repr=False, compare=False)
+    # Derived once, on first use: the digest, the sorted names, the ranks.
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __iter__(self) -> Iterator[TensorLayout]:
-        for name in sorted(self.tensors):
-            yield self.tensors[name]
+        tensors = self.tensors
+        for name in self.names():
+            yield tensors[name]
 
     def __len__(self) -> int:
         return len(self.tensors)
 
+    def names(self) -> tuple[str, ...]:
+        """Tensor names in sorted order (the order of iteration and of the digest)."""
+        names: tuple[str, ...] | None = self._memo.get("names")
+        if names is None:
+            names = self._memo["names"] = tuple(sorted(self.tensors))
+        return names
+
     def ranks(self) -> list[int]:
-        out: set[int] = set()
-        for t in self.tensors.values():
-            out.update(t.boxes)
-        return sorted(out)
+        ranks: list[int] | None = self._memo.get("ranks")
+        if ranks is None:
+            out: set[int] = set()
+            for boxes in {id(t.boxes): t.boxes for t in self.tensors.values()}.values():
+                out.update(boxes)  # once per distinct mapping object
+            ranks = self._memo["ranks"] = sorted(out)
+        return list(ranks)
 
     def spec(self, name: str) -> TensorSpec:
         return self.tensors[name].spec
@@ -116,12 +171,16 @@ class Layout:
 
     def relabel(self, mapping: Mapping[int, int]) -> Layout:
         """The same layout with ranks renamed (e.g. local rank → group rank)."""
-        return Layout(
-            {
-                name: TensorLayout(t.spec, {mapping[r]: b for r, b in t.boxes.items()})
-                for name, t in self.tensors.items()
-            }
-        )
+        # One renamed mapping per distinct mapping object, shared as the original was.
+        renamed: dict[int, tuple[Mapping[int, tuple[Box, ...]], dict[int, tuple[Box, ...]]]] = {}
+        tensors = {}
+        for name, t in self.tensors.items():
+            boxes = t.boxes
+            hit = renamed.get(id(boxes))
+            if hit is None:
+                hit = renamed[id(boxes)] = (boxes, {mapping[r]: b for r, b in boxes.items()})
+            tensors[name] = TensorLayout(t.spec, hit[1])
+        return Layout(tensors)
 
     def total_bytes(self) -> int:
         """Bytes of all boxes of all ranks (what a destination side must receive)."""
@@ -135,41 +194,56 @@ class Layout:
     @property
     def digest(self) -> str:
         """A stable hash of the layout's content (names, specs, ranks, boxes)."""
-        if not self._hash:
-            self._hash.append(_digest(self))
-        return self._hash[0]
+        digest: str | None = self._memo.get("digest")
+        if digest is None:
+            digest = self._memo["digest"] = _digest(self)
+        return digest
 
 
 def _digest(layout: Layout) -> str:
     """sha256 over, per tensor in name order, `name|shape|dtype`, then `|rank:[boxes]` per
     rank in order (boxes sorted), then a newline. Fed in large chunks (the same bytes as
-    one update per field), and the text of each rank-to-boxes mapping is made once: a model
-    repeats the same mapping over its layers and experts."""
+    one update per field). All but the name is made once per (shape object, dtype, boxes
+    object) — a model repeats a few shapes and mappings over its layers and experts — and
+    each mapping's text once per distinct content for mappings that are not shared."""
     h = hashlib.sha256()
-    mapping_text: dict[tuple[tuple[int, tuple[Box, ...]], ...], str] = {}
+    # Keyed by ids of objects `layout` keeps alive while this runs.
+    tails: dict[tuple[int, str, int], str] = {}
+    by_content: dict[tuple[tuple[int, tuple[Box, ...]], ...], str] = {}
     parts: list[str] = []
     tensors = layout.tensors
-    for name in sorted(tensors):
+    for name in layout.names():
         t = tensors[name]
         s = t.spec
-        parts.append(f"{s.name}|{s.shape}|{s.dtype}")
-        boxes = t.boxes
-        items = tuple(boxes.items())
-        try:
-            text = mapping_text.get(items)
-        except TypeError:  # a box given as lists: unhashable, and never shared
-            text, items = None, ()
-        if text is None:
-            text = "".join(f"|{rank}:{sorted(boxes[rank])}" for rank in sorted(boxes))
-            if items:
-                mapping_text[items] = text
-        parts.append(text)
-        parts.append("\n")
-        if len(parts) >= 3 * 4096:
+        key = (id(s.shape), s.dtype, id(t.boxes))
+        tail = tails.get(key)
+        if tail is None:
+            tail = tails[key] = f"|{s.shape}|{s.dtype}{_mapping_text(t.boxes, by_content)}\n"
+        parts += (s.name, tail)
+        if len(parts) >= 2 * 4096:
             h.update("".join(parts).encode())
             parts.clear()
     h.update("".join(parts).encode())
     return h.hexdigest()
+
+
+def _mapping_text(
+    boxes: Mapping[int, tuple[Box, ...]],
+    by_content: dict[tuple[tuple[int, tuple[Box, ...]], ...], str],
+) -> str:
+    items = tuple(boxes.items())
+    try:
+        text = by_content.get(items)
+    except TypeError:  # a box given as lists: unhashable, and never shared
+        text, items = None, ()
+    if text is None:
+        text = "".join(f"|{rank}:{sorted(boxes[rank])}" for rank in sorted(boxes))
+        if items:
+            by_content[items] = text
+    return text
+
+
+_Table = Mapping[int, tuple[Box, ...]]
 
 
 class LayoutBuilder:
@@ -185,6 +259,12 @@ class LayoutBuilder:
         self._boxes: dict[str, dict[int, tuple[Box, ...]]] = {}
         # Tensors with a rank listing more than one box (only those need their boxes sorted)
         self._several: set[str] = set()
+        # Tensors whose boxes are exactly one placement's (shared, valid by construction);
+        # a tensor is here or in `_boxes`, never both, and moves to `_boxes` (a copy) when
+        # more boxes are added to it.
+        self._tables: dict[str, Mapping[int, tuple[Box, ...]]] = {}
+        # Unions of two tables, by the tables' ids (see `_union`)
+        self._unions: dict[tuple[int, int], tuple[_Table, _Table, _Table | None]] = {}
 
     def add_spec(self, spec: TensorSpec) -> None:
         known = self._specs.get(spec.name)
@@ -211,11 +291,67 @@ class LayoutBuilder:
                     if not 0 <= start < stop <= n:
                         break
                 else:
-                    per_rank_boxes = self._boxes[spec.name]
-                    if rank not in per_rank_boxes:
+                    per_rank_boxes = self._boxes.get(spec.name)
+                    if per_rank_boxes is not None and rank not in per_rank_boxes:
                         per_rank_boxes[rank] = (box,)
                         return
         self._add_checked(spec, rank, box)
+
+    def add_placements(
+        self, spec: TensorSpec, mesh: DeviceMesh, placements: Sequence[Placement]
+    ) -> None:
+        """Add the boxes a DTensor-style placement gives each mesh rank (`placement_boxes`).
+
+        The common case — a tensor placed once — costs one lookup whatever the number of
+        ranks: the placement's box table is computed once per (shape, mesh, placements)
+        and shared by every tensor placed that way.
+        """
+        name = spec.name
+        known = self._specs.get(name)
+        if known is None:
+            # A new tensor (as `add_spec` would register it, with no boxes should the
+            # placement be refused), then its table.
+            self._specs[name] = spec
+            self._tables[name] = {}
+            self._tables[name] = placement_table(spec.shape, mesh, placements, tensor=name)
+            return
+        if known is not spec:
+            self.add_spec(spec)
+        table = placement_table(spec.shape, mesh, placements, tensor=name)
+        boxes = self._boxes.get(name)
+        if boxes is not None and not boxes:
+            del self._boxes[name]
+            self._tables[name] = table
+            return
+        current = self._tables.get(name)
+        if current is not None:
+            # Placed before on other ranks (e.g. one mesh per generator replica): the union
+            # of two valid tables on disjoint ranks is valid, and made once per pair.
+            union = self._union(current, table)
+            if union is not None:
+                self._tables[name] = union
+                return
+        # The tensor has boxes already: each new one is checked against them, in mesh order.
+        for rank in mesh.ranks:
+            held = table.get(rank)
+            if held is not None:
+                self.add(spec, rank, held[0])
+
+    def _union(self, a: _Table, b: _Table) -> _Table | None:
+        """`a` and `b` as one table (ranks in order) if no rank is in both, else None."""
+        key = (id(a), id(b))
+        hit = self._unions.get(key)
+        if hit is None:
+            union = None if a.keys() & b.keys() else dict(sorted((*a.items(), *b.items())))
+            hit = self._unions[key] = (a, b, union)  # a and b kept alive: their ids stay theirs
+        return hit[2]
+
+    def _own_boxes(self, name: str) -> dict[int, tuple[Box, ...]]:
+        """The tensor's boxes as this builder's own dict (a shared table is copied first)."""
+        table = self._tables.pop(name, None)
+        if table is not None:
+            self._boxes[name] = dict(table)
+        return self._boxes[name]
 
     def _add_checked(self, spec: TensorSpec, rank: int, box: Box) -> None:
         self.add_spec(spec)
@@ -233,7 +369,7 @@ class LayoutBuilder:
                 box=format_box(box),
                 field="boxes",
             )
-        per_tensor = self._boxes[spec.name]
+        per_tensor = self._own_boxes(spec.name)
         per_rank = per_tensor.get(rank, ())
         for other in per_rank:
             if intersect(other, box) is not None:
@@ -254,21 +390,61 @@ class LayoutBuilder:
                 self.add(spec, rank, box)
 
     def merge(self, layout: Layout) -> None:
+        specs, own = self._specs, self._boxes
         for t in layout.tensors.values():
-            self.add_spec(t.spec)
+            spec = t.spec
+            if specs.get(spec.name) is not spec:
+                self.add_spec(spec)
+            per_rank_boxes = own.get(spec.name)
+            shape = spec.shape
             for rank, boxes in t.boxes.items():
+                # `add`'s fast path, inlined (a coordinator merges ~10^6 boxes that ranks
+                # published): one box, for a rank with none yet, inside the shape.
+                if (
+                    per_rank_boxes is not None
+                    and boxes.__class__ is tuple
+                    and len(boxes) == 1
+                    and rank.__class__ is int
+                    and rank >= 0
+                    and rank not in per_rank_boxes
+                ):
+                    box = boxes[0]
+                    if len(box) == len(shape):
+                        for (start, stop), n in zip(box, shape):  # noqa: B905 (lengths checked)
+                            if not 0 <= start < stop <= n:
+                                break
+                        else:
+                            per_rank_boxes[rank] = boxes
+                            continue
                 for box in boxes:
-                    self.add(t.spec, rank, box)
+                    self.add(spec, rank, box)
 
     def build(self) -> Layout:
         tensors = {}
-        for name, spec in self._specs.items():
-            per_rank = self._boxes[name]
-            if name in self._several:
-                per_rank = {rank: tuple(sorted(b)) for rank, b in per_rank.items()}
-            # Ranks in order, boxes sorted per rank; copies, so the builder may go on.
-            boxes = dict(sorted(per_rank.items())) if len(per_rank) > 1 else dict(per_rank)
-            tensors[name] = TensorLayout(spec, boxes)
+        tables = self._tables
+        # Tensors with equal boxes share one mapping (experts and layers repeat a handful):
+        # less memory, and a digest or a planner does its work once per mapping object.
+        shared: dict[tuple[tuple[int, tuple[Box, ...]], ...], dict[int, tuple[Box, ...]]] = {}
+        with gc_paused():
+            if len(tables) == len(self._specs):  # every tensor placed: the common case
+                return Layout(
+                    {name: TensorLayout(spec, tables[name]) for name, spec in self._specs.items()}
+                )
+            for name, spec in self._specs.items():
+                table = tables.get(name)
+                if table is not None:
+                    tensors[name] = TensorLayout(spec, table)
+                    continue
+                per_rank = self._boxes[name]
+                if name in self._several:
+                    per_rank = {rank: tuple(sorted(b)) for rank, b in per_rank.items()}
+                # Ranks in order, boxes sorted per rank; copies, so the builder may go on.
+                boxes = dict(sorted(per_rank.items())) if len(per_rank) > 1 else dict(per_rank)
+                try:
+                    boxes = shared.setdefault(tuple(boxes.items()), boxes)
+                except TypeError:  # a box given as lists: unhashable, kept as it is
+                    pass
+                tensors[name] = TensorLayout(spec, boxes)
         return Layout(tensors)
 
 

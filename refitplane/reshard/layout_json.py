@@ -23,7 +23,7 @@ from typing import Any
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import Box
 from refitplane.reshard.layout import Layout, LayoutBuilder, TensorSpec
-from refitplane.reshard.placements import DeviceMesh, Placement, Replicate, Shard, placement_boxes
+from refitplane.reshard.placements import DeviceMesh, Placement, Replicate, Shard
 
 
 def _fail(path: str, message: str, tensor: str | None = None) -> LayoutError:
@@ -98,8 +98,7 @@ def _add_entry(builder: LayoutBuilder, entry: Any, path: str) -> None:
         placements = [
             _placement(p, f"{path}.placements[{i}]", name) for i, p in enumerate(raw_placements)
         ]
-        for rank, box in placement_boxes(spec.shape, mesh, placements, tensor=name).items():
-            builder.add(spec, rank, box)
+        builder.add_placements(spec, mesh, placements)
     if "boxes" in entry:
         boxes = entry["boxes"]
         if not isinstance(boxes, dict):

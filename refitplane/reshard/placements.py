@@ -9,9 +9,8 @@ hold nothing.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import Box
@@ -36,6 +35,15 @@ class DeviceMesh:
 
     shape: tuple[int, ...]
     ranks: tuple[int, ...]
+    # A mesh keys the placement-table cache once per tensor placed (~10^5 times for the
+    # largest models): hashed once here, not per lookup.
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.shape, self.ranks)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @staticmethod
     def create(
@@ -93,7 +101,45 @@ def placement_boxes(
     *,
     tensor: str | None = None,
 ) -> dict[int, Box]:
-    """The box each mesh rank holds; ranks with an empty chunk are left out."""
+    """The box each mesh rank holds (in mesh order); ranks with an empty chunk are left out."""
+    return dict(_table(tuple(shape), mesh, tuple(placements), tensor)[0])
+
+
+def placement_table(
+    shape: Sequence[int],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    *,
+    tensor: str | None = None,
+) -> Mapping[int, tuple[Box, ...]]:
+    """The same boxes as `placement_boxes`, in the form a `TensorLayout` keeps them (rank →
+    boxes, ranks in order). Shared by every call with the same arguments: never modify it."""
+    # A hit looked up here (a spec's shape is a tuple): one call less per tensor placed.
+    hit = _TABLES.get((shape, mesh, tuple(placements))) if shape.__class__ is tuple else None
+    if hit is None:
+        hit = _table(tuple(shape), mesh, tuple(placements), tensor)
+    return hit[1]
+
+
+# (shape, mesh, placements) → (rank, box) pairs in mesh order, and the rank → boxes table.
+# A model repeats a few shapes over its layers and experts on the same meshes, so the
+# ~10^5 tensors of the largest ones have a few hundred distinct entries; a bounded dict
+# (oldest entry dropped first) keeps a process that sees many models from growing.
+_Entry = tuple[tuple[tuple[int, Box], ...], Mapping[int, tuple[Box, ...]]]
+_TABLES: dict[tuple[tuple[int, ...], DeviceMesh, tuple[Placement, ...]], _Entry] = {}
+_MAX_TABLES = 4096
+
+
+def _table(
+    shape: tuple[int, ...],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    tensor: str | None,
+) -> _Entry:
+    key = (shape, mesh, placements)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit  # validity depends on the key alone: an entry was checked when made
     if len(placements) != len(mesh.shape):
         raise LayoutError(
             f"{len(placements)} placements for a {len(mesh.shape)}-d mesh",
@@ -105,14 +151,17 @@ def placement_boxes(
             raise LayoutError(
                 f"Shard({p.dim}) on a {len(shape)}-d tensor", tensor=tensor, field="placements"
             )
-    return dict(_placement_boxes(tuple(shape), mesh, tuple(placements)))
+    pairs = _placement_boxes(shape, mesh, placements)
+    entry: _Entry = (pairs, {rank: (box,) for rank, box in sorted(pairs)})
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.pop(next(iter(_TABLES)), None)
+    _TABLES[key] = entry
+    return entry
 
 
-@functools.lru_cache(maxsize=4096)
 def _placement_boxes(
     shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
 ) -> tuple[tuple[int, Box], ...]:
-    # Cached: a model repeats a few shapes over many layers and experts, on the same meshes.
     out: list[tuple[int, Box]] = []
     for index, rank in enumerate(mesh.ranks):
         coords = mesh.coordinates(index)

@@ -112,11 +112,11 @@ def _results() -> dict[str, str]:
     }
 
 
-def test_layouts_digests_and_plans_are_pinned():
+def test_layouts_digests_and_plans_are_pinned() -> None:
     assert _results() == PINNED
 
 
-def test_layouts_rebuilt_any_way_have_the_same_digest():
+def test_layouts_rebuilt_any_way_have_the_same_digest() -> None:
     source, target = _layouts()
     for layout in (source, target):
         assert parse_layout(dump_layout(layout)).digest == layout.digest
