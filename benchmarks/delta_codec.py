@@ -13,12 +13,16 @@ The time a delta saves on the wire is (dense - payload) / link bandwidth; the de
 encoding cost is what it must beat.
 
     python benchmarks/delta_codec.py [--device cuda] [--mib 256] [--fractions 0.001 0.01 0.05 0.2 0.5]
+
+On CUDA the Triton kernels (`delta_triton`) run; REFIT_DELTA_KERNELS=torch runs the torch
+ops instead, for comparison in the same session.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -96,7 +100,10 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
-    print(f"{args.mib} MiB bf16 message on {name}, torch {torch.__version__}")
+    kernels = "torch" if os.environ.get("REFIT_DELTA_KERNELS") == "torch" else "triton"
+    if device.type != "cuda":
+        kernels = "torch"
+    print(f"{args.mib} MiB bf16 message on {name}, torch {torch.__version__}, {kernels} kernels")
     print(
         f"{'changed':>8} {'encoding':>8} {'payload':>8} {'count ms':>9} {'GB/s':>6} "
         f"{'encode ms':>10} {'apply ms':>9}"

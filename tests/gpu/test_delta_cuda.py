@@ -1,4 +1,5 @@
-"""Delta encoding on CUDA: the same payload bytes as on CPU, applied exactly."""
+"""Delta encoding on CUDA (the Triton kernels of `delta_triton`): the same payload bytes
+as the torch path on CPU, applied exactly."""
 
 from __future__ import annotations
 
@@ -60,3 +61,30 @@ def test_chosen_encoding_roundtrip_on_a_large_message() -> None:
     encode_into(current_gpu, base_gpu, header, 2, payload)
     apply_delta(base_gpu, header, 2, payload)
     assert torch.equal(base_gpu, current_gpu)
+
+
+def test_the_triton_path_is_the_one_that_ran() -> None:
+    from refitplane.reshard import delta_triton
+
+    assert delta_triton.available(torch.empty(1, device="cuda"))
+    assert not delta_triton.available(torch.empty(1))
+
+
+@pytest.mark.parametrize("word_dtype", [torch.uint8, torch.int64])
+def test_one_and_eight_byte_words(word_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 255, (1 << 16,), dtype=torch.uint8, generator=g)
+    current = base.clone()
+    current[torch.randperm(base.numel(), generator=g)[:300]] ^= 0x10
+    word = torch.empty((), dtype=word_dtype).element_size()
+    for encoding in (Encoding.INDEX, Encoding.BITMAP):
+        changed = int(changed_words(current, base, word))
+        header = DeltaHeader(
+            encoding, changed, encoded_nbytes(encoding, base.numel(), changed, word)
+        )
+        on_cpu = torch.empty(header.nbytes, dtype=torch.uint8)
+        encode_into(current, base, header, word, on_cpu)
+        on_gpu = torch.empty(header.nbytes, dtype=torch.uint8, device="cuda")
+        encode_into(current.cuda(), base.cuda(), header, word, on_gpu)
+        assert int(changed_words(current.cuda(), base.cuda(), word)) == changed
+        assert torch.equal(on_gpu.cpu(), on_cpu)
