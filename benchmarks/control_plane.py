@@ -42,10 +42,9 @@ from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc, orchestrator_pb2_grpc
 from refitplane._generated.refit.v1 import common_pb2 as cpb
 from refitplane._generated.refit.v1 import orchestrator_pb2 as opb
-from refitplane.agent import convert
-from refitplane.agent import messages as m
-from refitplane.client.transport import aio_channel
-from refitplane.protocol import RefitState, Role
+from refitplane.protocol import RefitState, Role, convert
+from refitplane.protocol import messages as m
+from refitplane.protocol.channel import aio_channel
 from refitplane.reshard.layout import Layout, LayoutBuilder, TensorSpec
 
 TENSORS = 8  # per layout

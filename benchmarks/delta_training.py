@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from refitplane.client import RefitClient
-from refitplane.client.models import RefitState
 from refitplane.generator.hf_tensor_parallel import tp_boxes
 from refitplane.generator.reference_engine import ReferenceEngine, specs_of
+from refitplane.protocol import RefitState
 from refitplane.reshard.boxes import to_slices
 from refitplane.reshard.shards import LocalShards
 from refitplane.testing.coordinator import start_coordinator

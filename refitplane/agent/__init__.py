@@ -8,11 +8,13 @@ to the coordinator (register, renew the lease, publish a layout, run commands, r
     session.close()
 
 Protobuf never crosses this package's public API: commands arrive as the frozen dataclasses
-of `refitplane.agent.messages`, layouts and plans as `refitplane.reshard` types.
+of `refitplane.protocol.messages` (re-exported here), layouts and plans as `refitplane.reshard`
+types.
 """
 
 from refitplane.agent.handler import CommandHandler, NullHandler
-from refitplane.agent.messages import (
+from refitplane.agent.session import AgentSession
+from refitplane.protocol.messages import (
     AbortRefitCmd,
     Command,
     CreateRendezvousCmd,
@@ -22,7 +24,6 @@ from refitplane.agent.messages import (
     PrepareRefitCmd,
     StartTransferCmd,
 )
-from refitplane.agent.session import AgentSession
 
 __all__ = [
     "AbortRefitCmd",

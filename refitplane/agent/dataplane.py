@@ -26,7 +26,11 @@ from typing import Any
 import torch
 
 from refitplane.agent.handler import NullHandler
-from refitplane.agent.messages import (
+from refitplane.agent.plan_cache import DEFAULT_CAPACITY, HeldPlan, RankPlanCache
+from refitplane.agent.session import AgentSession
+from refitplane.errors import FailedPrecondition, InvalidArgument, RefitError, TransferError
+from refitplane.protocol import Backend
+from refitplane.protocol.messages import (
     AbortRefitCmd,
     CreateRendezvousCmd,
     JoinGroupCmd,
@@ -34,10 +38,6 @@ from refitplane.agent.messages import (
     PrepareRefitCmd,
     StartTransferCmd,
 )
-from refitplane.agent.plan_cache import DEFAULT_CAPACITY, HeldPlan, RankPlanCache
-from refitplane.agent.session import AgentSession
-from refitplane.errors import FailedPrecondition, InvalidArgument, RefitError, TransferError
-from refitplane.protocol import Backend
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.delta_base import DeltaSnapshot
 from refitplane.reshard.delta_exchange import DeltaLinks

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from refitplane.agent.messages import (
+from refitplane.protocol.messages import (
     AbortRefitCmd,
     CreateRendezvousCmd,
     JoinGroupCmd,

@@ -14,8 +14,8 @@ import collections
 import threading
 from dataclasses import dataclass
 
-from refitplane.agent.messages import PrepareRefitCmd
 from refitplane.errors import InvalidArgument
+from refitplane.protocol.messages import PrepareRefitCmd
 from refitplane.reshard.plan import RankPlan
 
 # Plans kept per rank; each is the rank's part only (at most a few MB on the largest models).

@@ -22,12 +22,12 @@ import grpc
 
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
-from refitplane.agent import convert
-from refitplane.agent import messages as m
 from refitplane.agent.handler import CommandHandler
-from refitplane.client.settings import ClientSettings
-from refitplane.client.transport import auth_metadata, from_rpc_error, status_code, sync_channel
 from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
+from refitplane.protocol import convert
+from refitplane.protocol import messages as m
+from refitplane.protocol.channel import auth_metadata, from_rpc_error, status_code, sync_channel
+from refitplane.protocol.settings import ClientSettings
 from refitplane.reshard.layout import Layout
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from refitplane.agent.handler import NullHandler
-from refitplane.agent.messages import (
+from refitplane.agent.plan_cache import DEFAULT_CAPACITY, HeldPlan, RankPlanCache
+from refitplane.agent.session import AgentSession
+from refitplane.errors import TransferError
+from refitplane.protocol import Role
+from refitplane.protocol.messages import (
     AbortRefitCmd,
     CommandBody,
     CreateRendezvousCmd,
@@ -21,10 +25,6 @@ from refitplane.agent.messages import (
     PrepareRefitCmd,
     StartTransferCmd,
 )
-from refitplane.agent.plan_cache import DEFAULT_CAPACITY, HeldPlan, RankPlanCache
-from refitplane.agent.session import AgentSession
-from refitplane.errors import TransferError
-from refitplane.protocol import Role
 
 
 class SimulatedFailure(TransferError):

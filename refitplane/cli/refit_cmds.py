@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
-from refitplane.client.models import Refit, Topology
 from refitplane.errors import InvalidArgument, TransferTimeout
+from refitplane.protocol.models import Refit, Topology
 
 # Exit status of `status --watch` / `trigger --wait` when the refit ends FAILED or CANCELLED.
 EXIT_REFIT_FAILED = 1

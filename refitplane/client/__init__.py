@@ -6,13 +6,14 @@
         final = client.wait(refit.refit_id, timeout_s=600)
 
 `AsyncRefitClient` has the same methods as coroutines. Results are the pydantic models of
-`refitplane.client.models`; failures raise `refitplane.errors.RefitError` subclasses.
+`refitplane.protocol.models` (re-exported here, with `ClientSettings`); failures raise
+`refitplane.errors.RefitError` subclasses.
 """
 
 from refitplane.client.aio import AsyncRefitClient
-from refitplane.client.models import Member, PhaseTiming, RankProgress, Refit, Replica, Topology
-from refitplane.client.settings import ClientSettings
 from refitplane.client.sync import RefitClient
+from refitplane.protocol.models import Member, PhaseTiming, RankProgress, Refit, Replica, Topology
+from refitplane.protocol.settings import ClientSettings
 
 __all__ = [
     "AsyncRefitClient",

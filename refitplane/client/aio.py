@@ -12,11 +12,11 @@ import grpc.aio
 
 from refitplane._generated.refit.v1 import orchestrator_pb2 as opb
 from refitplane._generated.refit.v1 import orchestrator_pb2_grpc
-from refitplane.client.convert import refit_from_proto, topology_from_proto
-from refitplane.client.models import Refit, Topology
-from refitplane.client.settings import ClientSettings
-from refitplane.client.transport import aio_channel, auth_metadata, from_rpc_error
 from refitplane.errors import TransferTimeout
+from refitplane.protocol.channel import aio_channel, auth_metadata, from_rpc_error
+from refitplane.protocol.convert import refit_from_proto, topology_from_proto
+from refitplane.protocol.models import Refit, Topology
+from refitplane.protocol.settings import ClientSettings
 
 
 class AsyncRefitClient:

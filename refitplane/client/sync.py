@@ -11,16 +11,16 @@ import grpc
 
 from refitplane._generated.refit.v1 import orchestrator_pb2 as opb
 from refitplane._generated.refit.v1 import orchestrator_pb2_grpc
-from refitplane.client.convert import refit_from_proto, topology_from_proto
-from refitplane.client.models import Refit, Topology
-from refitplane.client.settings import ClientSettings
-from refitplane.client.transport import auth_metadata, from_rpc_error, sync_channel
 from refitplane.errors import TransferTimeout
+from refitplane.protocol.channel import auth_metadata, from_rpc_error, sync_channel
+from refitplane.protocol.convert import refit_from_proto, topology_from_proto
+from refitplane.protocol.models import Refit, Topology
+from refitplane.protocol.settings import ClientSettings
 
 
 class RefitClient:
     """Trigger, inspect, cancel and watch refits. No protobuf in or out: results are the
-    pydantic models of `refitplane.client.models`; failures are `refitplane.errors`."""
+    pydantic models of `refitplane.protocol.models`; failures are `refitplane.errors`."""
 
     def __init__(
         self,

@@ -1,5 +1,7 @@
-"""gRPC plumbing shared by the orchestrator client and the agent session: channels (TLS),
-the bearer token as call metadata, and status codes back into `refitplane.errors`."""
+"""How a call reaches the coordinator over gRPC and how its failure comes back, for the
+orchestrator client and the agent session: channels (TLS, message size limit, keepalive,
+reconnect), the bearer token as call metadata, and status codes plus the trailers the
+coordinator sets (`REASON_KEY`, `FIELD_KEY`) back into `refitplane.errors`."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ import grpc.aio
 
 from refitplane import errors
 
+# Trailing metadata keys carrying the machine-readable reason and the field at fault (the
+# coordinator sets them, clients and agents read them back).
 REASON_KEY = "refit-reason"
 FIELD_KEY = "refit-field"
+# The largest message either end sends or accepts (a large model's layout or plan).
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -1,8 +1,8 @@
-"""The shared vocabulary of `refit.v1`: roles, member/refit states and backends as Python enums.
+"""The enums of `refit.v1`: roles, member/refit states and backends as Python enums.
 
 Everything above the wire (the coordinator's core, the agent session, the client) speaks these
-enums; only the converters at the edge (`refitplane.agent.convert`, `refitplane.client.convert`)
-touch the generated protobuf enums. Values are the proto names without their prefix, which is
+enums; only the converters at the edge (`refitplane.protocol.convert`) touch the generated
+protobuf enums. Values are the proto names without their prefix, which is
 also how they appear in REST/JSON.
 """
 

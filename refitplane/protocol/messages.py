@@ -1,13 +1,13 @@
 """The agent protocol as frozen dataclasses: who a member is, the commands it receives and the
-reports it sends. Shared by the agent session and the coordinator; `convert` maps them to and
-from `refit.v1` protobuf at the edge."""
+reports it sends. Shared by the agent session and the coordinator;
+`refitplane.protocol.convert.messages` maps them to and from `refit.v1` protobuf at the edge."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from refitplane.protocol import Backend, Role
+from refitplane.protocol.enums import Backend, Role
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.plan import RankPlan
 

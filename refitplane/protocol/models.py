@@ -1,7 +1,7 @@
 """What orchestrators see: refit records and job topology as frozen pydantic models.
 
-The same models are the REST API's JSON bodies and the typed client's return values, so the
-two transports cannot disagree. Enum values are the proto names without their prefix
+The same models are the coordinator's REST API's JSON bodies and the typed client's return
+values (re-exported by `refitplane.client`), so the two transports cannot disagree. Enum values are the proto names without their prefix
 (`"COMMITTED"`, `"GENERATOR"`).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from refitplane.protocol import Backend, MemberState, RefitState, Role
+from refitplane.protocol.enums import Backend, MemberState, RefitState, Role
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 

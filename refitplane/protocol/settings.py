@@ -1,4 +1,5 @@
-"""Where clients and agents find the coordinator: REFIT_* environment variables (and .env)."""
+"""Where clients and agents find the coordinator: REFIT_* environment variables (and .env).
+Public as `refitplane.client.ClientSettings`."""
 
 from __future__ import annotations
 

@@ -32,10 +32,10 @@ from typing import Any, TypeVar
 import httpx
 
 from refitplane.client import RefitClient
-from refitplane.client.models import Refit, Topology
 from refitplane.demo.processes import free_port, read_ports, reap_group
 from refitplane.errors import Unavailable
 from refitplane.protocol import RefitState
+from refitplane.protocol.models import Refit, Topology
 from refitplane.testing.agent_procs import process_resources
 
 T = TypeVar("T")

@@ -28,11 +28,10 @@ from typing import Any
 
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
-from refitplane.agent import convert
-from refitplane.agent import messages as m
-from refitplane.client.transport import aio_channel
 from refitplane.errors import Unavailable
-from refitplane.protocol import RefitState, Role
+from refitplane.protocol import RefitState, Role, convert
+from refitplane.protocol import messages as m
+from refitplane.protocol.channel import aio_channel
 from refitplane.reshard.layout import LayoutBuilder, TensorSpec
 from refitplane.testing.proc_cluster import ProcCluster
 from refitplane.testing.synthetic_state import expected_digests

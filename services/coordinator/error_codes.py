@@ -8,9 +8,9 @@ import grpc
 
 from refitplane import errors
 
-# Trailing metadata keys carrying the machine-readable reason and the field at fault (the
-# client reads them back with the same names).
-from refitplane.client.transport import FIELD_KEY, REASON_KEY
+# Trailing metadata keys carrying the machine-readable reason and the field at fault (clients
+# and agents read them back with the same names).
+from refitplane.protocol.channel import FIELD_KEY, REASON_KEY
 
 __all__ = ["FIELD_KEY", "REASON_KEY", "grpc_status", "http_status"]
 

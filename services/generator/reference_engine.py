@@ -22,11 +22,11 @@ from contextlib import contextmanager
 import torch
 
 from refitplane.agent.dataplane import DataPlaneMember, Prepared
-from refitplane.agent.messages import MemberInfo, PrepareRefitCmd
 from refitplane.agent.session import AgentSession
 from refitplane.errors import FailedPrecondition
 from refitplane.generator.hf_tensor_parallel import tp_boxes
 from refitplane.protocol import Role
+from refitplane.protocol.messages import MemberInfo, PrepareRefitCmd
 from refitplane.reshard.boxes import box_shape, to_slices
 from refitplane.reshard.executor import TransferReport
 from refitplane.reshard.layout import TensorSpec

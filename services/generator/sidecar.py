@@ -45,13 +45,18 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from refitplane.agent.handler import NullHandler
-from refitplane.agent.messages import AbortRefitCmd, MemberInfo, PrepareRefitCmd, StartTransferCmd
 from refitplane.agent.session import AgentSession
-from refitplane.client.models import Refit
 from refitplane.client.sync import RefitClient
 from refitplane.errors import FailedPrecondition, RefitError, TransferError, Unavailable
 from refitplane.generator.vllm_contract import ENGINE_ATTR
 from refitplane.protocol import RefitState, Role
+from refitplane.protocol.messages import (
+    AbortRefitCmd,
+    MemberInfo,
+    PrepareRefitCmd,
+    StartTransferCmd,
+)
+from refitplane.protocol.models import Refit
 
 log = logging.getLogger("refitplane.sidecar")
 

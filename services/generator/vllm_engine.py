@@ -47,7 +47,6 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from refitplane.agent.dataplane import DataPlaneMember, local_address
-from refitplane.agent.messages import MemberInfo
 from refitplane.agent.session import AgentSession
 from refitplane.errors import RefitError
 from refitplane.generator.checkpoint_index import checkpoint_specs
@@ -64,6 +63,7 @@ from refitplane.generator.vllm_contract import (
 from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_ranks
 from refitplane.generator.vllm_staging import ReceiveBinding, bind_receive
 from refitplane.protocol import Role
+from refitplane.protocol.messages import MemberInfo
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.staged import StagedShards
 

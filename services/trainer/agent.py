@@ -28,11 +28,11 @@ from contextlib import contextmanager
 import torch
 
 from refitplane.agent.dataplane import DataPlaneMember, Prepared, local_address
-from refitplane.agent.messages import MemberInfo, PrepareRefitCmd
 from refitplane.agent.session import AgentSession
-from refitplane.client.models import Refit
 from refitplane.errors import FailedPrecondition, TransferTimeout
 from refitplane.protocol import Role
+from refitplane.protocol.messages import MemberInfo, PrepareRefitCmd
+from refitplane.protocol.models import Refit
 from refitplane.reshard.delta_base import DeltaSnapshot
 from refitplane.reshard.executor import TransferReport
 from refitplane.reshard.shards import LocalShards

@@ -54,7 +54,6 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from refitplane.agent.dataplane import local_address
-from refitplane.agent.messages import MemberInfo
 from refitplane.agent.session import AgentSession
 from refitplane.client.sync import RefitClient
 from refitplane.errors import FailedPrecondition, InvalidArgument, TransferError
@@ -62,6 +61,7 @@ from refitplane.generator.offline_control import call_verb
 from refitplane.generator.sidecar import SidecarMember, wait_replica_ranks
 from refitplane.generator.vllm_plugin import register
 from refitplane.protocol import RefitState, Role
+from refitplane.protocol.messages import MemberInfo
 from refitplane.reshard.boxes import full_box
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.shards import LocalShards, dtype_name, torch_dtype

@@ -1,232 +1,27 @@
-"""Protobuf ↔ domain conversion for `refit.v1` (common + agent messages), in one place.
+"""The agent protocol's messages (`refitplane.protocol.messages`: registration, commands,
+reports) ↔ `refit.v1` agent messages.
 
-The agent session and the coordinator both import this module, so the two ends of the wire
-cannot drift apart. Conversions *from* protobuf validate: anything malformed raises
-`InvalidArgument`/`LayoutError` whose `field` is the path of the bad field in the request
-(e.g. `layout.tensors[3].boxes[0]`), and whose message names the tensor, rank and box.
+The agent session and the coordinator both call these, so the two ends of the wire cannot
+drift apart. Conversions from protobuf validate; errors name the field path at fault.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TypeVar
-
 from refitplane._generated.refit.v1 import agent_pb2 as apb
-from refitplane._generated.refit.v1 import common_pb2 as cpb
-from refitplane.agent import messages as m
-from refitplane.errors import InvalidArgument, LayoutError
-from refitplane.protocol import Backend, MemberState, RefitState, Role
-from refitplane.reshard.boxes import Box
-from refitplane.reshard.config import DELTA_MAX_CHANGED, DIRECT_MIN_BYTES, TransferConfig
-from refitplane.reshard.layout import Layout, LayoutBuilder, TensorSpec
-from refitplane.reshard.plan import Link, Piece, RankPlan
-
-# A layout with more tensors than this is refused before any work is done on it (the largest
-# MoE checkpoints have ~10^5 tensors).
-MAX_LAYOUT_TENSORS = 1_000_000
-
-_ROLE_NAMES = {v.number: v.name for v in cpb.Role.DESCRIPTOR.values}
-_BACKEND_NAMES = {v.number: v.name for v in cpb.Backend.DESCRIPTOR.values}
-_MEMBER_STATE_NAMES = {v.number: v.name for v in cpb.MemberState.DESCRIPTOR.values}
-_REFIT_STATE_NAMES = {v.number: v.name for v in cpb.RefitState.DESCRIPTOR.values}
-
-# --- enums ------------------------------------------------------------------------------
-
-
-def role_from_proto(number: int, *, field: str = "role") -> Role:
-    return Role.from_proto(number, _ROLE_NAMES, field=field)
-
-
-def role_to_proto(role: Role) -> cpb.Role.ValueType:
-    return cpb.Role.Value(role.proto_name())
-
-
-def backend_from_proto(number: int, *, field: str = "backend") -> Backend:
-    return Backend.from_proto(number, _BACKEND_NAMES, field=field)
-
-
-def backend_to_proto(backend: Backend) -> cpb.Backend.ValueType:
-    return cpb.Backend.Value(backend.proto_name())
-
-
-def member_state_from_proto(number: int, *, field: str = "state") -> MemberState:
-    return MemberState.from_proto(number, _MEMBER_STATE_NAMES, field=field)
-
-
-def member_state_to_proto(state: MemberState) -> cpb.MemberState.ValueType:
-    return cpb.MemberState.Value(state.proto_name())
-
-
-def refit_state_from_proto(number: int, *, field: str = "state") -> RefitState:
-    return RefitState.from_proto(number, _REFIT_STATE_NAMES, field=field)
-
-
-def refit_state_to_proto(state: RefitState) -> cpb.RefitState.ValueType:
-    return cpb.RefitState.Value(state.proto_name())
-
-
-# --- boxes, layouts ---------------------------------------------------------------------
-
-_L = TypeVar("_L", bound=LayoutError)
-
-
-def _at(exc: _L, path: str) -> _L:
-    """The same error, with `field` set to the request path of the offending value."""
-    new = type(exc)(exc.message, field=path)
-    new.tensor, new.rank, new.box = exc.tensor, exc.rank, exc.box
-    return new
-
-
-def box_to_proto(box: Box) -> cpb.Box:
-    return cpb.Box(start=[a for a, _ in box], stop=[b for _, b in box])
-
-
-def box_from_proto(msg: cpb.Box, *, field: str, tensor: str | None = None) -> Box:
-    if len(msg.start) != len(msg.stop):
-        raise LayoutError(
-            f"box has {len(msg.start)} start values but {len(msg.stop)} stop values",
-            tensor=tensor,
-            field=field,
-        )
-    return tuple(zip(msg.start, msg.stop, strict=True))
-
-
-def spec_to_proto(spec: TensorSpec) -> cpb.TensorSpec:
-    return cpb.TensorSpec(name=spec.name, shape=spec.shape, dtype=spec.dtype)
-
-
-def spec_from_proto(msg: cpb.TensorSpec, *, field: str) -> TensorSpec:
-    try:
-        return TensorSpec.create(msg.name, list(msg.shape), msg.dtype)
-    except LayoutError as exc:
-        raise _at(exc, f"{field}.{exc.field or 'name'}") from None
-
-
-def layout_to_proto(layout: Layout, rank: int) -> cpb.RankLayout:
-    """The part of `layout` that `rank` holds or needs, as a RankLayout (which has no rank:
-    the coordinator knows it from the member)."""
-    out = cpb.RankLayout()
-    for t in layout:
-        boxes = t.boxes.get(rank)
-        if boxes:
-            out.tensors.append(
-                cpb.TensorBoxes(spec=spec_to_proto(t.spec), boxes=[box_to_proto(b) for b in boxes])
-            )
-    return out
-
-
-def layout_from_proto(msg: cpb.RankLayout, rank: int, *, field: str = "layout") -> Layout:
-    """Validate and convert what one rank published; every error names the request path."""
-    if len(msg.tensors) > MAX_LAYOUT_TENSORS:
-        raise LayoutError(
-            f"{len(msg.tensors)} tensors (at most {MAX_LAYOUT_TENSORS})", field=f"{field}.tensors"
-        )
-    builder = LayoutBuilder()
-    for i, entry in enumerate(msg.tensors):
-        path = f"{field}.tensors[{i}]"
-        if not entry.HasField("spec"):
-            raise LayoutError("spec is missing", field=f"{path}.spec")
-        spec = spec_from_proto(entry.spec, field=f"{path}.spec")
-        if not entry.boxes:
-            raise LayoutError("lists no boxes", tensor=spec.name, rank=rank, field=f"{path}.boxes")
-        try:
-            builder.add_spec(spec)
-        except LayoutError as exc:
-            raise _at(exc, f"{path}.spec.{exc.field or 'name'}") from None
-        for j, box_msg in enumerate(entry.boxes):
-            box_path = f"{path}.boxes[{j}]"
-            box = box_from_proto(box_msg, field=box_path, tensor=spec.name)
-            try:
-                builder.add(spec, rank, box)
-            except LayoutError as exc:
-                raise _at(exc, box_path) from None
-    return builder.build()
-
-
-# --- plans, transfer config -----------------------------------------------------------------
-
-
-def _links_to_proto(links: tuple[Link, ...], index: Mapping[str, int]) -> list[cpb.Link]:
-    return [
-        cpb.Link(
-            src=link.src,
-            dst=link.dst,
-            nbytes=link.nbytes,
-            pieces=[
-                cpb.Piece(tensor=index[p.tensor], box=box_to_proto(p.box)) for p in link.pieces
-            ],
-        )
-        for link in links
-    ]
-
-
-def rank_plan_to_proto(plan: RankPlan) -> cpb.RankPlan:
-    names = sorted(plan.specs)
-    index = {n: i for i, n in enumerate(names)}
-    return cpb.RankPlan(
-        rank=plan.rank,
-        plan_digest=plan.plan_digest,
-        specs=[spec_to_proto(plan.specs[n]) for n in names],
-        sends=_links_to_proto(plan.sends, index),
-        recvs=_links_to_proto(plan.recvs, index),
-    )
-
-
-def _links_from_proto(links: list[cpb.Link], names: list[str], field: str) -> tuple[Link, ...]:
-    out = []
-    for i, link in enumerate(links):
-        pieces = []
-        for j, piece in enumerate(link.pieces):
-            path = f"{field}[{i}].pieces[{j}]"
-            if piece.tensor >= len(names):
-                raise InvalidArgument(
-                    f"{path}.tensor: index {piece.tensor} but the plan has {len(names)} specs",
-                    field=f"{path}.tensor",
-                )
-            name = names[piece.tensor]
-            pieces.append(Piece(name, box_from_proto(piece.box, field=f"{path}.box", tensor=name)))
-        out.append(Link(src=link.src, dst=link.dst, pieces=tuple(pieces), nbytes=link.nbytes))
-    return tuple(out)
-
-
-def rank_plan_from_proto(msg: cpb.RankPlan, *, field: str = "plan") -> RankPlan:
-    specs = [spec_from_proto(s, field=f"{field}.specs[{i}]") for i, s in enumerate(msg.specs)]
-    names = [s.name for s in specs]
-    return RankPlan(
-        rank=msg.rank,
-        specs={s.name: s for s in specs},
-        sends=_links_from_proto(list(msg.sends), names, f"{field}.sends"),
-        recvs=_links_from_proto(list(msg.recvs), names, f"{field}.recvs"),
-        plan_digest=msg.plan_digest,
-    )
-
-
-def config_to_proto(config: TransferConfig) -> cpb.TransferConfig:
-    return cpb.TransferConfig(
-        bucket_bytes=config.bucket_bytes,
-        num_channels=config.num_channels,
-        max_inflight_bytes=config.max_inflight_bytes,
-        timeout_s=config.timeout_s,
-        verify_checksums=config.verify_checksums,
-        direct_min_bytes=config.direct_min_bytes,
-        delta=config.delta,
-        delta_max_changed=config.delta_max_changed,
-    )
-
-
-def config_from_proto(msg: cpb.TransferConfig) -> TransferConfig:
-    return TransferConfig(
-        bucket_bytes=msg.bucket_bytes,
-        num_channels=msg.num_channels,
-        max_inflight_bytes=msg.max_inflight_bytes,
-        timeout_s=msg.timeout_s,
-        verify_checksums=msg.verify_checksums,
-        # 0: a coordinator that predates the field; use the default.
-        direct_min_bytes=msg.direct_min_bytes or DIRECT_MIN_BYTES,
-        delta=msg.delta or "off",
-        delta_max_changed=msg.delta_max_changed if msg.delta else DELTA_MAX_CHANGED,
-    )
-
+from refitplane.errors import InvalidArgument
+from refitplane.protocol import messages as m
+from refitplane.protocol.convert.enums import (
+    backend_from_proto,
+    backend_to_proto,
+    role_from_proto,
+    role_to_proto,
+)
+from refitplane.protocol.convert.reshard import (
+    config_from_proto,
+    config_to_proto,
+    rank_plan_from_proto,
+    rank_plan_to_proto,
+)
 
 # --- registration ---------------------------------------------------------------------------
 

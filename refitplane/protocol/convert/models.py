@@ -1,11 +1,12 @@
-"""Orchestrator messages (Refit, Topology) ↔ the client's pydantic models.
+"""The orchestrator-facing models (`refitplane.protocol.models`: Refit, Topology) ↔ `refit.v1`
+common messages.
 
 The coordinator uses the `*_to_proto` half, the client the `*_from_proto` half."""
 
 from __future__ import annotations
 
 from refitplane._generated.refit.v1 import common_pb2 as cpb
-from refitplane.agent.convert import (
+from refitplane.protocol.convert.enums import (
     backend_from_proto,
     backend_to_proto,
     member_state_from_proto,
@@ -15,7 +16,7 @@ from refitplane.agent.convert import (
     role_from_proto,
     role_to_proto,
 )
-from refitplane.client.models import Member, PhaseTiming, RankProgress, Refit, Replica, Topology
+from refitplane.protocol.models import Member, PhaseTiming, RankProgress, Refit, Replica, Topology
 
 
 def refit_to_proto(refit: Refit) -> cpb.Refit:

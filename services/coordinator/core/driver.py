@@ -13,8 +13,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from refitplane.agent import messages as msg
-from refitplane.client.models import RankProgress
 from refitplane.coordinator.core.events import RefitEvents
 from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
 from refitplane.coordinator.core.membership import Departure, Membership
@@ -34,6 +32,8 @@ from refitplane.coordinator.settings import Settings
 from refitplane.coordinator.store.base import Store
 from refitplane.errors import Conflict, RefitError, Unavailable
 from refitplane.protocol import Backend, RefitState, Role
+from refitplane.protocol import messages as msg
+from refitplane.protocol.models import RankProgress
 
 log = logging.getLogger(__name__)
 

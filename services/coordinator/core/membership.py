@@ -15,12 +15,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 
-from refitplane.agent.messages import MemberInfo
 from refitplane.coordinator.core.records import MemberRecord
 from refitplane.coordinator.core.validation import check_member
 from refitplane.coordinator.store.base import Store
 from refitplane.errors import NotFound
 from refitplane.protocol import MemberState, Role
+from refitplane.protocol.messages import MemberInfo
 from refitplane.reshard.layout import Layout
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ import collections
 import logging
 from collections.abc import AsyncIterator
 
-from refitplane.agent.messages import Command, CommandBody
 from refitplane.coordinator.core.waits import wait_event
 from refitplane.errors import Unavailable
+from refitplane.protocol.messages import Command, CommandBody
 
 log = logging.getLogger(__name__)
 

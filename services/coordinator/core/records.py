@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from refitplane.client.models import PhaseTiming, RankProgress, Refit
 from refitplane.protocol import Backend, MemberState, RefitState, Role
+from refitplane.protocol.models import PhaseTiming, RankProgress, Refit
 
 _RECORD = ConfigDict(frozen=True, extra="ignore")
 

@@ -8,12 +8,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from refitplane.agent import messages as msg
-from refitplane.client.models import RankProgress
 from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
 from refitplane.coordinator.core.records import MemberRecord, RefitRecord
 from refitplane.coordinator.core.waits import wait_event
 from refitplane.protocol import RefitState, Role
+from refitplane.protocol import messages as msg
+from refitplane.protocol.models import RankProgress
 from refitplane.reshard.plan import RankPlan
 
 

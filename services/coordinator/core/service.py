@@ -1,6 +1,6 @@
 """`Coordinator`: the one core both transports call. It owns membership, the per-job refit
 drivers, the command outbox, plans and metrics; every method takes and returns domain types
-(`refitplane.agent.messages`, `refitplane.client.models`), never protobuf or HTTP objects."""
+(`refitplane.protocol`: messages and models), never protobuf or HTTP objects."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from refitplane.agent import messages as msg
-from refitplane.client.models import Member, Refit, Replica, Topology
 from refitplane.coordinator.core.driver import DriverContext, JobDriver
 from refitplane.coordinator.core.events import RefitEvents
 from refitplane.coordinator.core.failures import RefitFailed
@@ -46,6 +44,8 @@ from refitplane.errors import (
     RateLimited,
 )
 from refitplane.protocol import MemberState, RefitState, Role
+from refitplane.protocol import messages as msg
+from refitplane.protocol.models import Member, Refit, Replica, Topology
 from refitplane.reshard.layout import Layout
 
 log = logging.getLogger(__name__)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 
-from refitplane.agent.messages import MemberInfo
 from refitplane.coordinator.store.base import MAX_VERSION
 from refitplane.errors import InvalidArgument
 from refitplane.protocol import Role
+from refitplane.protocol.messages import MemberInfo
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DEVICE = re.compile(r"cpu|cuda(:\d{1,4})?")

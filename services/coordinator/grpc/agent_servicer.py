@@ -10,9 +10,9 @@ import grpc
 
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
-from refitplane.agent import convert
 from refitplane.coordinator.core.service import Coordinator
 from refitplane.coordinator.grpc.encoding import CommandEncoder
+from refitplane.protocol import convert
 
 Context = grpc.aio.ServicerContext[Any, Any]
 

@@ -12,8 +12,8 @@ import dataclasses
 
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import common_pb2 as cpb
-from refitplane.agent import convert
-from refitplane.agent.messages import Command, PrepareRefitCmd
+from refitplane.protocol import convert
+from refitplane.protocol.messages import Command, PrepareRefitCmd
 
 
 class CommandEncoder:

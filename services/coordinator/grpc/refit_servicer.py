@@ -10,8 +10,8 @@ import grpc
 from refitplane._generated.refit.v1 import common_pb2 as cpb
 from refitplane._generated.refit.v1 import orchestrator_pb2 as opb
 from refitplane._generated.refit.v1 import orchestrator_pb2_grpc
-from refitplane.client.convert import refit_to_proto, topology_to_proto
 from refitplane.coordinator.core.service import Coordinator
+from refitplane.protocol.convert import refit_to_proto, topology_to_proto
 
 Context = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_LIST_LIMIT = 50

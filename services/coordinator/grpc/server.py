@@ -17,13 +17,12 @@ from refitplane.coordinator.core.service import Coordinator
 from refitplane.coordinator.grpc.agent_servicer import AgentServicer
 from refitplane.coordinator.grpc.interceptor import RefitInterceptor
 from refitplane.coordinator.grpc.refit_servicer import RefitServicer
+from refitplane.protocol.channel import MAX_MESSAGE_BYTES
 
 SERVICE_NAMES = (
     orchestrator_pb2.DESCRIPTOR.services_by_name["RefitService"].full_name,
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
 )
-# Layouts of large MoE checkpoints run to tens of MB.
-MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 _OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

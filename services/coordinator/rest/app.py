@@ -21,12 +21,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 import refitplane
-from refitplane.client.models import Refit, Topology
 from refitplane.coordinator.auth import TokenCheck
 from refitplane.coordinator.core.service import MAX_LIST_LIMIT, Coordinator
 from refitplane.coordinator.error_codes import http_status
 from refitplane.coordinator.store.base import MAX_VERSION
 from refitplane.errors import InvalidArgument, RefitError
+from refitplane.protocol.models import Refit, Topology
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,11 @@ import time
 import pytest
 
 from refitplane.agent import AgentSession, MemberInfo, NullHandler
-from refitplane.agent.messages import (
+from refitplane.agent.simulated import Behaviour
+from refitplane.demo.processes import free_port
+from refitplane.errors import ChecksumMismatch, InvalidArgument, Unavailable
+from refitplane.protocol import MemberState, RefitState, Role
+from refitplane.protocol.messages import (
     AbortRefitCmd,
     CreateRendezvousCmd,
     JoinGroupCmd,
@@ -17,10 +21,6 @@ from refitplane.agent.messages import (
     PrepareRefitCmd,
     StartTransferCmd,
 )
-from refitplane.agent.simulated import Behaviour
-from refitplane.demo.processes import free_port
-from refitplane.errors import ChecksumMismatch, InvalidArgument, Unavailable
-from refitplane.protocol import MemberState, RefitState, Role
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.plan import RankPlan
 from tests.integration.conftest import row_layout, wait_until

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from refitplane.client import RefitClient
-from refitplane.client.models import Refit, RefitState
 from refitplane.generator.hf_tensor_parallel import tp_boxes
 from refitplane.generator.reference_engine import ReferenceEngine, specs_of
+from refitplane.protocol import Refit, RefitState
 from refitplane.reshard.boxes import to_slices
 from refitplane.trainer.agent import TrainerAgent
 from tests.integration.agents.reference_world import (

@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 
-from refitplane.agent import convert
-from refitplane.agent.messages import PrepareRefitCmd
 from refitplane.agent.simulated import Behaviour
-from refitplane.protocol import RefitState, Role
+from refitplane.protocol import RefitState, Role, convert
+from refitplane.protocol.messages import PrepareRefitCmd
 from tests.integration.conftest import row_layout
 
 pytestmark = pytest.mark.integration

@@ -59,7 +59,7 @@ def test_env_and_flags_configure_the_process(coordinator_process, sim_cluster, t
     client = cluster.client()
     refit = client.wait(client.trigger("job").refit_id, timeout_s=15)
     assert refit.state is RefitState.COMMITTED
-    from refitplane.agent.messages import JoinGroupCmd
+    from refitplane.protocol.messages import JoinGroupCmd
 
     assert cluster.members[0].agent.received(JoinGroupCmd)[0].num_channels == 3
     with httpx.Client(base_url=proc.http_url, timeout=5) as http:

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from refitplane.agent.messages import (
+from refitplane.agent.simulated import Behaviour
+from refitplane.protocol import MemberState, RefitState, Role
+from refitplane.protocol.messages import (
     AbortRefitCmd,
     CreateRendezvousCmd,
     JoinGroupCmd,
     PrepareRefitCmd,
     StartTransferCmd,
 )
-from refitplane.agent.simulated import Behaviour
-from refitplane.protocol import MemberState, RefitState, Role
 from refitplane.reshard.layout import LayoutBuilder, TensorSpec
 from tests.integration.conftest import row_layout, wait_until
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from refitplane.agent.messages import (
+from refitplane.protocol import Backend, MemberState, RefitState, Role
+from refitplane.protocol.messages import (
     CreateRendezvousCmd,
     JoinGroupCmd,
     PrepareRefitCmd,
     StartTransferCmd,
 )
-from refitplane.protocol import Backend, MemberState, RefitState, Role
 
 pytestmark = pytest.mark.integration
 
@@ -114,7 +114,7 @@ def test_target_subset_updates_only_that_replica(coordinator, sim_cluster):
 
 
 def test_membership_change_starts_new_epoch_and_old_members_leave(coordinator, sim_cluster):
-    from refitplane.agent.messages import LeaveGroupCmd
+    from refitplane.protocol.messages import LeaveGroupCmd
 
     cluster = sim_cluster(coordinator)
     trainers = cluster.trainers(world=1)

@@ -12,8 +12,8 @@ import pytest
 from refitplane.agent.simulated import Behaviour
 from refitplane.cli.refit_cmds import progress_line, table
 from refitplane.cli.refitctl import main
-from refitplane.client.models import Refit
 from refitplane.protocol import RefitState
+from refitplane.protocol.models import Refit
 
 pytestmark = pytest.mark.integration
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from refitplane.agent.messages import AbortRefitCmd
 from refitplane.agent.simulated import Behaviour
 from refitplane.errors import Unavailable
 from refitplane.protocol import RefitState
+from refitplane.protocol.messages import AbortRefitCmd
 from tests.integration.conftest import wait_until
 
 pytestmark = pytest.mark.integration

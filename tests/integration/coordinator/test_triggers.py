@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from refitplane.agent.messages import AbortRefitCmd
 from refitplane.agent.simulated import Behaviour
 from refitplane.errors import FailedPrecondition, InvalidArgument, NotFound, RateLimited
 from refitplane.protocol import MemberState, RefitState
+from refitplane.protocol.messages import AbortRefitCmd
 from tests.integration.conftest import wait_until
 
 pytestmark = pytest.mark.integration

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from refitplane.client.models import Refit
 from refitplane.protocol import MemberState, RefitState
+from refitplane.protocol.models import Refit
 from refitplane.testing.proc_cluster import AgentProc, ProcCluster, wait_for
 from refitplane.testing.synthetic_state import expected_digests
 

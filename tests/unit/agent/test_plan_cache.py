@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from refitplane.agent.messages import PrepareRefitCmd
 from refitplane.agent.plan_cache import RankPlanCache
 from refitplane.errors import InvalidArgument
+from refitplane.protocol.messages import PrepareRefitCmd
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import Link, Piece, RankPlan
 

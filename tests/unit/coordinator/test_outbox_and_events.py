@@ -7,12 +7,12 @@ import asyncio
 
 import pytest
 
-from refitplane.agent.messages import LeaveGroupCmd, StartTransferCmd
 from refitplane.coordinator.core.events import RefitEvents
 from refitplane.coordinator.core.outbox import Outbox
 from refitplane.coordinator.core.records import RefitRecord
 from refitplane.errors import Unavailable
 from refitplane.protocol import RefitState
+from refitplane.protocol.messages import LeaveGroupCmd, StartTransferCmd
 
 pytestmark = [pytest.mark.unit, pytest.mark.anyio]
 

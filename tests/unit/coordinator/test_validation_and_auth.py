@@ -6,7 +6,6 @@ import grpc
 import pytest
 
 from refitplane import errors
-from refitplane.agent.messages import MemberInfo
 from refitplane.coordinator.auth import TokenCheck
 from refitplane.coordinator.core.ratelimit import TriggerRateLimiter
 from refitplane.coordinator.core.validation import (
@@ -17,6 +16,7 @@ from refitplane.coordinator.core.validation import (
 )
 from refitplane.coordinator.error_codes import grpc_status, http_status
 from refitplane.protocol import Role
+from refitplane.protocol.messages import MemberInfo
 
 pytestmark = pytest.mark.unit
 

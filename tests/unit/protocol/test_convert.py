@@ -8,10 +8,9 @@ from hypothesis import strategies as st
 
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import common_pb2 as cpb
-from refitplane.agent import convert
-from refitplane.agent import messages as m
 from refitplane.errors import InvalidArgument, LayoutError
-from refitplane.protocol import Backend, MemberState, RefitState, Role
+from refitplane.protocol import Backend, MemberState, RefitState, Role, convert
+from refitplane.protocol import messages as m
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.layout import LayoutBuilder, TensorSpec
 from refitplane.reshard.plan import RankPlan
@@ -60,7 +59,7 @@ def test_layout_round_trip_keeps_digest_and_zero_d_tensors():
 
 
 def test_layout_limit(monkeypatch):
-    monkeypatch.setattr(convert, "MAX_LAYOUT_TENSORS", 1)
+    monkeypatch.setattr(convert.reshard, "MAX_LAYOUT_TENSORS", 1)
     msg = convert.layout_to_proto(_layout(0, (0, 8)), 0)
     with pytest.raises(LayoutError) as err:
         convert.layout_from_proto(msg, 0)

@@ -1,16 +1,17 @@
-"""The client's models round-trip through protobuf; they carry no protobuf types."""
+"""The orchestrator-facing models round-trip through protobuf; they carry no protobuf types."""
 
 from __future__ import annotations
 
 import pytest
 
-from refitplane.client.convert import (
+from refitplane.protocol import Backend, MemberState, RefitState, Role
+from refitplane.protocol.convert import (
     refit_from_proto,
     refit_to_proto,
     topology_from_proto,
     topology_to_proto,
 )
-from refitplane.client.models import (
+from refitplane.protocol.models import (
     Member,
     PhaseTiming,
     RankProgress,
@@ -18,8 +19,6 @@ from refitplane.client.models import (
     Replica,
     Topology,
 )
-from refitplane.client.settings import ClientSettings
-from refitplane.protocol import Backend, MemberState, RefitState, Role
 
 pytestmark = pytest.mark.unit
 
@@ -73,15 +72,3 @@ def test_topology_round_trip_with_and_without_group():
     assert topology_from_proto(topology_to_proto(topo)) == topo
     bare = Topology(job="j")
     assert topology_from_proto(topology_to_proto(bare)) == bare
-
-
-def test_client_settings_from_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("REFIT_COORDINATOR", "coord:1")
-    monkeypatch.setenv("REFIT_AUTH_TOKEN", "t")
-    monkeypatch.setenv("REFIT_JOB", "j")
-    s = ClientSettings(_env_file=None)  # type: ignore[call-arg]
-    assert (s.coordinator, s.token(), s.job) == ("coord:1", "t", "j")
-    f = tmp_path / "tok"
-    f.write_text("from-file\n")
-    monkeypatch.setenv("REFIT_AUTH_TOKEN_FILE", str(f))
-    assert ClientSettings(_env_file=None).token() == "from-file"  # type: ignore[call-arg]

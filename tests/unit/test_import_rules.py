@@ -1,0 +1,165 @@
+"""The house's layers, checked on the source: every package imports only from below it.
+
+    roles      refitplane.coordinator, .trainer, .generator (services/*); refitctl (.cli)
+    runtimes   refitplane.agent (agent session, data-plane member), refitplane.client
+    vocabulary refitplane.protocol (enums, messages, models, the proto converters, channels)
+    core       refitplane.reshard (layouts, plans, executor), refitplane.models, errors, stubs
+
+On top, the demo and the harness benchmarks run (`refitplane.demo`, `refitplane.testing`) may
+compose anything; nothing below them imports them (the CLI starts the demo). Every import
+counts, at module level or inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLES = ("coordinator", "trainer", "generator")
+CORE = frozenset({"", "errors", "_generated", "reshard", "models"})
+VOCABULARY = frozenset({"errors", "_generated", "reshard", "protocol"})
+
+# Layer → the layers it may import (besides itself). "" is the package root (`__version__`).
+ALLOWED: dict[str, frozenset[str]] = {
+    "": frozenset(),
+    "errors": frozenset(),
+    "reshard": frozenset({"errors"}),
+    "models": frozenset({"errors", "reshard"}),
+    "protocol": frozenset({"errors", "_generated", "reshard"}),
+    "agent": VOCABULARY,
+    "client": VOCABULARY - {"reshard"},
+    "coordinator": VOCABULARY | {""},
+    # Trainer ranks trigger refits themselves (`TrainerAgent.refit`) and the sidecar watches
+    # topology and refits: both through the public client API.
+    "trainer": CORE | VOCABULARY | {"agent", "client"},
+    "generator": CORE | VOCABULARY | {"agent", "client"},
+    "cli": CORE | VOCABULARY | {"client", "demo"},
+}
+ON_TOP = frozenset({"demo", "testing"})
+
+# The one place a role uses another role's code, and why. On vLLM's own trainer API
+# (`WeightTransferTrainerFactory`, backend "refitplane") trainer rank 0 is also the vLLM
+# replica's controller: it does the sidecar's job (register the replica's ranks, drive
+# vLLM's update verbs) with the generator's sidecar member and plugin registration.
+CROSS_ROLE_EXCEPTIONS = {
+    ("refitplane.trainer.vllm_engine", "refitplane.generator.offline_control"),
+    ("refitplane.trainer.vllm_engine", "refitplane.generator.sidecar"),
+    ("refitplane.trainer.vllm_engine", "refitplane.generator.vllm_plugin"),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module
+    path: str  # its file, relative to the repository
+    line: int
+    target: str  # the imported refitplane module (or package)
+
+
+def _sources() -> Iterator[tuple[str, Path]]:
+    """(module name, file) of every module of the package, services mapped as installed."""
+    trees = [("refitplane", ROOT / "refitplane")]
+    trees += [(f"refitplane.{role}", ROOT / "services" / role) for role in ROLES]
+    for base, tree in trees:
+        for path in sorted(tree.rglob("*.py")):
+            rel = path.relative_to(tree).with_suffix("")
+            if rel.parts and rel.parts[0] == "_generated" and base == "refitplane":
+                continue
+            parts = [p for p in rel.parts if p != "__init__"]
+            yield ".".join([base, *parts]), path
+
+
+def _imports() -> list[Import]:
+    found = []
+    for module, path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # `from refitplane import errors` imports refitplane.errors.
+                if node.module == "refitplane":
+                    targets = [f"refitplane.{a.name}" for a in node.names]
+                else:
+                    targets = [node.module]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                raise AssertionError(f"{path}:{node.lineno}: relative import")
+            rel = str(path.relative_to(ROOT))
+            found += [
+                Import(module, rel, node.lineno, t)
+                for t in targets
+                if t == "refitplane" or t.startswith("refitplane.")
+            ]
+    return found
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+@pytest.fixture(scope="module")
+def imports() -> list[Import]:
+    return _imports()
+
+
+def test_the_scan_sees_the_roles_and_their_vocabulary(imports):
+    """Guards the rules below against passing on an empty scan (a moved tree)."""
+    seen = {(i.module, i.target) for i in imports}
+    assert ("refitplane.coordinator.core.driver", "refitplane.protocol") in seen
+    assert ("refitplane.agent.session", "refitplane.protocol") in seen
+    assert ("refitplane.client.sync", "refitplane.protocol.convert") in seen
+    assert {layer(i.module) for i in imports} >= set(ALLOWED) - {"", "errors"} | ON_TOP
+
+
+def test_every_layer_imports_only_what_sits_below_it(imports):
+    bad = []
+    for i in imports:
+        src, dst = layer(i.module), layer(i.target)
+        if src == dst or src in ON_TOP:
+            continue
+        if src in ROLES and dst in ROLES:
+            continue  # the next test's rule
+        if src not in ALLOWED:
+            bad.append(f"{i.path}: layer {src!r} has no rule (add it to ALLOWED)")
+        elif dst not in ALLOWED[src]:
+            bad.append(
+                f"{i.path}:{i.line}: {i.module} imports {i.target}; "
+                f"{src or 'refitplane'} may import only {sorted(ALLOWED[src])}"
+            )
+    assert not bad, "\n".join(bad)
+
+
+def test_no_role_imports_another_role(imports):
+    bad = [
+        f"{i.path}:{i.line}: {i.module} imports {i.target}"
+        for i in imports
+        if layer(i.module) in ROLES
+        and layer(i.target) in ROLES
+        and layer(i.module) != layer(i.target)
+        and (i.module, i.target) not in CROSS_ROLE_EXCEPTIONS
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_cross_role_exceptions_are_still_needed(imports):
+    """An exception nobody needs any more goes, so the list says only what is true."""
+    seen = {(i.module, i.target) for i in imports}
+    assert not CROSS_ROLE_EXCEPTIONS - seen, CROSS_ROLE_EXCEPTIONS - seen
+
+
+def test_the_vocabulary_names_no_runtime_and_no_role(imports):
+    """Spelled out for the rules a newcomer asks about first (the table above implies them)."""
+    for i in imports:
+        src, dst = layer(i.module), layer(i.target)
+        assert not (src == "coordinator" and dst in {"agent", "client"}), i
+        assert not (src == "client" and dst == "agent"), i
+        assert not (src == "agent" and dst == "client"), i
+        assert not (src == "protocol" and dst not in ALLOWED["protocol"] | {"protocol"}), i
