@@ -716,54 +716,7 @@ def run_vllm_baseline(
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-# --- checks inside vLLM workers ---------------------------------------------------------------
-
-
-def check_synthetic_weights(worker: Any, shape: str, dtype: str) -> dict[str, Any]:
-    """In a vLLM worker: every parameter equals what `load_weights` writes from the synthetic
-    checkpoint (live receive) — compared by bytes, parameter by parameter."""
-    import torch
-
-    from refitplane.testing.vllm_reference import loaded_reference, received_parameters
-
-    engine = worker.weight_transfer_engine
-    model = worker.model_runner.get_model()
-    layout = engine.layout
-    device = next(model.parameters()).device
-    needed = {
-        name: synthetic(name, spec.shape, spec.dtype, device) for name, spec in layout.specs.items()
-    }
-    want = loaded_reference(model, layout, needed.items())
-    got = received_parameters(model, engine)
-    failures = []
-    for name in sorted(want):
-        if not torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)):
-            failures.append(name)
-    return {
-        "mode": getattr(engine, "mode", ""),
-        "params": len(layout.params),
-        "fallback_params": len(layout.fallback),
-        "summary": layout.summary(),
-        "failures": failures,
-        "error": getattr(engine, "error", ""),
-    }
-
-
-def parameter_digests(worker: Any) -> dict[str, str]:
-    """In a vLLM worker: name → "dtype sha256" (of shape and bytes) of every parameter and
-    buffer as the kernels read them (after post-load processing)."""
-    import itertools
-
-    import torch
-
-    model = worker.model_runner.get_model()
-    out = {}
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-        digest = hashlib.sha256(f"{tensor.dtype} {list(tensor.shape)}".encode())
-        digest.update(data.tobytes())
-        out[name] = f"{str(tensor.dtype).removeprefix('torch.')} {digest.hexdigest()}"
-    return out
+# --- probes inside vLLM workers ---------------------------------------------------------------
 
 
 def worker_memory(worker: Any, action: str) -> int:

@@ -126,7 +126,7 @@ def _vllm(model_dir: Path, **kwargs: Any) -> Iterator[Any]:
 
 @pytest.mark.parametrize("case", ["deepseek-v2-lite", "nemotron-h", "qwen3-fp8-kv"])
 def test_receive_path_equals_vllms_own_reload(case: str, tmp_path: Path) -> None:
-    from refitplane.testing.vllm_checks import receive_like_the_engine
+    from tests.support.vllm_checks import receive_like_the_engine
 
     model_dir, extra = _checkpoint(case, tmp_path / case)
     with _vllm(model_dir, **extra) as llm:

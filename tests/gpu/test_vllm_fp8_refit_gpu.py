@@ -28,6 +28,7 @@ KV_SCALES = ("._k_scale", "._v_scale", "._q_scale", "._prob_scale")
 @pytest.mark.parametrize("layout", layout_params("tp1", "tp2"))
 def test_fp8_block_refit_equals_a_checkpoint_load(layout: GpuLayout, tmp_path: Path) -> None:
     from refitplane.testing import refit_world as rw
+    from tests.support.refit_checks import parameter_digests
 
     args = {"shape": SHAPE, "device": "cuda", "quant": "fp8", **world_args(layout)}
     with rw.refit_world(workdir=tmp_path / "refit", **args) as world:
@@ -37,14 +38,14 @@ def test_fp8_block_refit_equals_a_checkpoint_load(layout: GpuLayout, tmp_path: P
             assert result.state == "COMMITTED", result
             assert result.tensors_verified == result.tensors_total > 0
         refit_tokens = world.ask("replica-0", ("tokens", (PROMPT, NEW_TOKENS)), "tokens")
-        refit_digests = world.ask("replica-0", ("rpc", (rw.parameter_digests, [])), "rpc")
+        refit_digests = world.ask("replica-0", ("rpc", (parameter_digests, [])), "rpc")
 
     checkpoint = rw.write_checkpoint(tmp_path / "checkpoint", SHAPE, quant="fp8")
     with rw.refit_world(
         workdir=tmp_path / "reference", load_format="auto", model_dir=checkpoint, **args
     ) as reference:
         loaded_tokens = reference.ask("replica-0", ("tokens", (PROMPT, NEW_TOKENS)), "tokens")
-        loaded_digests = reference.ask("replica-0", ("rpc", (rw.parameter_digests, [])), "rpc")
+        loaded_digests = reference.ask("replica-0", ("rpc", (parameter_digests, [])), "rpc")
 
     # one per TP worker
     assert len(refit_digests) == len(loaded_digests) == layout.replica_tps[0]

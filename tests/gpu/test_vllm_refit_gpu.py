@@ -38,6 +38,7 @@ def _reference_tokens() -> list[int]:
 @pytest.mark.parametrize("layout", layout_params("tp1", "tp2", "2xtp1"))
 def test_refit_into_live_vllm_is_exact(layout: GpuLayout, tmp_path: Path) -> None:
     from refitplane.testing import refit_world as rw
+    from tests.support.refit_checks import check_synthetic_weights
 
     with rw.refit_world(
         shape=SHAPE, device="cuda", dtype="float32", workdir=tmp_path, **world_args(layout)
@@ -52,7 +53,7 @@ def test_refit_into_live_vllm_is_exact(layout: GpuLayout, tmp_path: Path) -> Non
         served = {}
         for replica in world.replicas():
             for report in world.ask(
-                replica, ("rpc", (rw.check_synthetic_weights, [SHAPE, "float32"])), "rpc"
+                replica, ("rpc", (check_synthetic_weights, [SHAPE, "float32"])), "rpc"
             ):
                 assert report["error"] == ""
                 assert report["mode"] == "live"  # unquantized on GPUs: straight into parameters

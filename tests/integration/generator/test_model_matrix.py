@@ -90,8 +90,8 @@ def _cases() -> list[Any]:
 @pytest.fixture(scope="module", params=_cases())
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> MatrixRun:
     from refitplane.models.zoo import ZOO, confident_zoo_seed
-    from refitplane.testing.vllm_checks import check_worker_layout
     from refitplane.testing.vllm_cpu import greedy_tokens, vllm_cpu_engine
+    from tests.support.vllm_checks import check_worker_layout
 
     arch, tp = request.param
     root = tmp_path_factory.mktemp(f"{arch}-tp{tp}")

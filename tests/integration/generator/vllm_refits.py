@@ -63,7 +63,7 @@ class RefitSession:
         from refitplane.generator.offline_control import OfflineLLMControl
         from refitplane.generator.sidecar import Sidecar, SidecarSettings
         from refitplane.testing.coordinator import TEST_SETTINGS, RunningCoordinator
-        from refitplane.testing.vllm_reference import record_applied
+        from tests.support.vllm_reference import record_applied
 
         self.llm = llm
         self.prompt, self.new_tokens, self.generates = list(prompt), new_tokens, generates
@@ -115,7 +115,7 @@ class RefitSession:
     ) -> RefitRun:
         """One refit from trainers holding `state`; workers check it against
         `checkpoint_dir` (the directory `state` was read from) when given."""
-        from refitplane.testing.refit_checks import check_refit
+        from tests.support.refit_checks import check_refit
 
         with self._trainers(state, policy, ranks):
             final = self.client.wait(self.client.trigger(JOB).refit_id, timeout_s=timeout_s)
@@ -152,8 +152,8 @@ class RefitSession:
     ) -> Iterator[None]:
         """Trainer agents (threads) holding `state` in `policy` layout, registered and
         published."""
-        from refitplane.testing.trainer_layouts import trainer_shards
         from refitplane.trainer.agent import TrainerAgent
+        from tests.integration.generator.trainer_layouts import trainer_shards
 
         agents = [
             TrainerAgent(

@@ -50,7 +50,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from refitplane.generator.sidecar import Sidecar, SidecarSettings
     from refitplane.models.tiny import write_tiny_model
     from refitplane.testing.vllm_cpu import vllm_cpu_engine
-    from refitplane.testing.vllm_reference import record_applied
+    from tests.support.vllm_reference import record_applied
 
     root = tmp_path_factory.mktemp("vllm-policy")
     served = write_tiny_model(root / "a", "dense", seed=7)
@@ -89,7 +89,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 def _params_match(llm: Any, checkpoint: Path) -> list[str]:
     """After a commit: what vLLM received and reloaded is exactly `checkpoint`."""
-    from refitplane.testing.refit_checks import check_refit
+    from tests.support.refit_checks import check_refit
 
     failures: list[str] = []
     for report in llm.collective_rpc(check_refit, args=(str(checkpoint),)):

@@ -15,8 +15,8 @@ from refitplane.reshard.planner import build_plan
 from refitplane.reshard.reference import reference_refit
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.transport.gloo import GlooTransport
-from refitplane.testing.ordered_gloo import OrderedGlooTransport
 from tests.integration.reshard.gloo_world import run_world
+from tests.integration.reshard.ordered_gloo import OrderedGlooTransport
 from tests.integration.reshard.scenarios import SCENARIOS, check_received, make_shards
 
 pytestmark = pytest.mark.integration

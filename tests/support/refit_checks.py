@@ -1,22 +1,26 @@
 """Checks run inside vLLM workers after a refit (`llm.collective_rpc(check_refit, ...)`).
 
-Every vLLM parameter must equal what the model's own `load_weights` writes from the full
+`check_refit`: every vLLM parameter must equal what the model's own `load_weights` writes from the full
 checkpoint the trainer held: for staged tensors, what `load_weights` writes from the
 tensors the engine applied (recorded bucket by bucket: `vllm_reference.record_applied`
 must run in the worker before the refit) equals what it writes from the checkpoint, and
 every received box equals the checkpoint's box; for a live engine, the live parameters
-themselves.
+themselves. `check_synthetic_weights` does the same for a refit world's synthetic weights
+(live receive); `parameter_digests` fingerprints what the kernels read, to compare a refitted
+replica with one that loaded the same checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from typing import Any
 
 import torch
 
 from refitplane.models.tiny import load_checkpoint
 from refitplane.reshard.boxes import format_box, to_slices
-from refitplane.testing.vllm_reference import (
+from tests.support.vllm_reference import (
     applied_staging,
     loaded_reference,
     received_parameters,
@@ -69,3 +73,44 @@ def check_refit(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
         "failures": failures,
         "tp_rank": layout.ranks.tp_rank,
     }
+
+
+def check_synthetic_weights(worker: Any, shape: str, dtype: str) -> dict[str, Any]:
+    """In a vLLM worker: every parameter equals what `load_weights` writes from the synthetic
+    checkpoint (live receive) — compared by bytes, parameter by parameter."""
+    from refitplane.testing.refit_world import synthetic
+
+    engine = worker.weight_transfer_engine
+    model = worker.model_runner.get_model()
+    layout = engine.layout
+    device = next(model.parameters()).device
+    needed = {
+        name: synthetic(name, spec.shape, spec.dtype, device) for name, spec in layout.specs.items()
+    }
+    want = loaded_reference(model, layout, needed.items())
+    got = received_parameters(model, engine)
+    failures = []
+    for name in sorted(want):
+        if not torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)):
+            failures.append(name)
+    return {
+        "mode": getattr(engine, "mode", ""),
+        "params": len(layout.params),
+        "fallback_params": len(layout.fallback),
+        "summary": layout.summary(),
+        "failures": failures,
+        "error": getattr(engine, "error", ""),
+    }
+
+
+def parameter_digests(worker: Any) -> dict[str, str]:
+    """In a vLLM worker: name → "dtype sha256" (of shape and bytes) of every parameter and
+    buffer as the kernels read them (after post-load processing)."""
+    model = worker.model_runner.get_model()
+    out = {}
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+        digest = hashlib.sha256(f"{tensor.dtype} {list(tensor.shape)}".encode())
+        digest.update(data.tobytes())
+        out[name] = f"{str(tensor.dtype).removeprefix('torch.')} {digest.hexdigest()}"
+    return out

@@ -1,4 +1,4 @@
-"""Trainer-side shard layouts of a Hugging Face state dict, for tests and the demo.
+"""Trainer-side shard layouts of a Hugging Face state dict, for the vLLM refit tests.
 
 `trainer_shards(state, rank, world, "tp")` holds each tensor the way a TP trainer does
 (column/row splits, experts spread over the ranks: `hf_tensor_parallel`); `"pp"` splits the

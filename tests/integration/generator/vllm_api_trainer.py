@@ -29,7 +29,7 @@ class RankConfig:
 def trainer_rank_main(rank: int, cfg: RankConfig, results: Any) -> None:
     try:
         results.put(("done", rank, _run(rank, cfg)))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
+    except BaseException as exc:
         results.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 

@@ -36,7 +36,8 @@ from refitplane.generator.vllm_staging import ReceiveBinding, bind_receive
 from refitplane.models.tiny import load_checkpoint
 from refitplane.reshard.boxes import format_box, to_slices
 from refitplane.reshard.stages import stage_of
-from refitplane.testing.vllm_reference import loaded_reference
+from tests.support.refit_checks import parameter_digests
+from tests.support.vllm_reference import loaded_reference
 
 
 def describe_worker(worker: Any, checkpoint_dir: str, skip_rules: Sequence[str] = ()) -> VllmLayout:
@@ -220,7 +221,7 @@ def receive_like_the_engine(
     leave the model exactly as vLLM's own reload of the same weights does.
     """
     from refitplane.generator.checkpoint_index import CheckpointIndex, checkpoint_specs
-    from refitplane.testing.refit_world import parameter_digests, synthetic
+    from refitplane.testing.refit_world import synthetic
 
     model = worker.model_runner.get_model()
     device = next(model.parameters()).device
