@@ -32,8 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from refitplane.testing import refit_world as rw
 from refitplane.testing.model_layouts import GPU_LAYOUTS, GpuLayout
+from refitplane.testing.model_shapes import SHAPES
+from refitplane.testing.refit_world import refit_world, run_vllm_baseline
+from refitplane.testing.refit_world.worker_probes import worker_memory
 
 MiB = 1 << 20
 
@@ -110,7 +112,7 @@ def run_ours(
     gpu_memory_utilization: float,
 ) -> dict[str, Any]:
     rows = []
-    with rw.refit_world(
+    with refit_world(
         shape=shape,
         device=device,
         trainer_ranks=layout.trainer_tp,
@@ -131,13 +133,12 @@ def run_ours(
             # first transfer also connects NCCL peers (lazily).
             world.refit()
             base = [
-                world.ask(r, ("rpc", (rw.worker_memory, ["reset"])), "rpc")
-                for r in world.replicas()
+                world.ask(r, ("rpc", (worker_memory, ["reset"])), "rpc") for r in world.replicas()
             ]
             world.trainer_peak_memory()  # resets the trainers' peaks
             results = [world.refit() for _ in range(repeats)]
             peaks = [
-                world.ask(r, ("rpc", (rw.worker_memory, ["peak"])), "rpc") for r in world.replicas()
+                world.ask(r, ("rpc", (worker_memory, ["peak"])), "rpc") for r in world.replicas()
             ]
             gen_extra = max(
                 p - b
@@ -174,7 +175,7 @@ def run_ours(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-8b", choices=sorted(rw.SHAPES))
+    parser.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--layout", default="tp2", choices=sorted(GPU_LAYOUTS))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
@@ -233,7 +234,7 @@ def main() -> int:
         args.gpu_memory_utilization,
     )
     if args.device == "cuda" and not args.no_baseline:
-        out["vllm_nccl"] = rw.run_vllm_baseline(
+        out["vllm_nccl"] = run_vllm_baseline(
             args.model,
             layout.replica_tps,
             first_gpu=layout.trainer_tp,

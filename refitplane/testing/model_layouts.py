@@ -1,4 +1,4 @@
-"""Trainer and generator layouts of a Qwen3-shaped model (see `refit_world.SHAPES`), as the
+"""Trainer and generator layouts of a Qwen3-shaped model (see `model_shapes.SHAPES`), as the
 GPU benchmarks lay them out: trainer TP ranks on the first GPUs (the HF tensor-parallel
 split), generator replicas on the GPUs after them (vLLM's split: experts split like vLLM
 does without expert parallelism)."""
@@ -11,7 +11,7 @@ from refitplane.generator.hf_tensor_parallel import tp_boxes
 from refitplane.reshard.boxes import Box
 from refitplane.reshard.layout import Layout, LayoutBuilder, TensorSpec
 from refitplane.reshard.placements import DeviceMesh, Shard, placement_boxes
-from refitplane.testing import refit_world as rw
+from refitplane.testing.model_shapes import tensor_specs
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def model_layouts(shape: str, gpu_layout: GpuLayout) -> tuple[Layout, Layout]:
     """(trainer layout on ranks 0..trainer_tp-1, generator layout on the ranks after them)
     for `shape`."""
     src, dst = LayoutBuilder(), LayoutBuilder()
-    for ts in rw.tensor_specs(shape):
+    for ts in tensor_specs(shape):
         for r, box in tp_boxes(ts, gpu_layout.trainer_tp).items():
             src.add(ts, r, box)
         first = gpu_layout.trainer_tp

@@ -1,10 +1,14 @@
 """Spawn one process per rank, collect what each reports, and make sure none outlives the
-call. The shared mechanics of the Gloo (CPU) and NCCL (GPU) test worlds."""
+call; stop a child and its process group. The shared mechanics of the Gloo (CPU), NCCL (GPU)
+and refit worlds."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import queue
+import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,3 +62,14 @@ def spawn_and_collect(
 
 def barrier_for(world: int, timeout_s: float) -> Any:
     return mp.get_context("spawn").Barrier(world, timeout=timeout_s)
+
+
+def stop_process(p: Any, timeout_s: float = 60) -> None:
+    """Join a child, then kill whatever is left of its process group (vLLM's children)."""
+    p.join(timeout=timeout_s)
+    if p.pid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+    if p.is_alive():
+        p.kill()
+        p.join(timeout=10)

@@ -2,7 +2,7 @@
 frontier architectures, checked inside the real vLLM workers.
 
 Three shaped models, bf16 unless said otherwise, random weights written as a checkpoint
-(the zoo writer, `refitplane.models.zoo`, or `refit_world` for the FP8 case), served by vLLM
+(the zoo writer, `refitplane.models.zoo`, or `synthetic_weights` for the FP8 case), served by vLLM
 from `load_format="dummy"` so that the refit is what puts the checkpoint in:
 
 - `deepseek-v2-lite`: DeepSeek-V2-Lite's per-layer shapes (MLA with kv_lora_rank 512, 16
@@ -77,9 +77,9 @@ NEMOTRON_H = {
 def _checkpoint(case: str, root: Path) -> tuple[Path, dict[str, Any]]:
     """(checkpoint directory, extra `vllm.LLM` arguments) of a case."""
     if case == "qwen3-fp8-kv":
-        from refitplane.testing import refit_world as rw
+        from refitplane.testing.synthetic_weights import write_checkpoint
 
-        path = rw.write_checkpoint(root, "qwen3-small", quant="fp8-kv")
+        path = write_checkpoint(root, "qwen3-small", quant="fp8-kv")
         return path, {"kv_cache_dtype": "fp8"}
     from refitplane.models.zoo import write_zoo_model
 

@@ -27,11 +27,12 @@ KV_SCALES = ("._k_scale", "._v_scale", "._q_scale", "._prob_scale")
 
 @pytest.mark.parametrize("layout", layout_params("tp1", "tp2"))
 def test_fp8_block_refit_equals_a_checkpoint_load(layout: GpuLayout, tmp_path: Path) -> None:
-    from refitplane.testing import refit_world as rw
+    from refitplane.testing.refit_world import refit_world
+    from refitplane.testing.synthetic_weights import write_checkpoint
     from tests.support.refit_checks import parameter_digests
 
     args = {"shape": SHAPE, "device": "cuda", "quant": "fp8", **world_args(layout)}
-    with rw.refit_world(workdir=tmp_path / "refit", **args) as world:
+    with refit_world(workdir=tmp_path / "refit", **args) as world:
         before = world.ask("replica-0", ("tokens", (PROMPT, NEW_TOKENS)), "tokens")
         for _ in range(2):  # the second refit reuses the group, plan and staging
             result = world.refit()
@@ -40,8 +41,8 @@ def test_fp8_block_refit_equals_a_checkpoint_load(layout: GpuLayout, tmp_path: P
         refit_tokens = world.ask("replica-0", ("tokens", (PROMPT, NEW_TOKENS)), "tokens")
         refit_digests = world.ask("replica-0", ("rpc", (parameter_digests, [])), "rpc")
 
-    checkpoint = rw.write_checkpoint(tmp_path / "checkpoint", SHAPE, quant="fp8")
-    with rw.refit_world(
+    checkpoint = write_checkpoint(tmp_path / "checkpoint", SHAPE, quant="fp8")
+    with refit_world(
         workdir=tmp_path / "reference", load_format="auto", model_dir=checkpoint, **args
     ) as reference:
         loaded_tokens = reference.ask("replica-0", ("tokens", (PROMPT, NEW_TOKENS)), "tokens")

@@ -23,12 +23,13 @@ def _reference_tokens() -> list[int]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from refitplane.models.tiny import hf_greedy_tokens
-    from refitplane.testing import refit_world as rw
+    from refitplane.testing.model_shapes import model_spec
+    from refitplane.testing.synthetic_weights import synthetic
 
-    spec = rw.model_spec(SHAPE, "float32")
+    spec = model_spec(SHAPE, "float32")
     model = Qwen3ForCausalLM(Qwen3Config(**spec.hf_config())).to("cuda:0", torch.float32)
     state = {
-        ts.name: rw.synthetic(ts.name, ts.shape, ts.dtype, "cuda:0") for ts in spec.tensor_specs()
+        ts.name: synthetic(ts.name, ts.shape, ts.dtype, "cuda:0") for ts in spec.tensor_specs()
     }
     model.load_state_dict(state, strict=not spec.tie_word_embeddings)
     model.eval()
@@ -37,10 +38,10 @@ def _reference_tokens() -> list[int]:
 
 @pytest.mark.parametrize("layout", layout_params("tp1", "tp2", "2xtp1"))
 def test_refit_into_live_vllm_is_exact(layout: GpuLayout, tmp_path: Path) -> None:
-    from refitplane.testing import refit_world as rw
+    from refitplane.testing.refit_world import refit_world
     from tests.support.refit_checks import check_synthetic_weights
 
-    with rw.refit_world(
+    with refit_world(
         shape=SHAPE, device="cuda", dtype="float32", workdir=tmp_path, **world_args(layout)
     ) as world:
         before = world.ask("replica-0", ("tokens", (PROMPT, NEW_TOKENS)), "tokens")

@@ -78,7 +78,7 @@ def check_refit(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
 def check_synthetic_weights(worker: Any, shape: str, dtype: str) -> dict[str, Any]:
     """In a vLLM worker: every parameter equals what `load_weights` writes from the synthetic
     checkpoint (live receive) — compared by bytes, parameter by parameter."""
-    from refitplane.testing.refit_world import synthetic
+    from refitplane.testing.synthetic_weights import synthetic
 
     engine = worker.weight_transfer_engine
     model = worker.model_runner.get_model()

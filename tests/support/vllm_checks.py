@@ -214,14 +214,14 @@ def receive_like_the_engine(
     bind the same storage the engine binds (`vllm_staging.bind_receive`: live fast-path
     parameters where the kernels read them as loaded, staging a bucket of layers at a time
     elsewhere, fallback tensors whole), fill every view with its box of the checkpoint
-    (`checkpoint_dir`'s tensors, or the synthetic tensors of `refit_world`) bucket by
+    (`checkpoint_dir`'s tensors, or the synthetic tensors of `synthetic_weights`) bucket by
     bucket, applying each one as the transfer and `finish_weight_update` do, and take the
     digest of every parameter and buffer as the kernels read them. Then reload the whole
     checkpoint through vLLM's layerwise reload and take the digests again: a refit must
     leave the model exactly as vLLM's own reload of the same weights does.
     """
     from refitplane.generator.checkpoint_index import CheckpointIndex, checkpoint_specs
-    from refitplane.testing.refit_world import synthetic
+    from refitplane.testing.synthetic_weights import synthetic
 
     model = worker.model_runner.get_model()
     device = next(model.parameters()).device

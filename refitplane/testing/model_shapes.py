@@ -1,0 +1,116 @@
+"""The model shapes GPU benchmarks and tests refit: Hugging Face Qwen3 configs by name (dense
+ones and the Qwen3-30B-A3B MoE), the tensors of their checkpoint (optionally FP8
+block-quantized, with KV-cache scales) and their config.json. vLLM starts from these with
+load_format="dummy"; the weights themselves come from `synthetic_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_layers": 36,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
+    "qwen3-1.7b": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_layers": 28,
+        "num_heads": 16,
+        "num_kv_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "qwen3-small": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_layers": 4,
+        "num_heads": 16,
+        "num_kv_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 4096,
+        "tie_word_embeddings": False,
+    },
+    "qwen3-30b-a3b": {
+        "kind": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_layers": 48,
+        "num_heads": 32,
+        "num_kv_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "tie_word_embeddings": False,
+    },
+    "tiny": {},
+}
+
+# Weight quantization of the world's checkpoint: "" (none), "fp8" (float8_e4m3fn linear
+# weights with one float32 `weight_scale_inv` per 128x128 block, DeepSeek-V3 / Qwen3-FP8
+# style), or "fp8-kv": the same plus per-layer FP8 KV-cache scales (`k_proj.k_scale`,
+# `v_proj.v_scale`), as calibrated FP8 checkpoints carry them.
+QUANTS = ("", "fp8", "fp8-kv")
+FP8_BLOCK = (128, 128)
+_FP8_LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+
+
+def model_spec(shape: str, dtype: str = "bfloat16") -> Any:
+    from refitplane.models.tiny import tiny_spec
+
+    params = dict(SHAPES[shape])
+    kind = params.pop("kind", "qwen3")
+    return tiny_spec(kind, dtype=dtype, max_position_embeddings=4096, **params)
+
+
+def tensor_specs(shape: str, dtype: str = "bfloat16", quant: str = "") -> list[Any]:
+    """The checkpoint's tensors; with `quant="fp8"` every dense linear weight of the layers
+    is float8_e4m3fn and has a block-scale tensor `<name>_scale_inv` next to it."""
+    from refitplane.reshard.layout import TensorSpec
+
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quantization {quant!r} (known: {QUANTS})")
+    out: list[Any] = []
+    for ts in model_spec(shape, dtype).tensor_specs():
+        if quant.startswith("fp8") and _FP8_LINEAR.search(ts.name):
+            rows, cols = ts.shape
+            scales = (-(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
+            out.append(TensorSpec.create(ts.name, ts.shape, "float8_e4m3fn"))
+            out.append(TensorSpec.create(f"{ts.name}_scale_inv", scales, "float32"))
+        else:
+            out.append(ts)
+        if quant == "fp8-kv" and ts.name.endswith(("k_proj.weight", "v_proj.weight")):
+            kind = "k" if ts.name.endswith("k_proj.weight") else "v"
+            out.append(
+                TensorSpec.create(ts.name.replace(".weight", f".{kind}_scale"), (), "float32")
+            )
+    return out
+
+
+def write_config(path: Path, shape: str, dtype: str = "bfloat16", quant: str = "") -> Path:
+    """config.json (+ generation config) only: vLLM starts with dummy weights."""
+    config = model_spec(shape, dtype).hf_config()
+    if quant.startswith("fp8"):
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(FP8_BLOCK),
+        }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    return path

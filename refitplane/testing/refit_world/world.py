@@ -1,0 +1,220 @@
+"""The driver of a refit world: a coordinator in this process (embedded store), the vLLM
+replicas and trainer ranks as spawned processes (`replica`, `trainer`), a refit triggered
+through the client and measured (`World.refit`), everything stopped on exit.
+
+    with refit_world(shape="qwen3-8b", device="cuda", trainer_ranks=2, replica_tps=(2,)) as w:
+        result = w.refit()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from refitplane.testing.model_shapes import write_config
+from refitplane.testing.process_world import SAFE_ENV, stop_process
+from refitplane.testing.refit_world.replica import ReplicaSpec, replica_main
+from refitplane.testing.refit_world.trainer import TrainerSpec, trainer_main
+
+os.environ.update(SAFE_ENV)
+
+
+@dataclass
+class RefitResult:
+    version: int
+    state: str
+    seconds: float
+    transfer_s: float
+    bytes_total: int
+    tensors_verified: int
+    tensors_total: int
+    reason: str = ""
+    # Seconds per coordinator phase (PREPARING, TRANSFERRING, VERIFYING, COMMITTING, ...).
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class World:
+    """Trainers + replicas + coordinator; `refit()` runs one refit and measures it."""
+
+    shape: str
+    device: str
+    trainer_ranks: int = 2
+    replica_tps: tuple[int, ...] = (2,)
+    dtype: str = "bfloat16"
+    workdir: Path = field(default_factory=lambda: Path("/tmp/refit-world"))
+    job: str = "bench"
+    quant: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)
+    gpu_memory_utilization: float = 0.45
+    _procs: list[Any] = field(default_factory=list)
+    _queues: dict[str, Any] = field(default_factory=dict)
+    _results: Any = None
+    coordinator: Any = None
+    model_dir: Path | None = None
+
+    def start(self, *, load_format: str = "dummy", model_dir: Path | None = None) -> World:
+        from refitplane.testing.coordinator import start_coordinator
+
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self.coordinator = start_coordinator(
+            **{
+                "prepare_timeout_s": 300.0,
+                "transfer_timeout_s": 600.0,
+                "group_timeout_s": 300.0,
+                "verify_timeout_s": 600.0,
+                **self.settings,
+            }
+        )
+        self.model_dir = model_dir or write_config(
+            self.workdir / f"model-{self.shape}{self.quant and '-' + self.quant}",
+            self.shape,
+            self.dtype,
+            self.quant,
+        )
+        gpu = self.trainer_ranks
+        for i, tp in enumerate(self.replica_tps):
+            rid = f"replica-{i}"
+            gpus = ",".join(str(gpu + k) for k in range(tp))
+            gpu += tp
+            spec = ReplicaSpec(
+                str(self.model_dir),
+                rid,
+                tp,
+                gpus,
+                self.coordinator.grpc_target,
+                self.job,
+                self.device,
+                dtype=self.dtype,
+                load_format=load_format,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            )
+            self._spawn(ctx, rid, replica_main, (spec,), visible=gpus)
+        self._wait_ready(list(self._queues), 1800)
+        tspec = TrainerSpec(
+            self.shape,
+            self.dtype,
+            self.coordinator.grpc_target,
+            self.job,
+            self.trainer_ranks,
+            self.device,
+            quant=self.quant,
+        )
+        names = [f"trainer-{r}" for r in range(self.trainer_ranks)]
+        for r, name in enumerate(names):
+            self._spawn(
+                ctx,
+                name,
+                trainer_main,
+                (r, tspec),
+                visible=",".join(str(k) for k in range(self.trainer_ranks)),
+            )
+        self._wait_ready([str(r) for r in range(self.trainer_ranks)], 600, by_rank=True)
+        return self
+
+    def _spawn(
+        self, ctx: Any, name: str, target: Any, args: tuple[Any, ...], *, visible: str
+    ) -> None:
+        q = ctx.Queue()
+        self._queues[name] = q
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if self.device == "cuda":
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        try:
+            p = ctx.Process(target=target, args=(*args, q, self._results), daemon=False)
+            p.start()
+        finally:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        self._procs.append(p)
+
+    def _wait_ready(self, names: list[str], timeout_s: float, *, by_rank: bool = False) -> None:
+        pending = set(names)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            tag, who, _ = self._get(deadline)
+            if tag == "ready":
+                pending.discard(str(who))
+
+    def _get(self, deadline: float) -> tuple[str, Any, Any]:
+        try:
+            item = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError("a process of the refit world did not answer in time") from None
+        if item[0] == "error":
+            raise RuntimeError(f"{item[1]} failed: {item[2]}")
+        return item  # type: ignore[no-any-return]
+
+    def ask(self, name: str, command: Any, expect: str, timeout_s: float = 600) -> Any:
+        self._queues[name].put(command)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            tag, _, payload = self._get(deadline)
+            if tag == expect:
+                return payload
+
+    def replicas(self) -> list[str]:
+        return [n for n in self._queues if n.startswith("replica-")]
+
+    def configure(self, **settings: Any) -> None:
+        """Change the coordinator's transfer settings for the next refits."""
+        for key, value in settings.items():
+            setattr(self.coordinator.settings, key, value)
+
+    def refit(self, timeout_s: float = 900) -> RefitResult:
+        from refitplane.client import RefitClient
+
+        with RefitClient(self.coordinator.grpc_target, timeout_s=60) as client:
+            started = time.monotonic()
+            final = client.wait(client.trigger(self.job).refit_id, timeout_s=timeout_s)
+            seconds = time.monotonic() - started
+        phases: dict[str, float] = {}
+        for t in final.timings:
+            phases[t.phase.value] = phases.get(t.phase.value, 0.0) + t.seconds
+        return RefitResult(
+            final.version,
+            final.state.value,
+            seconds,
+            phases.get("TRANSFERRING", 0.0),
+            final.bytes_total,
+            final.tensors_verified,
+            final.tensors_total,
+            f"{final.reason} {final.message}".strip(),
+            phases,
+        )
+
+    def trainer_peak_memory(self) -> list[int]:
+        return [self.ask(f"trainer-{r}", "mem", "mem") for r in range(self.trainer_ranks)]
+
+    def stop(self) -> None:
+        for name, q in self._queues.items():
+            with contextlib.suppress(Exception):
+                q.put(("stop", None) if name.startswith("replica-") else "stop")
+        for p in self._procs:
+            stop_process(p)
+        self._procs.clear()
+        self._queues.clear()
+        if self.coordinator is not None:
+            self.coordinator.stop()
+            self.coordinator = None
+
+
+@contextlib.contextmanager
+def refit_world(**kwargs: Any) -> Iterator[World]:
+    load_format = kwargs.pop("load_format", "dummy")
+    model_dir = kwargs.pop("model_dir", None)
+    world = World(**kwargs)
+    try:
+        yield world.start(load_format=load_format, model_dir=model_dir)
+    finally:
+        world.stop()
