@@ -6,13 +6,13 @@
     python benchmarks/soak.py --minutes 10 --crowd 1000 --sample-s 30 --json out.json
 
 Starts redis-server, the coordinator process, 2 trainer ranks and 2 generator replicas
-(TP2 + TP1; `refitplane.testing.agent_procs`, Gloo on CPU) and 1,000 more registered agents
+(TP2 + TP1; `refitplane.testing.cluster.agent_procs`, Gloo on CPU) and 1,000 more registered agents
 (grpc.aio, renewing their leases), then refits back to back: a training step on both
 trainers (new bytes), a trigger, a wait for COMMITTED; every 10th refit the generators'
 bytes are compared with the trainers'. Every --sample-s seconds it prints each process's
 resident memory, threads, open file descriptors and (agents) communicator sets open. Exits
 1 if a refit did not commit or anything grew between the first and the last sample
-(`refitplane.testing.soak` says what "stable" means).
+(`refitplane.testing.cluster.soak` says what "stable" means).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from refitplane.testing.soak import run_soak
+from refitplane.testing.cluster.soak import run_soak
 
 
 def main() -> int:

@@ -144,7 +144,7 @@ def _refit(session: RefitSession, llm: Any, checkpoint: Path) -> Refitted:
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Session:
     from refitplane.reshard.transport import gloo
-    from refitplane.testing.faulty_transport import Faults, install
+    from refitplane.testing.cluster.faulty_transport import Faults, install
     from refitplane.testing.vllm_cpu import vllm_cpu_engine
 
     root = tmp_path_factory.mktemp("staging")

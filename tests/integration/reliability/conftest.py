@@ -1,5 +1,5 @@
 """Fixtures of the reliability suite: a job of real processes (redis-server with AOF, the
-coordinator process, trainer and generator ranks from `refitplane.testing.agent_procs`).
+coordinator process, trainer and generator ranks from `refitplane.testing.cluster.agent_procs`).
 
 One cluster per test module (starting a rank costs a torch import); every test leaves it
 healthy — the last thing each fault test does is a refit that must commit — and the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from refitplane.testing.proc_cluster import ProcCluster
+from refitplane.testing.cluster.proc_cluster import ProcCluster
 from tests.integration.reliability.support import World
 
 # Timeouts of the fault modules (seconds): short, so every failure ends fast, yet far above

@@ -28,8 +28,8 @@ from typing import Any
 
 from refitplane.protocol import MemberState, RefitState
 from refitplane.protocol.models import Refit
-from refitplane.testing.proc_cluster import AgentProc, ProcCluster, wait_for
-from refitplane.testing.synthetic_state import expected_digests
+from refitplane.testing.cluster.proc_cluster import AgentProc, ProcCluster, wait_for
+from refitplane.testing.cluster.synthetic_state import expected_digests
 
 INTACT = "intact"
 COMPLETE = "complete"

@@ -1,6 +1,6 @@
 """Faults in the data plane, with every part a real process: redis-server, the coordinator,
 two trainer ranks (TP2) and two generator replicas (rep-0: TP2, rep-1: TP1) moving bytes over
-Gloo. Faults are injected in the agents' real transport (`refitplane.testing.faulty_transport`)
+Gloo. Faults are injected in the agents' real transport (`refitplane.testing.cluster.faulty_transport`)
 or by signals (SIGKILL, SIGSTOP) from the test.
 
 For every fault: the refit ends FAILED with a reason within the configured timeout; every
@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from refitplane.protocol import MemberState, RefitState
-from refitplane.testing.proc_cluster import wait_for
+from refitplane.testing.cluster.proc_cluster import wait_for
 from tests.integration.reliability.conftest import (
     LEASE_TTL_S,
     PREPARE_TIMEOUT_S,

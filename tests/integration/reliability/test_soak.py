@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from refitplane.testing.soak import run_soak
+from refitplane.testing.cluster.soak import run_soak
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

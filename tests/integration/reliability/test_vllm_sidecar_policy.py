@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from refitplane.protocol import MemberState, RefitState
-from refitplane.testing.proc_cluster import ProcCluster, wait_for
+from refitplane.testing.cluster.proc_cluster import ProcCluster, wait_for
 from tests.integration.vllm_marks import VLLM_CPU
 
 pytestmark = VLLM_CPU

@@ -3,7 +3,7 @@ agents, while memory, threads, file descriptors and communicators of every proce
 sampled. Used by `benchmarks/soak.py` (200 refits, 10 minutes) and, shortened, by CI.
 
 The cluster: redis-server, the coordinator process, 2 trainer ranks (TP2) and 2 generator
-replicas (TP2 and TP1) from `refitplane.testing.agent_procs`, moving the synthetic model over
+replicas (TP2 and TP1) from `refitplane.testing.cluster.agent_procs`, moving the synthetic model over
 Gloo. Every refit is a training step (new bytes) on both trainers, a trigger, and a wait for
 COMMITTED; every few refits a generator's bytes are compared with the trainers'. The crowd:
 N more members (job `crowd`) registered over grpc.aio from this process, each with a layout,
@@ -33,8 +33,8 @@ from refitplane.protocol import RefitState, Role, convert
 from refitplane.protocol import messages as m
 from refitplane.protocol.channel import aio_channel
 from refitplane.reshard.layout import LayoutBuilder, TensorSpec
-from refitplane.testing.proc_cluster import ProcCluster
-from refitplane.testing.synthetic_state import expected_digests
+from refitplane.testing.cluster.proc_cluster import ProcCluster
+from refitplane.testing.cluster.synthetic_state import expected_digests
 
 SOAK_ENV = {
     "REFIT_LEASE_TTL_S": "30",

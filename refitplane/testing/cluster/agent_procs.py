@@ -1,9 +1,9 @@
 """Run one trainer rank or one generator rank as its own process, for tests that kill,
 stall, freeze or restart agents.
 
-    python -m refitplane.testing.agent_procs trainer   --coordinator H:P --job J --rank R --world W \\
+    python -m refitplane.testing.cluster.agent_procs trainer   --coordinator H:P --job J --rank R --world W \\
         --control-file F [--version V]
-    python -m refitplane.testing.agent_procs generator --coordinator H:P --job J --replica REP \\
+    python -m refitplane.testing.cluster.agent_procs generator --coordinator H:P --job J --replica REP \\
         --rank R --world W --control-file F [--version V]
 
 A trainer is a real `TrainerAgent` holding its tensor-parallel share of
@@ -44,7 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("refitplane.testing.agent_procs")
+log = logging.getLogger("refitplane.testing.cluster.agent_procs")
 
 # Outcomes kept in the status (newest last).
 _OUTCOMES_KEPT = 50
@@ -65,8 +65,8 @@ class AgentRunner:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from refitplane.testing import faulty_transport
-        from refitplane.testing.synthetic_state import rank_shards, synthetic_specs
+        from refitplane.testing.cluster import faulty_transport
+        from refitplane.testing.cluster.synthetic_state import rank_shards, synthetic_specs
 
         torch.set_num_threads(1)
         self.args = args
@@ -98,7 +98,7 @@ class AgentRunner:
             )
         else:
             from refitplane.generator.reference_engine import ReferenceEngine
-            from refitplane.testing.synthetic_state import synthetic_state
+            from refitplane.testing.cluster.synthetic_state import synthetic_state
 
             self.agent = ReferenceEngine(
                 coordinator=args.coordinator,
@@ -145,7 +145,7 @@ class AgentRunner:
     # -- control API ----------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        from refitplane.testing.synthetic_state import shard_digests
+        from refitplane.testing.cluster.synthetic_state import shard_digests
 
         member = self.agent.member
         session = self.agent.session
@@ -177,7 +177,7 @@ class AgentRunner:
     def step(
         self, version: int, timeout_s: float, hold_s: float = 0.0
     ) -> tuple[int, dict[str, Any]]:
-        from refitplane.testing.synthetic_state import load_state_into, synthetic_state
+        from refitplane.testing.cluster.synthetic_state import load_state_into, synthetic_state
 
         if self.role != "trainer":
             return 400, {"error": "only trainers take training steps"}
@@ -199,7 +199,7 @@ class AgentRunner:
 
     def serve(self, timeout_s: float) -> tuple[int, dict[str, Any]]:
         from refitplane.errors import FailedPrecondition
-        from refitplane.testing.synthetic_state import shard_digests
+        from refitplane.testing.cluster.synthetic_state import shard_digests
 
         if self.role != "generator":
             return 400, {"error": "only generators serve"}

@@ -1,6 +1,6 @@
 """A refit deployment made of real processes, for reliability tests and the soak benchmark:
 `redis-server`, the coordinator (`python -m refitplane.coordinator`) and trainer / generator
-ranks (`python -m refitplane.testing.agent_procs`), each of which a test may kill (SIGKILL),
+ranks (`python -m refitplane.testing.cluster.agent_procs`), each of which a test may kill (SIGKILL),
 freeze (SIGSTOP), restart or stop.
 
     with ProcCluster(workdir, coordinator_env={"REFIT_TRANSFER_TIMEOUT_S": "8"}) as cluster:
@@ -36,7 +36,7 @@ from refitplane.demo.processes import free_port, read_ports, reap_group
 from refitplane.errors import Unavailable
 from refitplane.protocol import RefitState
 from refitplane.protocol.models import Refit, Topology
-from refitplane.testing.agent_procs import process_resources
+from refitplane.testing.cluster.agent_procs import process_resources
 
 T = TypeVar("T")
 
@@ -263,7 +263,7 @@ class AgentProc(Proc):
         self.role = role
         self.control_file = workdir / f"{name}.control.json"
         argv = [
-            sys.executable, "-m", "refitplane.testing.agent_procs", role,
+            sys.executable, "-m", "refitplane.testing.cluster.agent_procs", role,
             "--control-file", str(self.control_file), *args,
         ]  # fmt: skip
         super().__init__(name, argv, workdir, child_env(env))
