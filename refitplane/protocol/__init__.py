@@ -37,14 +37,7 @@ from refitplane.protocol.messages import (
     StartTransferCmd,
     TransferDone,
 )
-from refitplane.protocol.models import (
-    Member,
-    PhaseTiming,
-    RankProgress,
-    Refit,
-    Replica,
-    Topology,
-)
+from refitplane.protocol.models import Member, PhaseTiming, RankProgress, Refit, Replica, Topology
 
 __all__ = [
     "AbortRefitCmd",
