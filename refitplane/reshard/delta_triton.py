@@ -34,40 +34,36 @@ def _compile() -> Any:
 
     # Triton reads the signature: no Python annotations inside the kernels.
     @triton.jit  # type: ignore[untyped-decorator]
-    def count(cur, base, counts, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def block(cur, base, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+        """This program's block: word offsets, current words, and which changed."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
         a = tl.load(cur + offs, mask=inside, other=0)
         b = tl.load(base + offs, mask=inside, other=0)
-        flags = ((a != b) & inside).to(tl.int32)
-        tl.store(counts + pid, tl.sum(flags, axis=0))
+        return offs, a, (a != b) & inside
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def count(cur, base, counts, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+        _, _, changed = block(cur, base, n, BLOCK)
+        tl.store(counts + tl.program_id(0), tl.sum(changed.to(tl.int32), axis=0))
 
     @triton.jit  # type: ignore[untyped-decorator]
     def compact(cur, base, starts, index, values, n, BLOCK: tl.constexpr, WITH_INDEX: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < n
-        a = tl.load(cur + offs, mask=inside, other=0)
-        b = tl.load(base + offs, mask=inside, other=0)
-        changed = (a != b) & inside
+        offs, a, changed = block(cur, base, n, BLOCK)
         flags = changed.to(tl.int32)
-        at = tl.load(starts + pid) + tl.cumsum(flags, axis=0) - flags
+        at = tl.load(starts + tl.program_id(0)) + tl.cumsum(flags, axis=0) - flags
         if WITH_INDEX:
             tl.store(index + at, offs.to(tl.int32), mask=changed)
         tl.store(values + at, a, mask=changed)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def bitmap(cur, base, out, n, nbytes, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < n
-        a = tl.load(cur + offs, mask=inside, other=0)
-        b = tl.load(base + offs, mask=inside, other=0)
-        flags = ((a != b) & inside).to(tl.int32)
+        _, _, changed = block(cur, base, n, BLOCK)
         weights = 1 << tl.arange(0, 8)
-        packed = tl.sum(tl.reshape(flags, (BLOCK // 8, 8)) * weights[None, :], axis=1)
-        at = pid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        packed = tl.sum(
+            tl.reshape(changed.to(tl.int32), (BLOCK // 8, 8)) * weights[None, :], axis=1
+        )
+        at = tl.program_id(0).to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
         tl.store(out + at, packed.to(tl.uint8), mask=at < nbytes)
 
     _kernels = (count, compact, bitmap)
