@@ -381,8 +381,9 @@ class SidecarMember(NullHandler):
         version: the replica keeps the one it fully holds)."""
         self.control.update({"refit_id": refit_id, "action": "discard"})
         self.control.finish(None)
-        self.state.update_open = False
         self._export_staging()
+        # Last: once the update reads closed, this sidecar makes no more vLLM calls for it.
+        self.state.update_open = False
 
     def _export_staging(self) -> None:
         """Refresh the staging gauge after a refit (never fails one: metrics only)."""

@@ -22,6 +22,7 @@ Checked after real refits (a coordinator, two trainer ranks, the sidecar logic):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,12 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Session:
                 (replica,) = refit_session.client.topology(JOB).replicas
                 port = refit_session.sidecar.settings.sidecar_port
                 member = refit_session.sidecar.member
+                # The sidecar closes the failed update on its own thread; calling vLLM before
+                # it is done would interleave two callers on the engine's socket.
+                deadline = time.monotonic() + 60
+                while member.state.update_open or not member.state.degraded:
+                    assert time.monotonic() < deadline, "the sidecar did not close the update"
+                    time.sleep(0.05)
                 faulted = Faulted(
                     run,
                     replica.state,
