@@ -110,13 +110,13 @@ class DeltaExchange:
             raise TransferError(f"rank {self.rank} is to send deltas but holds no delta base")
         todo: list[tuple[Message, torch.Tensor, torch.Tensor, int]] = []
         counts: list[torch.Tensor] = []
+        base_device = next(iter(base)).tensor.device  # the snapshot's: device or host
         for m, io in delta_sends:
             word = _word(m, specs)
             # Alignment gaps are zero in both images, as in the staging slices of both
             # ends (the executor zeroes a packed delta message's slice before packing).
             current = pack_image(io, torch.zeros(m.nbytes, dtype=torch.uint8, device=self.device))
             base_io = message_io(m, [base.view(c.tensor, c.box) for c in m.chunks], specs)
-            base_device = next(iter(base)).tensor.device
             old = pack_image(base_io, torch.zeros(m.nbytes, dtype=torch.uint8, device=base_device))
             if old.device != current.device:  # a host-side snapshot
                 old = old.to(current.device)
