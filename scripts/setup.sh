@@ -37,7 +37,10 @@ fi
 # PyPI's torchvision & co. break `import vllm` with the CPU torch.
 pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-say "installing refit-plane (editable) with the dev, agents and megatron extras"
-pip install -q -e ".[dev,agents,megatron]" --config-settings editable_mode=strict
+# Four distributions share the `refitplane` namespace: the core (this folder) and one per
+# service (services/<role>/); editable, so a new module needs no re-install.
+say "installing refit-plane (core, editable, dev/agents/megatron extras) and its three services"
+pip install -q -e ".[dev,agents,megatron]" -e services/coordinator -e services/trainer \
+  -e services/generator
 pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-say "ready: $(python -c 'import refitplane, torch, vllm; print(f"refitplane {refitplane.__version__}, torch {torch.__version__}, vllm {vllm.__version__}")')"
+say "ready: $(python -c 'import torch, vllm; from refitplane.version import __version__ as v; print(f"refitplane {v}, torch {torch.__version__}, vllm {vllm.__version__}")')"

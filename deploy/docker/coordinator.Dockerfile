@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
-# Coordinator image: the refit-plane distribution without extras. The coordinator never
-# touches tensors, so no torch, no CUDA: a slim Python image, a virtualenv, a non-root user.
+# Coordinator image: the core (refit-plane, no extras) and the coordinator's distribution
+# (services/coordinator). The coordinator never touches tensors, so no torch, no CUDA: a
+# slim Python image, a virtualenv, a non-root user.
 #
 #   docker build -f deploy/docker/coordinator.Dockerfile -t refit-coordinator:0.1.0 .
 #
@@ -12,11 +13,11 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/refit
 WORKDIR /src
-COPY pyproject.toml setup.py ./
+COPY pyproject.toml README.md ./
 COPY refitplane ./refitplane
-COPY services ./services
+COPY services/coordinator ./services/coordinator
 # Fail the build, not the pod, when the console script or the service package is missing.
-RUN /opt/refit/bin/pip install --no-cache-dir . \
+RUN /opt/refit/bin/pip install --no-cache-dir . ./services/coordinator \
     && /opt/refit/bin/python -c "import refitplane.coordinator" \
     && test -x /opt/refit/bin/refit-coordinator \
     && test -x /opt/refit/bin/refitctl

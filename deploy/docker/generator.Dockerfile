@@ -12,18 +12,18 @@ ARG VLLM_IMAGE=docker.io/vllm/vllm-openai:v0.26.0
 
 FROM ${VLLM_IMAGE}
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-ARG REFIT_EXTRAS=agents,nccl
+ARG REFIT_EXTRAS=nccl
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/refit-src
-COPY pyproject.toml setup.py ./
+COPY pyproject.toml README.md ./
 COPY refitplane ./refitplane
-COPY services ./services
+COPY services/generator ./services/generator
 # The image's CUDA builds of torch and vLLM must survive: pin what is installed as
 # constraints, so a conflicting requirement fails the build instead of replacing them.
 # Then check that vLLM will find the plugin.
 RUN python3 -m pip freeze | grep -iE '^(torch|vllm|transformers|triton|numpy)==' > /tmp/keep.txt \
-    && python3 -m pip install --no-cache-dir --constraint /tmp/keep.txt ".[${REFIT_EXTRAS}]" \
+    && python3 -m pip install --no-cache-dir --constraint /tmp/keep.txt . "./services/generator[${REFIT_EXTRAS}]" \
     && rm -rf /opt/refit-src /tmp/keep.txt \
     && python3 -c "from importlib.metadata import entry_points as e; assert 'refitplane' in e(group='vllm.general_plugins').names"
 

@@ -3,7 +3,9 @@
 # Prepare here first:
 #     TRIM=1 bash ../shared/device/stage_vllm.sh      # vLLM 0.26 in .stage/p1..p3
 #     bash scripts/device/stage_wheels.sh             # nccl4py, grpc, ... into .whl/
-#     python3 -m pip wheel -q --no-deps . -w .whl     # this project (its vLLM plugin entry point)
+#     for d in . services/coordinator services/trainer services/generator; do
+#       python3 -m pip wheel -q --no-deps "$d" -w .whl; done   # the four distributions
+#       (the core and the three services; the generator's carries the vLLM plugin entry point)
 # then send, back to back (a machine goes back after 30 s idle):
 #     carry .whl:               bash scripts/device/gpu_session.sh wheels   (+ data-plane tests)
 #     carry .stage/p1:          bash scripts/device/gpu_session.sh stage
@@ -35,14 +37,15 @@ setup() {
       --target /tmp/site "$whl"/*.whl || return 1
     touch /tmp/site/.refit_installed
   fi
-  python3 -c "import refitplane, vllm, nccl; print('refitplane', refitplane.__file__, 'vllm', vllm.__version__)"
+  python3 -c "import refitplane.coordinator, refitplane.generator, vllm, nccl; print('refitplane', refitplane.generator.__file__, 'vllm', vllm.__version__)"
 }
 
 nccl_only() {
   # nccl4py alone (no vLLM yet), for the data-plane tests and model_refit
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/nsite .whl/nccl4py*.whl .whl/cuda_pathfinder*.whl || return 1
-  export PYTHONPATH=/tmp/nsite:$PWD
+  # The checkout's core (refitplane/, a namespace portion) and the services' roots.
+  export PYTHONPATH=/tmp/nsite:$PWD:$PWD/services/coordinator:$PWD/services/trainer:$PWD/services/generator
 }
 
 step=${1:-}

@@ -170,8 +170,27 @@ class DockerIgnore:
 # --- pyproject ----------------------------------------------------------------------------
 
 
-def pyproject() -> dict[str, Any]:
-    return tomllib.loads((REPO / "pyproject.toml").read_text())
+# The four distributions of the `refitplane` namespace: the core at the root, one per role.
+DISTRIBUTIONS = (".", "services/coordinator", "services/trainer", "services/generator")
+
+
+def pyproject(distribution: str = ".") -> dict[str, Any]:
+    """One distribution's pyproject.toml (the core's by default)."""
+    return tomllib.loads((REPO / distribution / "pyproject.toml").read_text())
+
+
+def declared_scripts(distributions: tuple[str, ...] = DISTRIBUTIONS) -> dict[str, str]:
+    """Console scripts (name → target) the given distributions declare, together."""
+    scripts: dict[str, str] = {}
+    for distribution in distributions:
+        scripts |= pyproject(distribution)["project"].get("scripts", {})
+    return scripts
+
+
+def vllm_plugins() -> dict[str, str]:
+    """The vLLM plugin entry points (the generator's distribution declares them)."""
+    entry_points = pyproject("services/generator")["project"]["entry-points"]
+    return dict(entry_points["vllm.general_plugins"])
 
 
 def module_source(module: str) -> Path | None:

@@ -24,7 +24,7 @@ from tests.deploy.chart_support import (
     render,
     selector_matches,
 )
-from tests.deploy.dockerfile_support import pyproject
+from tests.deploy.dockerfile_support import vllm_plugins
 
 pytestmark = pytest.mark.unit
 
@@ -142,7 +142,7 @@ def test_vllm_runs_the_refitplane_engine_in_dev_mode(generator: Manifest) -> Non
     config_args = [a for a in vllm["args"] if a.startswith("--weight-transfer-config=")]
     (config_arg,) = config_args
     config = json.loads(config_arg.partition("=")[2])
-    plugins = pyproject()["project"]["entry-points"]["vllm.general_plugins"]
+    plugins = vllm_plugins()
     assert config == {"backend": "refitplane"}
     assert config["backend"] in plugins
     env = env_of(vllm)

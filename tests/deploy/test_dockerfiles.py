@@ -13,14 +13,17 @@ import yaml
 
 from tests.deploy.chart_support import CHART_DIR, EXAMPLES_DIR, REPO, load_yaml_documents
 from tests.deploy.dockerfile_support import (
+    DISTRIBUTIONS,
     DOCKER_DIR,
     Dockerfile,
     DockerIgnore,
     Instruction,
+    declared_scripts,
     dockerfiles,
     module_source,
     parse_dockerfile,
     pyproject,
+    vllm_plugins,
 )
 
 pytestmark = pytest.mark.unit
@@ -98,7 +101,13 @@ def test_dockerignore_keeps_the_context_small() -> None:
         assert CONTEXT_IGNORE.excluded(heavy), heavy
     for nested in ("refitplane/reshard/__pycache__/plan.cpython-311.pyc", "services/x.pyc"):
         assert CONTEXT_IGNORE.excluded(nested), nested
-    needed_files = ("pyproject.toml", "setup.py", "refitplane/errors.py", "services/x/y.py")
+    needed_files = (
+        "pyproject.toml",
+        "README.md",
+        "refitplane/errors.py",
+        "services/coordinator/pyproject.toml",
+        "services/x/refitplane/x/y.py",
+    )
     for needed in needed_files:
         assert not CONTEXT_IGNORE.excluded(needed), needed
 
@@ -126,8 +135,45 @@ def _entry_commands(dockerfile: Dockerfile) -> list[tuple[Instruction, list[str]
     return out
 
 
+def image_distributions(dockerfile: Dockerfile) -> tuple[str, ...]:
+    """The distributions an image installs: the core and the services it copies."""
+    copied = [a for c in dockerfile.of("COPY") for a in c.flags_and_args()[1][:-1]]
+    services = tuple(d for d in DISTRIBUTIONS if d != "." and d in copied)
+    return (".", *services)
+
+
+def test_each_image_copies_and_installs_only_its_service(dockerfile: Dockerfile) -> None:
+    role = dockerfile.name.removesuffix(".Dockerfile")
+    assert image_distributions(dockerfile) == (".", f"services/{role}")
+    install = next(i for i in dockerfile.of("RUN") if "pip install" in i.value)
+    assert f"./services/{role}" in install.value, f"{dockerfile.name}: installs no service"
+    others = [r for r in ("coordinator", "trainer", "generator") if r != role]
+    assert not any(f"services/{r}" in install.value for r in others), dockerfile.name
+
+
+def test_coordinator_distribution_needs_no_torch_or_vllm() -> None:
+    def requirements(distribution: str) -> list[str]:
+        return [r.lower() for r in pyproject(distribution)["project"]["dependencies"]]
+
+    core = requirements(".")
+    for requirement in [*core, *requirements("services/coordinator")]:
+        assert not requirement.startswith(("torch", "vllm", "nccl4py")), requirement
+        assert "[" not in requirement, f"the coordinator pulls an extra: {requirement}"
+
+
+def test_distributions_release_together() -> None:
+    version_file = (REPO / "refitplane" / "version.py").read_text()
+    (core_version,) = re.findall(r'__version__ = "([^"]+)"', version_file)
+    for distribution in DISTRIBUTIONS[1:]:
+        project = pyproject(distribution)["project"]
+        assert project["version"] == core_version, distribution
+        pinned = [r for r in project["dependencies"] if r.startswith("refit-plane")]
+        assert pinned, f"{distribution} does not depend on the core"
+        assert all(r.endswith(f"=={core_version}") for r in pinned), pinned
+
+
 def test_entry_points_are_declared_console_scripts(dockerfile: Dockerfile) -> None:
-    scripts = pyproject()["project"]["scripts"]
+    scripts = declared_scripts(image_distributions(dockerfile))
     for instruction, form in _entry_commands(dockerfile):
         program = form[0]
         if program in BASE_IMAGE_PROGRAMS:
@@ -164,14 +210,14 @@ def test_agent_images_keep_their_base_torch() -> None:
         default_extras = next(
             i.value.partition("=")[2] for i in image.of("ARG") if i.value.startswith("REFIT_")
         )
-        declared = pyproject()["project"]["optional-dependencies"]
+        service = image_distributions(image)[-1]
+        declared = pyproject(service)["project"]["optional-dependencies"]
         for extra in default_extras.split(","):
             assert extra in declared, f"{name}: extra {extra!r} is not in pyproject"
 
 
 def test_generator_image_ships_the_vllm_plugin() -> None:
-    plugins = pyproject()["project"]["entry-points"]["vllm.general_plugins"]
-    assert "refitplane" in plugins
+    assert "refitplane" in vllm_plugins()
     generator = parse_dockerfile(DOCKER_DIR / "generator.Dockerfile")
     assert "vllm/vllm-openai:v0." in generator.stages()[0][0]
     install = next(i for i in generator.of("RUN") if "pip install" in i.value)
@@ -207,7 +253,7 @@ def test_hadolint_rules(name: str) -> None:
 @pytest.mark.parametrize("script", sorted(REQUIRED_SCRIPTS))
 def test_required_console_scripts_resolve(script: str) -> None:
     target = REQUIRED_SCRIPTS[script]
-    scripts = pyproject()["project"]["scripts"]
+    scripts = declared_scripts()
     if script not in scripts:
         pytest.skip(
             f"{script} is not declared yet: pyproject [project.scripts] needs "
@@ -230,7 +276,7 @@ def test_required_console_scripts_resolve(script: str) -> None:
 
 
 def test_examples_run_what_the_images_provide() -> None:
-    scripts = set(pyproject()["project"]["scripts"]) | set(REQUIRED_SCRIPTS)
+    scripts = set(declared_scripts()) | set(REQUIRED_SCRIPTS)
     for path in sorted(EXAMPLES_DIR.glob("*.yaml")):
         for manifest in load_yaml_documents(path):
             template = manifest.get("spec", {}).get("template", {}).get("spec")

@@ -1,6 +1,7 @@
 """The house's layers, checked on the source: every package imports only from below it.
 
-    roles      refitplane.coordinator, .trainer, .generator (services/*); refitctl (.cli)
+    roles      refitplane.coordinator, .trainer, .generator (services/<role>/refitplane/<role>);
+               refitctl (.cli)
     runtimes   refitplane.agent (agent session, data-plane member), refitplane.client
     vocabulary refitplane.protocol (enums, messages, models, the proto converters, channels)
     core       refitplane.reshard (layouts, plans, executor), refitplane.models, errors, stubs
@@ -23,19 +24,19 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("coordinator", "trainer", "generator")
-CORE = frozenset({"", "errors", "_generated", "reshard", "models"})
+CORE = frozenset({"errors", "version", "_generated", "reshard", "models"})
 VOCABULARY = frozenset({"errors", "_generated", "reshard", "protocol"})
 
-# Layer → the layers it may import (besides itself). "" is the package root (`__version__`).
+# Layer → the layers it may import (besides itself).
 ALLOWED: dict[str, frozenset[str]] = {
-    "": frozenset(),
     "errors": frozenset(),
+    "version": frozenset(),
     "reshard": frozenset({"errors"}),
     "models": frozenset({"errors", "reshard"}),
     "protocol": frozenset({"errors", "_generated", "reshard"}),
     "agent": VOCABULARY,
     "client": VOCABULARY - {"reshard"},
-    "coordinator": VOCABULARY | {""},
+    "coordinator": VOCABULARY | {"version"},
     # Trainer ranks trigger refits themselves (`TrainerAgent.refit`) and the sidecar watches
     # topology and refits: both through the public client API.
     "trainer": CORE | VOCABULARY | {"agent", "client"},
@@ -63,17 +64,28 @@ class Import:
     target: str  # the imported refitplane module (or package)
 
 
+# The namespace's roots: a module's name is its path below one of them.
+NAMESPACE_ROOTS = (ROOT, *(ROOT / "services" / role for role in ROLES))
+
+
 def _sources() -> Iterator[tuple[str, Path]]:
-    """(module name, file) of every module of the package, services mapped as installed."""
-    trees = [("refitplane", ROOT / "refitplane")]
-    trees += [(f"refitplane.{role}", ROOT / "services" / role) for role in ROLES]
-    for base, tree in trees:
-        for path in sorted(tree.rglob("*.py")):
-            rel = path.relative_to(tree).with_suffix("")
-            if rel.parts and rel.parts[0] == "_generated" and base == "refitplane":
+    """(module name, file) of every module of the namespace, read from the checkout."""
+    for root in NAMESPACE_ROOTS:
+        for path in sorted((root / "refitplane").rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("")
+            if rel.parts[:2] == ("refitplane", "_generated"):
                 continue
-            parts = [p for p in rel.parts if p != "__init__"]
-            yield ".".join([base, *parts]), path
+            yield ".".join(p for p in rel.parts if p != "__init__"), path
+
+
+def test_the_folder_is_the_import_path() -> None:
+    """No portion claims the namespace, and each role's package sits in its own root."""
+    for root in NAMESPACE_ROOTS:
+        assert not (root / "refitplane" / "__init__.py").exists(), root
+    for role in ROLES:
+        assert (ROOT / "services" / role / "refitplane" / role / "__init__.py").is_file(), role
+        strays = [p for p in (ROOT / "services" / role / "refitplane").iterdir() if p.name != role]
+        assert not strays, f"services/{role} contributes more than refitplane.{role}: {strays}"
 
 
 def _imports() -> list[Import]:
@@ -101,6 +113,7 @@ def _imports() -> list[Import]:
 
 
 def layer(module: str) -> str:
+    """refitplane.<layer>...; "" for the bare namespace (which holds nothing to import)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 
@@ -116,7 +129,7 @@ def test_the_scan_sees_the_roles_and_their_vocabulary(imports):
     assert ("refitplane.coordinator.core.driver", "refitplane.protocol") in seen
     assert ("refitplane.agent.session", "refitplane.protocol") in seen
     assert ("refitplane.client.sync", "refitplane.protocol.convert") in seen
-    assert {layer(i.module) for i in imports} >= set(ALLOWED) - {"", "errors"} | ON_TOP
+    assert {layer(i.module) for i in imports} >= set(ALLOWED) - {"errors", "version"} | ON_TOP
 
 
 def test_every_layer_imports_only_what_sits_below_it(imports):

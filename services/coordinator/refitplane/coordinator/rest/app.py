@@ -20,13 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-import refitplane
 from refitplane.coordinator.auth import TokenCheck
 from refitplane.coordinator.core.service import MAX_LIST_LIMIT, Coordinator
 from refitplane.coordinator.error_codes import http_status
 from refitplane.coordinator.store.base import MAX_VERSION
 from refitplane.errors import InvalidArgument, RefitError
 from refitplane.protocol.models import Refit, Topology
+from refitplane.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ _MUTATING_ERRORS: dict[int | str, dict[str, Any]] = {
 def create_app(core: Coordinator, tokens: TokenCheck) -> FastAPI:
     app = FastAPI(
         title="refit coordinator",
-        version=refitplane.__version__,
+        version=__version__,
         description="Weight-refit control plane: trigger refits, watch them, read topology. "
         "Control metadata only: tensor bytes never pass through this service.",
     )
