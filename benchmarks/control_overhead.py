@@ -39,8 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+# Run as a script (`python benchmarks/control_overhead.py`): its folder is sys.path[0], so the
+# sibling benchmarks import as top-level modules.
 from control_plane import coordinator, redis_server
 from planner_scale import layer_tensors as deepseek_layer_tensors
 
