@@ -178,7 +178,7 @@ class Demo:
         sidecar_port = free_port()
         sidecar = self._start(
             f"sidecar-{variant}",
-            python("-m", "refitplane.generator.sidecar"),
+            python("-m", "refitplane.generator.sidecar_main"),
             {
                 "REFIT_COORDINATOR": grpc,
                 "REFIT_JOB": job,

@@ -34,7 +34,7 @@ IMAGES = {"coordinator.Dockerfile", "generator.Dockerfile", "trainer.Dockerfile"
 REQUIRED_SCRIPTS = {
     "refit-coordinator": "refitplane.coordinator.__main__:main",
     "refitctl": "refitplane.cli.refitctl:main",
-    "refit-sidecar": "refitplane.generator.sidecar:main",
+    "refit-sidecar": "refitplane.generator.sidecar_main:main",
 }
 # Programs the base images provide.
 BASE_IMAGE_PROGRAMS = {"vllm", "python", "python3", "torchrun"}

@@ -127,7 +127,7 @@ def test_wheels_declare_the_commands_and_the_vllm_plugin(
     if role == "coordinator":
         assert scripts == {"refit-coordinator": "refitplane.coordinator.__main__:main"}
     if role == "generator":
-        assert scripts == {"refit-sidecar": "refitplane.generator.sidecar:main"}
+        assert scripts == {"refit-sidecar": "refitplane.generator.sidecar_main:main"}
         assert dict(service["vllm.general_plugins"]) == vllm_plugins()
     if role == "trainer":
         assert not scripts

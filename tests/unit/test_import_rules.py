@@ -4,7 +4,8 @@
                refitctl (.cli)
     runtimes   refitplane.agent (agent session, data-plane member), refitplane.client
     vocabulary refitplane.protocol (enums, messages, models, the proto converters, channels)
-    core       refitplane.reshard (layouts, plans, executor), refitplane.models, errors, stubs
+    core       refitplane.reshard (layouts, plans, executor), refitplane.models, errors, stubs,
+               lifecycle (signals, start-up failures and exit statuses of every command)
 
 On top, the demo and the harness benchmarks run (`refitplane.demo`, `refitplane.testing`) may
 compose anything; nothing below them imports them (the CLI starts the demo). Every import
@@ -24,19 +25,20 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("coordinator", "trainer", "generator")
-CORE = frozenset({"errors", "version", "_generated", "reshard", "models"})
+CORE = frozenset({"errors", "version", "lifecycle", "_generated", "reshard", "models"})
 VOCABULARY = frozenset({"errors", "_generated", "reshard", "protocol"})
 
 # Layer → the layers it may import (besides itself).
 ALLOWED: dict[str, frozenset[str]] = {
     "errors": frozenset(),
     "version": frozenset(),
+    "lifecycle": frozenset(),
     "reshard": frozenset({"errors"}),
     "models": frozenset({"errors", "reshard"}),
     "protocol": frozenset({"errors", "_generated", "reshard"}),
     "agent": VOCABULARY,
     "client": VOCABULARY - {"reshard"},
-    "coordinator": VOCABULARY | {"version"},
+    "coordinator": VOCABULARY | {"version", "lifecycle"},
     # Trainer ranks trigger refits themselves (`TrainerAgent.refit`) and the sidecar watches
     # topology and refits: both through the public client API.
     "trainer": CORE | VOCABULARY | {"agent", "client"},
@@ -129,7 +131,11 @@ def test_the_scan_sees_the_roles_and_their_vocabulary(imports):
     assert ("refitplane.coordinator.core.driver", "refitplane.protocol") in seen
     assert ("refitplane.agent.session", "refitplane.protocol") in seen
     assert ("refitplane.client.sync", "refitplane.protocol.convert") in seen
-    assert {layer(i.module) for i in imports} >= set(ALLOWED) - {"errors", "version"} | ON_TOP
+    assert {layer(i.module) for i in imports} >= set(ALLOWED) - {
+        "errors",
+        "version",
+        "lifecycle",
+    } | ON_TOP
 
 
 def test_every_layer_imports_only_what_sits_below_it(imports):

@@ -21,6 +21,7 @@ from cryptography.x509.oid import NameOID
 
 from refitplane.errors import Unauthenticated
 from refitplane.protocol import RefitState
+from tests.support.processes import run_to_end
 
 pytestmark = pytest.mark.integration
 
@@ -84,15 +85,8 @@ def test_invalid_configuration_exits_with_a_message(tmp_path):
     env |= {"REFIT_BUCKET_BYTES": "1024", "REFIT_MAX_INFLIGHT_BYTES": "10", "PYTHONPATH": ""}
     from tests.integration.conftest import COORDINATOR_MODULE
 
-    result = subprocess.run(
-        [sys.executable, *COORDINATOR_MODULE, "--env-file", str(tmp_path / "none")],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    argv = [sys.executable, *COORDINATOR_MODULE, "--env-file", str(tmp_path / "none")]
+    result = run_to_end(argv, env=env, cwd=tmp_path)
     assert result.returncode == 2
     assert "REFIT_MAX_INFLIGHT_BYTES" in result.stderr
 

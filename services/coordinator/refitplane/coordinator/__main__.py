@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +19,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from refitplane.errors import RefitError
+from refitplane.lifecycle import (
+    EXIT_BAD_CONFIGURATION,
+    EXIT_STOPPED,
+    STOP_SIGNALS,
+    StartupError,
+    announce_signal,
+    fail_startup,
+)
+from refitplane.version import __version__
+
 log = logging.getLogger("refitplane.coordinator")
+
+# A start-up cut short by a signal closes what it opened within this.
+STOP_WHILE_STARTING_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Weight-refit coordinator: gRPC (agents, orchestrators) and REST in one "
         "process. Every flag can also be set as a REFIT_* environment variable.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--grpc-host", help="REFIT_GRPC_HOST (default 0.0.0.0)")
     p.add_argument("--grpc-port", type=int, help="REFIT_GRPC_PORT (default 50051; 0: any free)")
     p.add_argument("--http-host", help="REFIT_HTTP_HOST (default 0.0.0.0)")
@@ -53,10 +68,25 @@ async def _serve(settings: Any, port_file: Path | None) -> None:
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, announce_signal, log, sig, stop.set)
     server = CoordinatorServer(settings)
-    await server.start()
+    # A signal during start-up (say, while the store is slow to answer) stops it too.
+    starting = asyncio.create_task(server.start(), name="start")
+    stopping = asyncio.create_task(stop.wait(), name="stop")
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await asyncio.wait_for(server.stop(graceful=False), STOP_WHILE_STARTING_S)
+        return
+    stopping.cancel()
+    try:
+        starting.result()
+    except BaseException:
+        await asyncio.wait_for(server.stop(graceful=False), STOP_WHILE_STARTING_S)
+        raise
     # Everything allocated so far lives as long as the process: keep it out of the
     # collector's full passes, which would otherwise add milliseconds to refit latency.
     gc.freeze()
@@ -65,12 +95,13 @@ async def _serve(settings: Any, port_file: Path | None) -> None:
         tmp.write_text(json.dumps({"grpc_port": server.grpc_port, "http_port": server.http_port}))
         tmp.replace(port_file)
     await stop.wait()
-    log.info("signal received: stopping gracefully")
+    log.info("stopping gracefully")
     await server.stop(graceful=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    prog = "refit-coordinator"
     # Heavy imports after argument parsing keep --help fast.
     from refitplane.coordinator import logs
     from refitplane.coordinator.settings import Settings
@@ -78,15 +109,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings(_env_file=args.env_file or ".env", **_overrides(args))  # type: ignore[call-arg]
     except ValidationError as exc:
-        print(f"refit-coordinator: invalid configuration:\n{exc}", file=sys.stderr)
-        return 2
+        print(f"{prog}: invalid configuration:\n{exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIGURATION
     logs.configure(settings.log_level, json_lines=settings.log_json)
     try:
         asyncio.run(_serve(settings, args.port_file))
-    except (OSError, ValueError):
-        log.exception("cannot start")
-        return 1
-    return 0
+    except StartupError as exc:
+        return fail_startup(prog, str(exc))
+    except RefitError as exc:  # e.g. the state store is unreachable
+        return fail_startup(prog, exc.message)
+    except (OSError, ValueError) as exc:  # an unreadable TLS or token file, ...
+        return fail_startup(prog, f"{type(exc).__name__}: {exc}")
+    log.info("stopped")
+    return EXIT_STOPPED
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from refitplane.coordinator.grpc.server import GrpcServer
 from refitplane.coordinator.rest.app import create_app
 from refitplane.coordinator.settings import Settings
 from refitplane.coordinator.store import open_store
+from refitplane.errors import Unavailable
+from refitplane.lifecycle import StartupError, bind_failure, check_port_free
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +57,34 @@ class CoordinatorServer:
         self._http_task: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.http_port = 0
+        self._serving = False
 
     async def start(self) -> None:
+        """Raises StartupError (one line naming what and where) for a port in use or an
+        unreachable store."""
         s = self.settings
-        await self.core.start()
-        self.grpc_port = self._grpc.bind(s.grpc_host, s.grpc_port)
+        grpc_flag, http_flag = "--grpc-port / REFIT_GRPC_PORT", "--http-port / REFIT_HTTP_PORT"
+        check_port_free("gRPC", s.grpc_host, s.grpc_port, grpc_flag)
+        check_port_free("HTTP", s.http_host, s.http_port, http_flag)
+        try:
+            await self.core.start()
+        except Unavailable as exc:
+            raise StartupError(
+                f"{exc.message} at {s.redacted_redis_url()}; check --redis-url / REFIT_REDIS_URL"
+            ) from None
+        try:
+            self.grpc_port = self._grpc.bind(s.grpc_host, s.grpc_port)
+        except (OSError, RuntimeError) as exc:
+            raise StartupError(
+                f"cannot listen for gRPC on {s.grpc_host}:{s.grpc_port}: {exc}"
+            ) from None
         await self._grpc.start()
-        sock = _bind_http(s.http_host, s.http_port)
+        try:
+            sock = _bind_http(s.http_host, s.http_port)
+        except OSError as exc:
+            raise StartupError(
+                bind_failure("HTTP", s.http_host, s.http_port, http_flag, exc)
+            ) from None
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
             create_app(self.core, self._tokens),
@@ -92,6 +115,7 @@ class CoordinatorServer:
             "on" if self._tokens.enabled else "off",
             "on" if s.tls else "off",
         )
+        self._serving = True
 
     async def stop(self, *, graceful: bool = True) -> None:
         """Graceful: refits in flight fail now and their participants get AbortRefit before
@@ -111,4 +135,6 @@ class CoordinatorServer:
                 log.warning("HTTP server did not stop in time")
                 self._http_task.cancel()
         await self.core.close()
-        log.info("coordinator stopped")
+        if self._serving:
+            log.info("coordinator stopped")
+        self._serving = False

@@ -26,18 +26,14 @@ executor's ring), read from the engines' status after every refit (vLLM's dev-mo
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
@@ -47,8 +43,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from refitplane.agent.handler import NullHandler
 from refitplane.agent.session import AgentSession
 from refitplane.client.sync import RefitClient
-from refitplane.errors import FailedPrecondition, RefitError, TransferError, Unavailable
+from refitplane.errors import FailedPrecondition, TransferError, Unavailable
 from refitplane.generator.vllm_contract import ENGINE_ATTR
+from refitplane.lifecycle import StartupError, bind_failure
 from refitplane.protocol import RefitState, Role
 from refitplane.protocol.messages import (
     AbortRefitCmd,
@@ -72,9 +69,10 @@ class SidecarSettings(BaseSettings):
     job: str
     replica_id: str
     vllm_url: str = "http://127.0.0.1:8000"
-    pause_mode: str = "keep"
+    # vLLM's /pause?mode= (the coordinator's REFIT_PAUSE_MODE can override it per refit).
+    pause_mode: Literal["keep", "wait", "abort"] = "keep"
     # The workers' receive mode (init_info.mode): auto, layerwise or staged (vllm_staging).
-    receive_mode: str = "auto"
+    receive_mode: Literal["auto", "layerwise", "staged"] = "auto"
     auth_token: str = ""
     auth_token_file: str = ""
     tls_ca_file: str = ""
@@ -549,14 +547,23 @@ class Sidecar:
     def ready(self) -> bool:
         return self.alive and not self.member.state.degraded and self.control.healthy()
 
-    def start(self) -> None:
+    def listen(self) -> None:
+        """Serve /healthz, /readyz, /status and /metrics; StartupError if the port is taken."""
+        if self._http is not None:
+            return
         handler = type("Health", (_HealthHandler,), {"sidecar": self})
-        self._http = ThreadingHTTPServer(
-            (self.settings.sidecar_host, self.settings.sidecar_port), handler
-        )
+        host, port = self.settings.sidecar_host, self.settings.sidecar_port
+        try:
+            self._http = ThreadingHTTPServer((host, port), handler)
+        except OSError as exc:
+            flag = "--sidecar-port / REFIT_SIDECAR_PORT"
+            raise StartupError(bind_failure("health checks", host, port, flag, exc)) from None
         threading.Thread(
             target=self._http.serve_forever, name="sidecar-health", daemon=True
         ).start()
+
+    def start(self) -> None:
+        self.listen()
         log.info("waiting for vLLM at %s", self.settings.vllm_url)
         self.control.wait_healthy(self.settings.vllm_start_timeout_s)
         self.session.start()
@@ -587,37 +594,3 @@ class Sidecar:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="refit-sidecar", description=__doc__.splitlines()[0])
-    for flag in ("coordinator", "job", "replica-id", "vllm-url", "pause-mode", "sidecar-port"):
-        parser.add_argument(f"--{flag}", help=f"overrides REFIT_{flag.upper().replace('-', '_')}")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("REFIT_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
-    try:
-        settings = SidecarSettings(**overrides)
-    except ValueError as exc:  # pydantic's ValidationError names the missing fields
-        print(f"refit-sidecar: bad configuration: {exc}", file=sys.stderr)
-        return 2
-    sidecar = Sidecar(settings)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        sidecar.start()
-        stop.wait()
-        return 0
-    except RefitError as exc:
-        log.error("%s", exc.message)
-        return 1
-    finally:
-        sidecar.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

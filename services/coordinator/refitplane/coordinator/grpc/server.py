@@ -32,6 +32,9 @@ _OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # gRPC's default (SO_REUSEPORT) lets a second coordinator listen on the same port, each
+    # with its own state; refuse instead.
+    ("grpc.so_reuseport", 0),
 )
 
 

@@ -1,0 +1,72 @@
+"""`refit-coordinator` refuses to start with one line naming what and where: a gRPC or HTTP
+port another coordinator listens on (gRPC's SO_REUSEPORT default would let both listen),
+an unreachable Redis (named by its URL, password redacted)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from refitplane.demo.processes import free_port
+from refitplane.version import __version__
+from tests.integration.conftest import COORDINATOR_MODULE
+from tests.support.processes import run_to_end
+
+pytestmark = pytest.mark.integration
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REFIT_")}
+    env |= {"REFIT_GRPC_HOST": "127.0.0.1", "REFIT_HTTP_HOST": "127.0.0.1"}
+    argv = [sys.executable, *COORDINATOR_MODULE, "--env-file", str(tmp_path / "no.env"), *args]
+    return run_to_end(argv, env=env, cwd=tmp_path)
+
+
+def _one_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("refit-coordinator: cannot start: ")
+    return lines[0]
+
+
+def test_grpc_port_in_use_is_refused(coordinator_process, tmp_path):
+    first = coordinator_process()
+    result = _run(tmp_path, "--grpc-port", str(first.grpc_port), "--http-port", "0")
+    assert result.returncode == 1
+    line = _one_line(result)
+    assert f"gRPC on 127.0.0.1:{first.grpc_port}: address already in use" in line
+    assert "--grpc-port / REFIT_GRPC_PORT" in line
+    with httpx.Client(base_url=first.http_url, timeout=5) as http:
+        assert http.get("/readyz").status_code == 200
+    assert first.terminate() == 0
+
+
+def test_http_port_in_use_is_refused(coordinator_process, tmp_path):
+    first = coordinator_process()
+    result = _run(tmp_path, "--grpc-port", "0", "--http-port", str(first.http_port))
+    assert result.returncode == 1
+    line = _one_line(result)
+    assert f"HTTP on 127.0.0.1:{first.http_port}: address already in use" in line
+    assert "--http-port / REFIT_HTTP_PORT" in line
+
+
+def test_unreachable_redis_names_the_url_not_the_password(tmp_path):
+    port = free_port()  # nothing listens there
+    url = f"redis://:hunter2@127.0.0.1:{port}/0"
+    result = _run(tmp_path, "--grpc-port", "0", "--http-port", "0", "--redis-url", url)
+    assert result.returncode == 1
+    line = _one_line(result)
+    assert f"redis://***@127.0.0.1:{port}/0" in line
+    assert "--redis-url / REFIT_REDIS_URL" in line
+    assert "hunter2" not in result.stderr + result.stdout
+
+
+def test_version(tmp_path):
+    result = _run(tmp_path, "--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"refit-coordinator {__version__}"

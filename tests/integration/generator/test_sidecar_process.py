@@ -1,0 +1,93 @@
+"""`refit-sidecar` as a real process: SIGTERM / SIGINT stop it within seconds while it waits
+for a vLLM that never becomes healthy (it used to wait out REFIT_VLLM_START_TIMEOUT_S, 900 s
+by default, ignoring both), a health port in use is one line, a bad flag is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from refitplane.demo.processes import free_port
+from refitplane.version import __version__
+from tests.support.processes import run_to_end
+
+pytestmark = pytest.mark.integration
+
+SIDECAR_MODULE = ("-m", "refitplane.generator.sidecar_main")
+# The property is "within 5 s"; the margin absorbs a loaded 2-core machine.
+STOP_BOUND_S = 5.0
+MARGIN_S = 10.0
+
+
+def _command(*extra: str) -> list[str]:
+    return [
+        sys.executable, *SIDECAR_MODULE,
+        "--coordinator", f"127.0.0.1:{free_port()}",  # nothing listens: never reached
+        "--job", "job", "--replica-id", "a",
+        "--vllm-url", f"http://127.0.0.1:{free_port()}",  # never healthy
+        *extra,
+    ]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REFIT_")}
+    return env | {"REFIT_SIDECAR_HOST": "127.0.0.1"}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_it_while_waiting_for_vllm(tmp_path: Path, signum: signal.Signals):
+    log_path = tmp_path / "sidecar.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            _command("--sidecar-port", "0"), env=_env(), cwd=tmp_path, stdout=log, stderr=log
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting for vLLM" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the sidecar never started waiting for vLLM"
+            time.sleep(0.05)
+        time.sleep(1.0)  # well inside the wait loop
+        signalled = time.monotonic()
+        proc.send_signal(signum)
+        code = proc.wait(timeout=STOP_BOUND_S + MARGIN_S)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert code == 0, text
+    assert f"{signum.name} received: stopping" in text
+    assert "stopped" in text
+    print(f"stopped {took:.2f} s after {signum.name}")
+
+
+def test_health_port_in_use_is_one_line(tmp_path: Path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_to_end(_command("--sidecar-port", str(port)), env=_env(), cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"refit-sidecar: cannot start: cannot listen for health checks on 127.0.0.1:{port}: "
+        "address already in use (is another instance running?); choose another with "
+        "--sidecar-port / REFIT_SIDECAR_PORT"
+    ]
+
+
+def test_bad_pause_mode_and_version(tmp_path: Path):
+    result = run_to_end(_command("--pause-mode", "bogus"), env=_env(), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "pause_mode" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = run_to_end([sys.executable, *SIDECAR_MODULE, "--version"])
+    assert result.stdout.strip() == f"refit-sidecar {__version__}"
