@@ -1,20 +1,30 @@
-"""The in-memory state of the refit being driven: who takes part, what each reported, and
-the one wait primitive every phase uses (bounded, and cut short by any failure)."""
+"""The in-memory state of the refit being driven: who takes part (`Cast`, fixed once it is
+planned), what each reported, its progress totals, and the one wait primitive every phase
+uses (bounded, and cut short by any failure).
+
+Only the job's driver writes a `RefitRun`; cancel and reports only signal it. State that
+other machines own lives with them: the group epoch being formed in `groups`, the rank plans
+sent and resent in `plan_delivery`, the delta base chosen in `delta` (a frozen choice)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+from refitplane.coordinator.core.delta import NO_DELTA, DeltaChoice
 from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
+from refitplane.coordinator.core.membership import Membership
+from refitplane.coordinator.core.planning import ReplicaMembers
 from refitplane.coordinator.core.records import MemberRecord, RefitRecord
 from refitplane.coordinator.core.waits import wait_event
 from refitplane.protocol import RefitState, Role
 from refitplane.protocol import messages as msg
 from refitplane.protocol.models import RankProgress
-from refitplane.reshard.plan import RankPlan
+
+# Progress is persisted at most this often (watchers see every change in memory).
+FLUSH_INTERVAL_S = 0.5
 
 
 @dataclass
@@ -28,29 +38,55 @@ class Participant:
         return self.member.role.is_data_plane
 
 
-@dataclass
-class RefitRun:
-    record: RefitRecord
+@dataclass(frozen=True)
+class Cast:
+    """Who a refit involves, decided when it is planned and not changed after."""
+
     participants: dict[str, Participant] = field(default_factory=dict)
     # Everyone this refit involves (participants and the group's other members), for messages
     members: dict[str, MemberRecord] = field(default_factory=dict)
     # replica id → the member ids of its data-plane ranks / its sidecar
     replica_ranks: dict[str, list[str]] = field(default_factory=dict)
     replica_sidecar: dict[str, str] = field(default_factory=dict)
-    # Group formation of this refit (0: none in progress)
-    forming_epoch: int = 0
-    forming_members: list[str] = field(default_factory=list)
-    rendezvous: bytes | None = None
-    joined: set[str] = field(default_factory=set)
-    # PrepareRefit of data-plane participants: each one's rank plan (sent again, with its
-    # body, to a member that reports PlanMissing), the group epoch it runs in, and how many
-    # times each member was sent the body again in this refit.
-    rank_plans: dict[str, RankPlan] = field(default_factory=dict)
-    # Delta refits: each data-plane member's peers that exchange a delta, and the base.
-    delta_peers: dict[str, frozenset[int]] = field(default_factory=dict)
-    delta_base_version: int = 0
-    prepare_epoch: int = 0
-    plan_resends: dict[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def of(
+        group: list[MemberRecord], trainers: list[MemberRecord], targets: list[ReplicaMembers]
+    ) -> Cast:
+        """Every trainer rank sends; every rank and the sidecar of each target replica takes
+        part. `group` (every data-plane member, in group-rank order) gives the group ranks."""
+        cast = Cast(members={m.member_id: m for m in group})
+        rank_of = {m.member_id: i for i, m in enumerate(group)}
+        for m in trainers:
+            cast.participants[m.member_id] = Participant(m, rank_of[m.member_id])
+        for rep in targets:
+            cast.replica_ranks[rep.replica_id] = [m.member_id for m in rep.ordered()]
+            for m in rep.ordered():
+                cast.participants[m.member_id] = Participant(m, rank_of[m.member_id])
+            if rep.sidecar is not None:
+                cast.participants[rep.sidecar.member_id] = Participant(rep.sidecar, -1)
+                cast.members[rep.sidecar.member_id] = rep.sidecar
+                cast.replica_sidecar[rep.replica_id] = rep.sidecar.member_id
+        return cast
+
+    def data_members(self) -> list[str]:
+        return [i for i, p in self.participants.items() if p.data_plane]
+
+    def receives_staged(self, replica: str) -> bool:
+        """Every rank of `replica` receives into staging (label receive_mode=staged): its
+        live weights do not change until the reload, which reports."""
+        ranks = self.replica_ranks.get(replica, [])
+        return bool(ranks) and all(
+            (m := self.members.get(mid)) is not None and m.labels.get("receive_mode") == "staged"
+            for mid in ranks
+        )
+
+
+@dataclass
+class RefitRun:
+    record: RefitRecord
+    cast: Cast = field(default_factory=Cast)
+    delta: DeltaChoice = NO_DELTA
     # Reports
     prepared: set[str] = field(default_factory=set)
     done: dict[str, msg.TransferDone] = field(default_factory=dict)
@@ -58,22 +94,26 @@ class RefitRun:
     weights_modified: set[str] = field(default_factory=set)
     # PrepareRefit went out: participants hold state for this refit and need an abort.
     commands_sent: bool = False
-    # StartTransfer went out: target replicas' weights may change from here on.
-    transfer_started: bool = False
     failure: RefitFailed | None = None
     cancelled: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
-    dirty: bool = False
-    last_flush: float = 0.0
+    # The record changed since it was last written, and when that was (monotonic)
+    _dirty: bool = False
+    _last_flush: float = 0.0
     # Totals over generator ranks (bytes received, tensors verified / received)
-    received: int = 0
-    verified: int = 0
-    tensors: int = 0
+    _received: int = 0
+    _verified: int = 0
+    _tensors: int = 0
 
     @property
     def refit_id(self) -> str:
         return self.record.refit_id
+
+    @property
+    def transfer_started(self) -> bool:
+        """StartTransfer went out: target replicas' weights may change from here on."""
+        return self.record.state in (RefitState.TRANSFERRING, RefitState.VERIFYING)
 
     def touch(self) -> None:
         self.changed.set()
@@ -88,19 +128,69 @@ class RefitRun:
         self.cancelled = True
         self.fail(Reason.CANCELLED, "cancelled by request")
 
-    def data_members(self) -> list[str]:
-        return [i for i, p in self.participants.items() if p.data_plane]
-
     def describe(self, member_ids: list[str]) -> str:
-        return list_some(
-            [self.members[i].describe() if i in self.members else i for i in member_ids]
-        )
+        members = self.cast.members
+        return list_some([members[i].describe() if i in members else i for i in member_ids])
 
-    def replica_of(self, member_id: str) -> str:
-        p = self.participants.get(member_id)
-        return p.member.replica_id if p is not None and p.member.role is not Role.TRAINER else ""
+    def check_alive(self, membership: Membership, member_ids: Iterable[str]) -> None:
+        """Members may have left while the plan was built; fail now rather than time out."""
+        for member_id in member_ids:
+            member = membership.find(member_id)
+            if member is None:
+                who = self.describe([member_id])
+                raise RefitFailed(Reason.MEMBER_LEFT, f"{who} is no longer registered")
+            if not member.alive:
+                raise RefitFailed(Reason.LEASE_EXPIRED, f"{member.describe()}: lease expired")
 
-    # --- progress ----------------------------------------------------------------------
+    def newly_settled(self) -> list[str]:
+        """Target replicas not yet done that now hold the new version: a sidecar's replica
+        once it reported the version, any other once every rank finished and verified all it
+        received. Raises on a replica that cannot get there."""
+        version = self.record.version
+        cast = self.cast
+        newly: list[str] = []
+        for replica, rank_ids in cast.replica_ranks.items():
+            if replica in self.record.replicas_done:
+                continue
+            updated = self.replica_updated.get(replica)
+            if updated is not None and updated != version:
+                raise RefitFailed(
+                    Reason.VERSION_MISMATCH,
+                    f"replica {replica!r} reported version {updated}, the refit is {version}",
+                )
+            if replica in cast.replica_sidecar:
+                if updated == version:
+                    newly.append(replica)
+                continue
+            if not all(i in self.done for i in rank_ids):
+                continue
+            short = [
+                i for i in rank_ids if self.done[i].tensors_verified < self.done[i].tensors_total
+            ]
+            if short:
+                raise RefitFailed(
+                    Reason.VERIFY_FAILED,
+                    f"replica {replica!r}: {self.describe(short)} verified fewer tensors than "
+                    "they received",
+                )
+            newly.append(replica)
+        return newly
+
+    # --- the record ----------------------------------------------------------------------
+
+    def update(self, **changes: object) -> None:
+        """Change the record in memory; `flush_due` says when to write it."""
+        self.record = self.record.model_copy(update=changes)
+        self._dirty = True
+
+    def written(self, record: RefitRecord) -> None:
+        """`record` was just written to the store; it is the run's record now."""
+        self.record = record
+        self._dirty = False
+        self._last_flush = time.monotonic()
+
+    def flush_due(self) -> bool:
+        return self._dirty and time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S
 
     def set_progress(
         self,
@@ -127,20 +217,19 @@ class RefitRun:
             # Running totals over receivers, moved by this member's change only (a refit with
             # n ranks gets O(n) reports; re-summing every rank each time would be O(n²)).
             new = ranks[member_id]
-            self.received += new.bytes_received - old.bytes_received
-            self.verified += new.tensors_verified - old.tensors_verified
-            self.tensors += new.tensors_total - old.tensors_total
+            self._received += new.bytes_received - old.bytes_received
+            self._verified += new.tensors_verified - old.tensors_verified
+            self._tensors += new.tensors_total - old.tensors_total
             update |= {
-                "bytes_done": min(self.record.bytes_total or 1 << 62, self.received),
-                "tensors_verified": self.verified,
-                "tensors_total": self.tensors,
+                "bytes_done": min(self.record.bytes_total or 1 << 62, self._received),
+                "tensors_verified": self._verified,
+                "tensors_total": self._tensors,
             }
-        self.record = self.record.model_copy(update=update)
-        self.dirty = True
+        self.update(**update)
         self.touch()
 
     def _receives(self, member_id: str) -> bool:
-        p = self.participants.get(member_id)
+        p = self.cast.participants.get(member_id)
         return p is not None and p.member.role is Role.GENERATOR
 
     # --- waiting -----------------------------------------------------------------------

@@ -10,21 +10,21 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from refitplane.coordinator.core.driver import DriverContext, JobDriver
+from refitplane.coordinator.core.context import DriverContext
+from refitplane.coordinator.core.driver import JobDriver
 from refitplane.coordinator.core.events import RefitEvents
-from refitplane.coordinator.core.failures import RefitFailed
 from refitplane.coordinator.core.membership import Departure, Membership
 from refitplane.coordinator.core.metrics import Metrics
 from refitplane.coordinator.core.outbox import Outbox
-from refitplane.coordinator.core.planning import LayoutCache, PlanCache, Roster
+from refitplane.coordinator.core.planning import LayoutCache, PlanCache
 from refitplane.coordinator.core.ratelimit import TriggerRateLimiter
 from refitplane.coordinator.core.records import (
-    GroupState,
     MemberRecord,
     RefitRecord,
     TriggerOutcome,
     TriggerRequest,
 )
+from refitplane.coordinator.core.topology import DriverView, JobSnapshot, job_topology
 from refitplane.coordinator.core.validation import (
     check_idempotency_key,
     check_member_id,
@@ -43,9 +43,9 @@ from refitplane.errors import (
     NotFound,
     RateLimited,
 )
-from refitplane.protocol import MemberState, RefitState, Role
+from refitplane.protocol import RefitState
 from refitplane.protocol import messages as msg
-from refitplane.protocol.models import Member, Refit, Replica, Topology
+from refitplane.protocol.models import Refit, Topology
 from refitplane.reshard.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -306,88 +306,5 @@ class Coordinator:
                 raise NotFound(f"job {job!r} is unknown", field="job")
             return Topology(job=job)
         record = await self.store.load_job(job)
-        group = driver.group if driver is not None else record.group
-        replicas = driver.replicas if driver is not None else record.replicas
-        run = driver.current if driver is not None else None
-        busy = set(run.participants) if run is not None else set()
-        degraded = {r for r, rec in replicas.items() if rec.degraded}
-        in_group = group.state in (GroupState.READY, GroupState.FORMING)
-
-        def state_of(m: MemberRecord) -> MemberState:
-            if not m.alive:
-                return MemberState.LOST
-            if m.role is not Role.TRAINER and m.replica_id in degraded:
-                return MemberState.DEGRADED
-            if m.member_id in busy:
-                return MemberState.BUSY
-            return m.state
-
-        views = [
-            Member(
-                member_id=m.member_id,
-                job=m.job,
-                role=m.role,
-                replica_id=m.replica_id,
-                rank=m.rank,
-                world_size=m.world_size,
-                host=m.host,
-                device=m.device,
-                state=state_of(m),
-                group_rank=group.rank_of(m.member_id) if in_group else -1,
-                layout_digest=m.layout_digest,
-                version=m.version,
-                lease_expires_unix=m.lease_expires_unix,
-                labels=dict(m.labels),
-            )
-            for m in sorted(members, key=lambda m: (m.role.value, m.replica_id, m.rank))
-        ]
-        roster = Roster.of(members)
-        replica_views = []
-        for rid in sorted({m.replica_id for m in members if m.role is not Role.TRAINER}):
-            rep = roster.replicas.get(rid)
-            all_of = [m for m in members if m.replica_id == rid and m.role is not Role.TRAINER]
-            data = [m for m in all_of if m.role is Role.GENERATOR and m.alive]
-            version = min((m.version for m in data), default=0)
-            if rid in degraded:
-                state = MemberState.DEGRADED
-            elif rep is None or rep.problem() is not None or any(not m.alive for m in all_of):
-                state = (
-                    MemberState.LOST if any(not m.alive for m in all_of) else MemberState.JOINING
-                )
-            elif any(m.member_id in busy for m in all_of):
-                state = MemberState.BUSY
-            else:
-                state = MemberState.READY
-            replica_views.append(
-                Replica(
-                    replica_id=rid,
-                    version=version,
-                    state=state,
-                    world_size=rep.world_size if rep is not None else 0,
-                    member_ids=[m.member_id for m in all_of],
-                )
-            )
-        trainers_ok = True
-        try:
-            roster.check_trainers()
-        except RefitFailed:
-            trainers_ok = False
-        healthy = (
-            trainers_ok
-            and any(r.state in (MemberState.READY, MemberState.BUSY) for r in replica_views)
-            and all(v.state is not MemberState.LOST for v in views)
-            and not degraded
-            and group.state is not GroupState.POISONED
-        )
-        return Topology(
-            job=job,
-            members=views,
-            replicas=replica_views,
-            group_epoch=group.epoch,
-            group_size=group.size if in_group else 0,
-            backend=group.backend,
-            committed_version=record.committed_version,
-            source_layout_digest=driver.source_digest if driver is not None else "",
-            target_layout_digest=driver.target_digest if driver is not None else "",
-            healthy=healthy,
-        )
+        view = driver.view() if driver is not None else DriverView(record.group, record.replicas)
+        return job_topology(JobSnapshot(job, members, record.committed_version, view))
