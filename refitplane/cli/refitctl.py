@@ -2,17 +2,24 @@
 
 Each subcommand lives in its own module under `refitplane.cli` and exposes
 `register(subparsers)`; heavy imports happen inside the handlers so `refitctl --help`
-stays fast.
+stays fast. Failures go to stderr as one line (JSON with `--json`) and exit with a status
+by class (`refitplane.cli.exits`); SIGTERM stops a command like ^C.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import NoReturn
 
+from refitplane.cli.exits import EXIT_INTERRUPTED, UsageError, report
 from refitplane.errors import RefitError
+from refitplane.version import __version__
 
 # Modules that contribute subcommands, in help order.
 SUBCOMMAND_MODULES = (
@@ -24,10 +31,19 @@ SUBCOMMAND_MODULES = (
 Handler = Callable[[argparse.Namespace], int]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors become UsageError (reported like every other failure, JSON included)
+    instead of argparse's own exit 2; subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="refitctl", description="Weight-refit control plane: plan, trigger and watch refits."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
         try:
@@ -40,17 +56,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    handler: Handler = args.handler
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in args_in
+    # SIGTERM like ^C: the demo's `finally` stops its child processes, a watch ends.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main else None
     try:
+        args = build_parser().parse_args(args_in)
+        handler: Handler = args.handler
         return handler(args)
     except RefitError as exc:
-        print(f"error ({exc.reason}): {exc.message}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        return report(exc, as_json=as_json)
+    except KeyboardInterrupt as exc:
+        print(f"refitctl: interrupted ({exc.args[0] if exc.args else 'SIGINT'})", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

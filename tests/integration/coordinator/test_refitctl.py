@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from refitplane.agent.simulated import Behaviour
+from refitplane.cli.exits import EXIT_NOT_FOUND, EXIT_REJECTED
 from refitplane.cli.refit_cmds import progress_line, table
 from refitplane.cli.refitctl import main
 from refitplane.protocol import RefitState
@@ -64,12 +65,25 @@ def test_failed_refit_exits_nonzero_and_errors_are_reported(cli_env, capsys):
     assert main(["trigger", "--watch"]) == 1
     out, _ = capsys.readouterr()
     assert "reason    PEER_FAILED" in out
-    assert main(["status", "no-such-refit"]) == 2
+    assert main(["status", "no-such-refit"]) == EXIT_NOT_FOUND
     _, err = capsys.readouterr()
     assert "error (NOT_FOUND)" in err
-    assert main(["trigger", "--version", "1"]) == 2
+    assert main(["trigger", "--version", "1"]) == EXIT_REJECTED
     _, err = capsys.readouterr()
     assert "FAILED_PRECONDITION" in err
+
+
+def test_an_unknown_job_is_not_found_for_list_as_for_topology(cli_env, capsys):
+    for command in ("list", "topology"):
+        assert main([command, "--job", "nosuchjob", "--json"]) == EXIT_NOT_FOUND
+        out, err = capsys.readouterr()
+        assert out == ""
+        doc = json.loads(err)["error"]
+        assert (doc["reason"], doc["field"]) == ("NOT_FOUND", "job")
+        assert "nosuchjob" in doc["message"]
+    # A known job without refits yet lists nothing, successfully.
+    assert main(["list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
 
 
 def test_cancel(cli_env, capsys):

@@ -103,6 +103,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         self.replica = ""
         self._registered_as: tuple[str, ...] = ()
         self._parse_problem = ""
+        # What was wrong with the update_info vLLM's worker parsed last (for receive_weights).
+        self._update_problem = ""
         # The update session vLLM opened (start) and will close (finish).
         self._session_open = False
         self._updates: list[UpdateRecord] = []
@@ -124,8 +126,11 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> EngineUpdateInfo:
         info, problems = parse_update_info(update_dict)
+        # vLLM calls receive_weights with what this returns: refuse there, as the HTTP path
+        # (the API guard) refuses with a 400, instead of receiving with a field ignored.
+        self._update_problem = "; ".join(str(p) for p in problems)
         if problems:
-            log.error("refitplane: bad update_info: %s", "; ".join(str(p) for p in problems))
+            log.error("refitplane: bad update_info: %s", self._update_problem)
         return EngineUpdateInfo(**dataclasses.asdict(info))
 
     # -- the status channel -------------------------------------------------------------------
@@ -297,6 +302,11 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
 
     def receive_weights(self, update_info: EngineUpdateInfo, *args: Any, **kwargs: Any) -> None:
         refit_id = update_info.refit_id
+        problem, self._update_problem = self._update_problem, ""
+        if problem:
+            message = f"bad {problem}"
+            self._record(update_info, ok=False, reason="INVALID_ARGUMENT", message=message)
+            return
         if update_info.action == "discard":
             self._discard(f"refit {refit_id or '?'} discarded by the caller")
             self._record(update_info, ok=True)

@@ -243,7 +243,18 @@ class Coordinator:
         if limit < 1 or limit > MAX_LIST_LIMIT:
             raise InvalidArgument(f"limit must be 1..{MAX_LIST_LIMIT}", field="limit")
         records = await self.store.list_refits(job, limit)
+        if not records and not self._known_job(job):
+            # As topology answers: an empty list would hide a misspelt job name.
+            raise NotFound(f"job {job!r} is unknown", field="job")
         return [self._live(r).view() for r in records]
+
+    def _known_job(self, job: str) -> bool:
+        """A job with members, a driver (it has refits) or named in REFIT_ALLOWED_JOBS."""
+        return (
+            bool(self.membership.of_job(job))
+            or job in self._drivers
+            or job in self.settings.allowed_jobs
+        )
 
     async def cancel(self, refit_id: str) -> Refit:
         record = await self._record(refit_id)
@@ -302,7 +313,7 @@ class Coordinator:
         members = self.membership.of_job(job)
         driver = self._drivers.get(job)
         if not members and driver is None:
-            if job not in self.settings.allowed_jobs:
+            if not self._known_job(job):
                 raise NotFound(f"job {job!r} is unknown", field="job")
             return Topology(job=job)
         record = await self.store.load_job(job)
