@@ -65,6 +65,7 @@ COORDINATOR_ENV = frozenset(
         "REFIT_PAUSE_MODE",
         "REFIT_LOG_LEVEL",
         "REFIT_LOG_JSON",
+        "REFIT_ACCESS_LOG",
     }
 )
 # What agents (trainer ranks, vLLM engine, sidecar) read.

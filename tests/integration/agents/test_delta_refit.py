@@ -159,10 +159,10 @@ def test_delta_refits_move_only_changes_and_end_exact(
                 assert done.bytes_on_wire < done.bytes_total / 5, fraction
         metrics = coordinator.core.metrics.registry
         assert (
-            metrics.get_sample_value("refit_replica_updates_total", {"path": "delta"})
+            metrics.get_sample_value("refit_replica_updates_total", {"path": "DELTA"})
             == 5 * replicas
         )
-        assert metrics.get_sample_value("refit_replica_updates_total", {"path": "full"}) == replicas
+        assert metrics.get_sample_value("refit_replica_updates_total", {"path": "FULL"}) == replicas
         assert metrics.get_sample_value("refit_wire_bytes_total") < metrics.get_sample_value(
             "refit_bytes_total"
         )

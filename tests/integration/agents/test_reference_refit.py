@@ -130,7 +130,7 @@ def test_named_plans_and_a_lost_plan_cache_over_gloo(
         assert final.state == RefitState.COMMITTED, final
         assert final.tensors_verified == final.tensors_total > 0
         metrics = coordinator.core.metrics.registry
-        assert metrics.get_sample_value("refit_rank_plans_total", {"how": "resent"}) == 2
+        assert metrics.get_sample_value("refit_rank_plans_total", {"how": "RESENT"}) == 2
         assert trainers[0].member.plans.misses == 1
         assert gens[1].member.plans.misses == 1
         for g in gens:

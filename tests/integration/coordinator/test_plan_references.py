@@ -98,9 +98,9 @@ def test_plan_body_goes_once_then_is_named(
         assert len(sizes) == 3
         assert not any(body for _, body in sizes)
         assert max(size for size, _ in sizes) < 200
-    assert _plans_sent(coord, "body") == 3
-    assert _plans_sent(coord, "reference") == 6
-    assert _plans_sent(coord, "resent") == 0
+    assert _plans_sent(coord, "BODY") == 3
+    assert _plans_sent(coord, "REFERENCE") == 6
+    assert _plans_sent(coord, "RESENT") == 0
     # Named plans still move every byte and verify every tensor.
     assert third.bytes_done == third.bytes_total == first.bytes_total
     assert third.tensors_verified == third.tensors_total == len(MANY)
@@ -125,7 +125,7 @@ def test_a_rank_that_lost_its_plan_gets_it_again(coordinator_factory, store_url,
         # Named first, answered PlanMissing, then sent with its body.
         assert [c.plan is not None for c in cmds] == [False, True]
     assert [c.plan is not None for c in _prepares(trainers[0])] == [True, False]
-    assert _plans_sent(coord, "resent") == 2
+    assert _plans_sent(coord, "RESENT") == 2
     # Held again: the next refit only names it.
     third = _refit(cluster)
     assert [c.plan is None for c in _prepares(gen) if c.refit_id == third.refit_id] == [True]
@@ -146,7 +146,7 @@ def test_plan_evicted_by_other_plans_is_resent(coordinator, sim_cluster):
     assert refits[0].plan_digest == refits[2].plan_digest
     last = [c.plan is not None for c in cmds if c.refit_id == refits[2].refit_id]
     assert last == [False, True]
-    assert _plans_sent(coordinator, "resent") == 1
+    assert _plans_sent(coordinator, "RESENT") == 1
 
 
 def test_changed_layout_or_new_epoch_sends_the_plan_again(coordinator, sim_cluster):

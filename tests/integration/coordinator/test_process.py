@@ -74,6 +74,12 @@ def test_env_and_flags_configure_the_process(coordinator_process, sim_cluster, t
     assert proc.terminate() == 0
     log = proc.log()
     assert '"level": "INFO"' in log  # JSON lines
+    # The access log: one line per request, its fields as JSON keys.
+    assert '"transport": "grpc", "method": "/refit.v1.RefitService/TriggerRefit"' in log
+    assert (
+        '"transport": "http", "method": "POST", "target": "/v1/jobs/job/refits", "status": "401"'
+        in log
+    )
     assert "file-token" not in log
     assert "env-token" not in log
     assert "(embedded store)" not in log

@@ -129,8 +129,8 @@ def test_health_ready_metrics(redis_factory, coordinator_factory, sim_cluster):
         assert 'refit_phase_duration_seconds_count{phase="TRANSFERRING"} 1.0' in metrics
         assert 'refit_members{state="READY"} 3.0' in metrics
         assert "refit_bytes_total" in metrics
-        assert "refit_throughput_gigabytes_per_second_count 1.0" in metrics
-        assert 'refit_triggers_total{outcome="created"} 1.0' in metrics
+        assert "refit_throughput_bytes_per_second_count 1.0" in metrics
+        assert 'refit_triggers_total{outcome="CREATED"} 1.0' in metrics
         redis.stop()
         ready = http.get("/readyz")
         assert ready.status_code == 503

@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"{prog}: invalid configuration:\n{exc}", file=sys.stderr)
         return EXIT_BAD_CONFIGURATION
-    logs.configure(settings.log_level, json_lines=settings.log_json)
+    logs.configure(settings.log_level, json_lines=settings.log_json, access_log=settings.access_log)
     try:
         asyncio.run(_serve(settings, args.port_file))
     except StartupError as exc:

@@ -15,6 +15,9 @@ import uvicorn
 from refitplane.coordinator.auth import TokenCheck
 from refitplane.coordinator.core.service import Coordinator
 from refitplane.coordinator.grpc.server import GrpcServer
+from refitplane.coordinator.observability.grpc_observer import RequestObserver
+from refitplane.coordinator.observability.http_observer import HttpObserver
+from refitplane.coordinator.observability.requests import RequestMetrics
 from refitplane.coordinator.rest.app import create_app
 from refitplane.coordinator.settings import Settings
 from refitplane.coordinator.store import open_store
@@ -49,10 +52,14 @@ class CoordinatorServer:
         self.settings = settings
         self.core = Coordinator(settings, open_store(settings.redis_dsn(), prefix=redis_prefix))
         self._tokens = TokenCheck(settings.token())
+        store = "redis" if settings.redis_url else "embedded"
+        self.requests = RequestMetrics(self.core.metrics.registry, store=store)
         tls = None
         if settings.tls_cert_file is not None and settings.tls_key_file is not None:
             tls = (settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())
-        self._grpc = GrpcServer(self.core, self._tokens, tls=tls)
+        self._grpc = GrpcServer(
+            self.core, self._tokens, tls=tls, outer=[RequestObserver(self.requests)]
+        )
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
         self.grpc_port = 0
@@ -87,7 +94,7 @@ class CoordinatorServer:
             ) from None
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
-            create_app(self.core, self._tokens),
+            HttpObserver(create_app(self.core, self._tokens), self.requests),
             log_config=None,
             access_log=False,
             lifespan="off",

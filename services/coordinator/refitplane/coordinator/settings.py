@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     pause_mode: PauseMode = PauseMode.KEEP
     log_level: str = "INFO"
     log_json: bool = False
+    # One line per gRPC call and REST request (refitplane.coordinator.access; docs/operations.md).
+    access_log: bool = True
 
     @field_validator("allowed_jobs", mode="before")
     @classmethod

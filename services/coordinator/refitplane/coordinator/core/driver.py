@@ -387,11 +387,11 @@ class JobDriver:
         self._ctx.metrics.bytes.inc(record.bytes_done)
         self._ctx.metrics.wire_bytes.inc(record.bytes_on_wire)
         deltas = len(record.delta_replicas)
-        self._ctx.metrics.delta_replicas.labels("delta").inc(deltas)
-        self._ctx.metrics.delta_replicas.labels("full").inc(len(record.target_replicas) - deltas)
+        self._ctx.metrics.delta_replicas.labels("DELTA").inc(deltas)
+        self._ctx.metrics.delta_replicas.labels("FULL").inc(len(record.target_replicas) - deltas)
         transfer_s = record.timings.get(RefitState.TRANSFERRING, 0.0)
         if transfer_s > 0 and record.bytes_done:
-            self._ctx.metrics.throughput.observe(record.bytes_done / transfer_s / 1e9)
+            self._ctx.metrics.throughput.observe(record.bytes_done / transfer_s)
         log.info(
             "refit %s committed version %d (%d bytes, %.3f s)",
             run.refit_id,

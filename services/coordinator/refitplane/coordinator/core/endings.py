@@ -84,7 +84,9 @@ class RefitEndings:
             log.error("refit %s: could not persist its %s state", run.refit_id, state.value)
         run.record = record
         self._ctx.events.publish(record)
-        self._ctx.metrics.finished(state, record.timings, now - record.created_unix)
+        self._ctx.metrics.finished(
+            state, record.timings, now - record.created_unix, reason=record.reason
+        )
 
     async def orphaned(self, record: RefitRecord) -> None:
         """A refit in flight that no task drives: its coordinator stopped. Fail it; its
@@ -122,4 +124,6 @@ class RefitEndings:
             return
         log.warning("refit %s failed: %s", record.refit_id, message)
         self._ctx.events.publish(failed)
-        self._ctx.metrics.finished(RefitState.FAILED, failed.timings, now - record.created_unix)
+        self._ctx.metrics.finished(
+            RefitState.FAILED, failed.timings, now - record.created_unix, reason=failed.reason
+        )

@@ -1,4 +1,9 @@
-"""Prometheus metrics of one coordinator (its own registry, so tests can run several)."""
+"""Prometheus metrics of one coordinator (its own registry, so tests can run several).
+
+Label values are upper case throughout, as the wire vocabulary they come from (states,
+phases, reasons, gRPC codes): `outcome="COMMITTED"`, `outcome="CREATED"`, `path="DELTA"`.
+Units are base units (seconds, bytes, bytes per second). docs/operations.md lists them all.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,10 @@ from prometheus_client.registry import Collector
 from refitplane.protocol import MemberState, RefitState
 
 _PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-_GBPS_BUCKETS = (0.01, 0.1, 0.5, 1, 2, 5, 10, 25, 50, 100, 200, 400, 800)
+# 10 MB/s (a loaded CPU host over Gloo) to 800 GB/s (NVLink across a node).
+_THROUGHPUT_BUCKETS = tuple(
+    gb * 1e9 for gb in (0.01, 0.1, 0.5, 1, 2, 5, 10, 25, 50, 100, 200, 400, 800)
+)
 
 
 class _MemberGauge(Collector):
@@ -28,8 +36,31 @@ class _MemberGauge(Collector):
         yield family
 
 
+class _ReplicaVersionGauge(Collector):
+    """Each replica's version (the lowest its ranks and sidecar fully hold), read at scrape
+    time. Bounded: one series per replica of a registered job."""
+
+    def __init__(self, versions: Callable[[], Iterable[tuple[str, str, int]]]) -> None:
+        self._versions = versions
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "refit_replica_version",
+            "Weight version a generator replica fully holds",
+            # Not "job": Prometheus' own target label would rename it to exported_job.
+            labels=["refit_job", "replica"],
+        )
+        for job, replica, version in self._versions():
+            family.add_metric([job, replica], version)
+        yield family
+
+
 class Metrics:
-    def __init__(self, count_members: Callable[[], Mapping[MemberState, int]]) -> None:
+    def __init__(
+        self,
+        count_members: Callable[[], Mapping[MemberState, int]],
+        replica_versions: Callable[[], Iterable[tuple[str, str, int]]] = tuple,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.refits = Counter("refit_refits", "Finished refits by outcome", ["outcome"], registry=r)
@@ -59,32 +90,46 @@ class Metrics:
         )
         self.delta_replicas = Counter(
             "refit_replica_updates",
-            "Replica updates of committed refits by path: 'delta' (changed words against the "
-            "version the replica held) or 'full'",
+            "Replica updates of committed refits by path: DELTA (changed words against the "
+            "version the replica held) or FULL",
             ["path"],
             registry=r,
         )
         self.throughput = Histogram(
-            "refit_throughput_gigabytes_per_second",
+            "refit_throughput_bytes_per_second",
             "Bytes received per second of TRANSFERRING, per committed refit",
-            buckets=_GBPS_BUCKETS,
+            buckets=_THROUGHPUT_BUCKETS,
+            registry=r,
+        )
+        self.failures = Counter(
+            "refit_failures",
+            "Failed refits by reason (PEER_FAILED, CHECKSUM_MISMATCH, TIMEOUT, ...)",
+            ["reason"],
             registry=r,
         )
         self.epochs = Counter("refit_group_epochs", "Group epochs started", registry=r)
         self.rank_plans = Counter(
             "refit_rank_plans",
-            "Rank plans in PrepareRefit commands: 'body' (sent whole), 'reference' (named "
-            "only: the member holds it), 'resent' (sent whole after the member reported it "
+            "Rank plans in PrepareRefit commands: BODY (sent whole), REFERENCE (named "
+            "only: the member holds it), RESENT (sent whole after the member reported it "
             "missing)",
             ["how"],
             registry=r,
         )
         r.register(_MemberGauge(count_members))
+        r.register(_ReplicaVersionGauge(replica_versions))
 
     def finished(
-        self, outcome: RefitState, timings: Mapping[RefitState, float], total_s: float
+        self,
+        outcome: RefitState,
+        timings: Mapping[RefitState, float],
+        total_s: float,
+        *,
+        reason: str = "",
     ) -> None:
         self.refits.labels(outcome.value).inc()
+        if outcome is RefitState.FAILED:
+            self.failures.labels(reason.upper() or "UNKNOWN").inc()
         self.refit_seconds.labels(outcome.value).observe(total_s)
         for phase, seconds in timings.items():
             self.phase_seconds.labels(phase.value).observe(seconds)

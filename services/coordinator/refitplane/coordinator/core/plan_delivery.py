@@ -73,7 +73,7 @@ class PlanDelivery:
                 delta_base_version=run.delta.base_version,
             ),
         )
-        how = "resent" if resend else "reference" if named_only else "body"
+        how = "RESENT" if resend else "REFERENCE" if named_only else "BODY"
         self._metrics.rank_plans.labels(how).inc()
 
     def prepared(self, run: RefitRun, member_id: str) -> None:

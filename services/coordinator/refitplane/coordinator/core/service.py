@@ -43,7 +43,7 @@ from refitplane.errors import (
     NotFound,
     RateLimited,
 )
-from refitplane.protocol import RefitState
+from refitplane.protocol import RefitState, Role
 from refitplane.protocol import messages as msg
 from refitplane.protocol.models import Refit, Topology
 from refitplane.reshard.layout import Layout
@@ -64,7 +64,7 @@ class Coordinator:
         )
         self.outbox = Outbox()
         self.events = RefitEvents()
-        self.metrics = Metrics(self.membership.count_by_state)
+        self.metrics = Metrics(self.membership.count_by_state, self._replica_versions)
         self.layouts = LayoutCache(store)
         self.plans = PlanCache(store, self.layouts, allow_unused=settings.allow_unused_tensors)
         self._ctx = DriverContext(
@@ -194,7 +194,7 @@ class Coordinator:
         try:
             self._limiter.check(job)
         except RateLimited:
-            self.metrics.triggers.labels("rate_limited").inc()
+            self.metrics.triggers.labels("RATE_LIMITED").inc()
             raise
         result = await self.store.trigger(
             TriggerRequest(
@@ -206,7 +206,7 @@ class Coordinator:
                 new_id=uuid.uuid4().hex,
             )
         )
-        self.metrics.triggers.labels(result.outcome.value).inc()
+        self.metrics.triggers.labels(result.outcome.name).inc()
         if result.outcome is TriggerOutcome.COALESCED:
             self.events.publish(result.refit)
         driver = await self._driver(job)
@@ -247,6 +247,18 @@ class Coordinator:
             # As topology answers: an empty list would hide a misspelt job name.
             raise NotFound(f"job {job!r} is unknown", field="job")
         return [self._live(r).view() for r in records]
+
+    def _replica_versions(self) -> list[tuple[str, str, int]]:
+        """(job, replica, version) per generator replica: the lowest version its members
+        hold (a rank that missed a refit holds the older one)."""
+        lowest: dict[tuple[str, str], int] = {}
+        for job in self.membership.jobs():
+            for member in self.membership.of_job(job):
+                if member.role is Role.TRAINER or not member.replica_id:
+                    continue
+                key = (job, member.replica_id)
+                lowest[key] = min(lowest.get(key, member.version), member.version)
+        return [(job, replica, version) for (job, replica), version in sorted(lowest.items())]
 
     def _known_job(self, job: str) -> bool:
         """A job with members, a driver (it has refits) or named in REFIT_ALLOWED_JOBS."""

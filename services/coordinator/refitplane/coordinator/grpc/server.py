@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from grpc import aio, ssl_server_credentials
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -45,8 +47,11 @@ class GrpcServer:
         tokens: TokenCheck,
         *,
         tls: tuple[bytes, bytes] | None = None,
+        outer: Sequence[aio.ServerInterceptor] = (),
     ) -> None:
-        self.server = aio.server(interceptors=[RefitInterceptor(tokens)], options=_OPTIONS)
+        """`outer` interceptors run around the refit.v1 one (request metrics, access log)."""
+        interceptors = [*outer, RefitInterceptor(tokens)]
+        self.server = aio.server(interceptors=interceptors, options=_OPTIONS)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(core), self.server)
         orchestrator_pb2_grpc.add_RefitServiceServicer_to_server(RefitServicer(core), self.server)
         self.health = health.aio.HealthServicer()

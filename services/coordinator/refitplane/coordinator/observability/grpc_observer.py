@@ -1,0 +1,82 @@
+"""The outermost gRPC interceptor: times and counts every unary and server-streaming call by
+the status it ended with (after RefitInterceptor mapped domain errors to codes)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import grpc
+
+from refitplane.coordinator.grpc.interceptor import Context, Handler
+from refitplane.coordinator.observability.requests import RequestMetrics
+
+
+def _code(context: Context, failed: BaseException | None) -> grpc.StatusCode:
+    # None until the call set or aborted with a code (the stubs say StatusCode).
+    code: object = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if failed is None:
+        return grpc.StatusCode.OK
+    # Cancelled by the client (or the server stopping) rather than aborted with a code.
+    return grpc.StatusCode.CANCELLED if isinstance(failed, Exception) else grpc.StatusCode.UNKNOWN
+
+
+class RequestObserver(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics: RequestMetrics) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method: str = handler_call_details.method
+        metrics = self._metrics
+
+        @contextlib.contextmanager
+        def observed(context: Context, *, unary: bool) -> Iterator[None]:
+            started, failed = time.perf_counter(), None
+            try:
+                yield
+            except BaseException as exc:
+                failed = exc
+                raise
+            finally:
+                duration_s = time.perf_counter() - started
+                code = _code(context, failed)
+                metrics.grpc_call(method, code, duration_s, unary=unary, peer=context.peer() or "")
+
+        if handler.unary_unary is not None:
+            unary: Any = handler.unary_unary
+
+            async def unary_behavior(request: Any, context: Context) -> Any:
+                with observed(context, unary=True):
+                    return await unary(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_behavior,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+
+        if handler.unary_stream is not None:
+            stream: Any = handler.unary_stream
+
+            async def stream_behavior(request: Any, context: Context) -> AsyncIterator[Any]:
+                with observed(context, unary=False):
+                    async for item in stream(request, context):
+                        yield item
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream_behavior,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # client and bidirectional streams (reflection): not observed
