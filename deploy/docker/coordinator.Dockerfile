@@ -13,7 +13,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/refit
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE MANIFEST.in ./
 COPY refitplane ./refitplane
 COPY services/coordinator ./services/coordinator
 # Fail the build, not the pod, when the console script or the service package is missing.

@@ -16,7 +16,7 @@ ARG REFIT_EXTRAS=nccl
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/refit-src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE MANIFEST.in ./
 COPY refitplane ./refitplane
 COPY services/generator ./services/generator
 # The image's CUDA builds of torch and vLLM must survive: pin what is installed as

@@ -13,7 +13,7 @@ ARG REFIT_EXTRAS=nccl
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/refit-src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE MANIFEST.in ./
 COPY refitplane ./refitplane
 COPY services/trainer ./services/trainer
 # Keep the base image's CUDA torch: pinned as a constraint, a conflict fails the build.

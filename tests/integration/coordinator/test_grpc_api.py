@@ -200,6 +200,34 @@ def test_health_and_reflection(channel):
     )
     names = {s.name for r in responses for s in r.list_services_response.service}
     assert {"refit.v1.RefitService", "refit.v1.AgentService", "grpc.health.v1.Health"} <= names
+    assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= (
+        names
+    )
+
+
+def test_reflection_v1_answers_like_v1alpha(channel):
+    """grpcurl asks grpc.reflection.v1 first: the same messages under the v1 service name."""
+    v1 = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    (listed, described) = list(
+        v1(
+            iter(
+                [
+                    reflection_pb2.ServerReflectionRequest(list_services=""),
+                    reflection_pb2.ServerReflectionRequest(
+                        file_containing_symbol="refit.v1.RefitService"
+                    ),
+                ]
+            ),
+            timeout=5,
+        )
+    )
+    assert "refit.v1.RefitService" in {s.name for s in listed.list_services_response.service}
+    files = described.file_descriptor_response.file_descriptor_proto
+    assert any(b"TriggerRefit" in f for f in files)
 
 
 _text = st.text(max_size=40)

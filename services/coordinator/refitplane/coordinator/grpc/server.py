@@ -1,4 +1,5 @@
-"""Build the grpc.aio server: refit.v1 services behind the interceptor, health, reflection."""
+"""Build the grpc.aio server: refit.v1 services behind the interceptor, health, reflection
+(v1 and v1alpha)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from collections.abc import Sequence
 
 from grpc import aio, ssl_server_credentials
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from refitplane._generated.refit.v1 import (
     agent_pb2,
@@ -19,6 +19,7 @@ from refitplane.coordinator.core.service import Coordinator
 from refitplane.coordinator.grpc.agent_servicer import AgentServicer
 from refitplane.coordinator.grpc.interceptor import RefitInterceptor
 from refitplane.coordinator.grpc.refit_servicer import RefitServicer
+from refitplane.coordinator.grpc.reflection import enable_reflection
 from refitplane.protocol.channel import MAX_MESSAGE_BYTES
 
 SERVICE_NAMES = (
@@ -56,9 +57,7 @@ class GrpcServer:
         orchestrator_pb2_grpc.add_RefitServiceServicer_to_server(RefitServicer(core), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME))
         self._tls = tls
 
     def bind(self, host: str, port: int) -> int:
