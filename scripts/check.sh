@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Static checks: generated stubs fresh, ruff lint + format, mypy (strict) on every portion
 # of the refitplane namespace (the core here, the services under services/<role>/), read
-# straight from the checkout (pyproject's mypy_path names the four roots).
+# straight from the checkout (pyproject's mypy_path names the four roots); then buf lint,
+# buf breaking and hadolint (scripts/check_contracts.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -10,3 +11,4 @@ PY=${PYTHON:-python}
 "$PY" -m ruff format --check .
 "$PY" -m mypy refitplane services/coordinator/refitplane services/trainer/refitplane \
   services/generator/refitplane
+bash scripts/check_contracts.sh
