@@ -44,7 +44,7 @@ from refitplane._generated.refit.v1 import common_pb2 as cpb
 from refitplane._generated.refit.v1 import orchestrator_pb2 as opb
 from refitplane.protocol import RefitState, Role, convert
 from refitplane.protocol import messages as m
-from refitplane.protocol.channel import aio_channel
+from refitplane.protocol.channel import Metadata, aio_channel, member_metadata
 from refitplane.reshard.layout import Layout, LayoutBuilder, TensorSpec
 
 TENSORS = 8  # per layout
@@ -140,6 +140,8 @@ class Agent:
     world: int
     replica: str = ""
     member_id: str = ""
+    # Token-less benchmark coordinator: the member credential alone.
+    metadata: Metadata = ()
     renew_every: float = 5.0
     prepared_at: dict[str, float] = field(default_factory=dict)
     plans: dict[str, cpb.RankPlan] = field(default_factory=dict)
@@ -152,6 +154,7 @@ class Agent:
         )
         resp = await self.stub.Register(convert.register_to_proto(info), timeout=30)
         self.member_id = resp.member_id
+        self.metadata = member_metadata(None, resp.member_credential)
         self.renew_every = resp.renew_interval_s
 
     async def publish(self, layout: Layout) -> None:
@@ -160,22 +163,29 @@ class Agent:
                 member_id=self.member_id, layout=convert.layout_to_proto(layout, self.rank)
             ),
             timeout=30,
+            metadata=self.metadata,
         )
 
     async def _report(self, refit_id: str, body: m.ReportBody) -> None:
         await self.stub.Report(
-            convert.report_to_proto(m.Report(self.member_id, refit_id, body)), timeout=30
+            convert.report_to_proto(m.Report(self.member_id, refit_id, body)),
+            timeout=30,
+            metadata=self.metadata,
         )
 
     async def renew_forever(self) -> None:
         while True:
             await asyncio.sleep(self.renew_every)
-            await self.stub.RenewLease(apb.RenewLeaseRequest(member_id=self.member_id), timeout=30)
+            await self.stub.RenewLease(
+                apb.RenewLeaseRequest(member_id=self.member_id), timeout=30, metadata=self.metadata
+            )
 
     async def serve(self) -> None:
         """Answer every command at once. Commands are read straight off the protobuf (no
         conversion of the plan), so this process measures the coordinator, not itself."""
-        stream = self.stub.StreamCommands(apb.StreamCommandsRequest(member_id=self.member_id))
+        stream = self.stub.StreamCommands(
+            apb.StreamCommandsRequest(member_id=self.member_id), metadata=self.metadata
+        )
         async for raw in stream:
             received = time.perf_counter()
             kind = raw.WhichOneof("command")

@@ -80,6 +80,12 @@ class Unauthenticated(RefitError):
     reason = "UNAUTHENTICATED"
 
 
+class PermissionDenied(RefitError):
+    """Authenticated, but not as the member the call names (a wrong member credential)."""
+
+    reason = "PERMISSION_DENIED"
+
+
 class RateLimited(RefitError):
     reason = "RATE_LIMITED"
 

@@ -2,8 +2,9 @@
 (training loops, vLLM workers).
 
 Three daemon threads, every wait bounded:
-  * lease — renews every `renew_interval` (ttl/3); a lost lease (NOT_FOUND) re-registers,
-    re-publishes the layout and moves the command stream to the new member id;
+  * lease — renews every `renew_interval` (ttl/3); a lost lease (NOT_FOUND: the coordinator
+    does not know the member or its credential any more) re-registers, re-publishes the
+    layout and moves the command stream to the new member id;
   * stream — holds StreamCommands open, reconnecting with backoff; AbortRefit and
     LeaveGroup also go to `handler.on_abort_now` at once;
   * worker — runs commands in order; a handler exception becomes a Failure report.
@@ -26,7 +27,14 @@ from refitplane.agent.handler import CommandHandler
 from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
 from refitplane.protocol import convert
 from refitplane.protocol import messages as m
-from refitplane.protocol.channel import auth_metadata, from_rpc_error, status_code, sync_channel
+from refitplane.protocol.channel import (
+    Metadata,
+    auth_metadata,
+    from_rpc_error,
+    member_metadata,
+    status_code,
+    sync_channel,
+)
 from refitplane.protocol.settings import ClientSettings
 from refitplane.reshard.layout import Layout
 
@@ -56,11 +64,14 @@ class AgentSession:
         self.info = info
         self._handler = handler
         self._timeout = timeout_s
+        self._token = token
         self._metadata = auth_metadata(token)
+        # (member id, the metadata that proves it: token and member credential), replaced
+        # together on every registration so no call pairs an id with another's credential.
+        self._who: tuple[str, Metadata] = ("", self._metadata)
         self._channel = sync_channel(coordinator, tls_ca=tls_ca)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
         self._lock = threading.RLock()
-        self._member_id = ""
         self._ttl = 0.0
         self._renew_interval = 1.0
         self._layout: Layout | None = None
@@ -92,7 +103,17 @@ class AgentSession:
 
     @property
     def member_id(self) -> str:
-        return self._member_id
+        return self._who[0]
+
+    @property
+    def _member_id(self) -> str:
+        return self._who[0]
+
+    @property
+    def metadata(self) -> Metadata:
+        """What this member's calls carry: the token and its own credential (for tools in
+        the member's own process that call the coordinator as it)."""
+        return self._who[1]
 
     @property
     def lease_ttl_s(self) -> float:
@@ -131,10 +152,11 @@ class AgentSession:
             t.join(timeout=self._timeout)
         if deregister and self._member_id:
             try:
+                member_id, metadata = self._who
                 self._stub.Deregister(
-                    apb.DeregisterRequest(member_id=self._member_id),
+                    apb.DeregisterRequest(member_id=member_id),
                     timeout=self._timeout,
-                    metadata=self._metadata,
+                    metadata=metadata,
                 )
             except grpc.RpcError as exc:
                 log.debug("deregister failed: %s", status_code(exc))
@@ -149,18 +171,21 @@ class AgentSession:
 
     # --- calls ---------------------------------------------------------------------------
 
-    def _call_unary(self, method: str, request: Any) -> Any:
+    def _call_unary(self, method: str, request: Any, metadata: Metadata) -> Any:
         try:
-            return getattr(self._stub, method)(
-                request, timeout=self._timeout, metadata=self._metadata
-            )
+            return getattr(self._stub, method)(request, timeout=self._timeout, metadata=metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
     def _register(self) -> None:
         with self._lock:
-            resp = self._call_unary("Register", convert.register_to_proto(self.info))
-            self._member_id = resp.member_id
+            resp = self._call_unary(
+                "Register", convert.register_to_proto(self.info), self._metadata
+            )
+            self._who = (
+                str(resp.member_id),
+                member_metadata(self._token, str(resp.member_credential)),
+            )
             self._ttl = resp.lease_ttl_s
             self._renew_interval = max(0.01, resp.renew_interval_s)
             self._published = ""
@@ -195,12 +220,12 @@ class AgentSession:
             return self._publish(layout)
 
     def _publish(self, layout: Layout) -> str:
-        member_id = self._member_id
+        member_id, metadata = self._who
         request = apb.PublishLayoutRequest(
             member_id=member_id, layout=convert.layout_to_proto(layout, self.info.rank)
         )
         try:
-            resp = self._call_unary("PublishLayout", request)
+            resp = self._call_unary("PublishLayout", request, metadata)
         except NotFound:
             self._reregister(member_id)
             return self._published
@@ -215,10 +240,10 @@ class AgentSession:
         deadline = time.monotonic() + self._timeout
         delay = _BACKOFF_MIN_S
         while True:
-            member_id = self._member_id
+            member_id, metadata = self._who
             request = convert.report_to_proto(m.Report(member_id, refit_id, body))
             try:
-                return bool(self._call_unary("Report", request).accepted)
+                return bool(self._call_unary("Report", request, metadata).accepted)
             except NotFound:
                 self._reregister(member_id)
                 return False
@@ -303,9 +328,9 @@ class AgentSession:
 
     def _lease_loop(self) -> None:
         while not self._stop.wait(self._renew_interval):
-            member_id = self._member_id
+            member_id, metadata = self._who
             try:
-                self._call_unary("RenewLease", apb.RenewLeaseRequest(member_id=member_id))
+                self._call_unary("RenewLease", apb.RenewLeaseRequest(member_id=member_id), metadata)
             except NotFound:
                 self._safe(self._reregister, member_id)
             except RefitError as exc:
@@ -326,10 +351,10 @@ class AgentSession:
         delay = _BACKOFF_MIN_S
         while not self._stop.is_set():
             self._reconnect.clear()
-            member_id = self._member_id
+            member_id, metadata = self._who
             try:
                 call = self._stub.StreamCommands(
-                    apb.StreamCommandsRequest(member_id=member_id), metadata=self._metadata
+                    apb.StreamCommandsRequest(member_id=member_id), metadata=metadata
                 )
                 self._call = call
                 for raw in call:

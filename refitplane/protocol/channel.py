@@ -44,6 +44,7 @@ _BY_REASON: dict[str, type[errors.RefitError]] = {
         errors.Conflict,
         errors.FailedPrecondition,
         errors.Unauthenticated,
+        errors.PermissionDenied,
         errors.RateLimited,
         errors.Unavailable,
     )
@@ -55,7 +56,7 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.RefitError]] = {
     grpc.StatusCode.ABORTED: errors.Conflict,
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.RateLimited,
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.Unavailable,
@@ -63,8 +64,18 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.RefitError]] = {
 }
 
 
+# The metadata key a member presents its own credential under (RegisterResponse).
+MEMBER_CREDENTIAL_KEY = "x-refit-member-credential"
+
+
 def auth_metadata(token: str | None) -> Metadata:
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def member_metadata(token: str | None, credential: str) -> Metadata:
+    """What a member sends on every call after Register: the shared token (when the
+    coordinator has one) and its own credential."""
+    return (*auth_metadata(token), (MEMBER_CREDENTIAL_KEY, credential))
 
 
 def _credentials(tls_ca: str | Path | None) -> grpc.ChannelCredentials | None:

@@ -18,7 +18,8 @@ the control file:
                    step / weights guard (trainer), sha256 digests of every tensor it holds,
                    fault counters (communicators created / aborted / open), threads, fds, RSS
     POST /faults   arm faults: {"stall_after_bytes": N, "stall_until": "deadline"|"abort",
-                   "corrupt_sends": 1, "delay_s": D} (see `faulty_transport`)
+                   "corrupt_sends": 1, "delay_s": D, "misreport_done": 1} (see
+                   `faulty_transport`)
     POST /step     trainer: a "training step" to {"version": V} inside
                    `agent.updating_weights()` (waits for a refit reading the weights);
                    "hold_s": keep the weights locked that long (a slow optimizer step)
@@ -114,6 +115,27 @@ class AgentRunner:
             )
             self.shards = self.agent.shards
         self._watch_outcomes()
+        self._misreport_when_armed()
+
+    def _misreport_when_armed(self) -> None:
+        """An armed `misreport_done` replaces the next TransferDone by one that claims
+        nothing moved (the member's own session and credential: a lying agent, not a
+        forger)."""
+        session = self.agent.session
+        report: Callable[..., bool] = session.report_transfer_done
+
+        def report_transfer_done(refit_id: str, **fields: Any) -> bool:
+            if self.faults.take_misreport():
+                fields |= {
+                    "bytes_sent": 0,
+                    "bytes_received": 0,
+                    "tensors_verified": 0,
+                    "tensors_total": 0,
+                    "bytes_full": 0,
+                }
+            return report(refit_id, **fields)
+
+        session.report_transfer_done = report_transfer_done
 
     def _watch_outcomes(self) -> None:
         """Record every transfer's end through the member's `after_transfer` hook."""
@@ -290,6 +312,7 @@ class _ControlHandler(BaseHTTPRequestHandler):
                     stall_until=str(body.get("stall_until", "deadline")),
                     corrupt_sends=int(body.get("corrupt_sends", 0)),
                     delay_s=float(body.get("delay_s", 0.0)),
+                    misreport_done=int(body.get("misreport_done", 0)),
                 )
             except InvalidArgument as exc:
                 self._reply(400, {"error": exc.message})

@@ -14,6 +14,9 @@ like it until an armed fault fires:
 * **corrupt** (`corrupt_sends=1`): the next send carries a copy of its bytes with one bit
   flipped, *after* the executor took the message's checksum — corruption on the wire, the
   sender's parameters untouched. The receivers' verification must catch it.
+* **misreport** (`misreport_done=1`): the rank's next TransferDone claims nothing moved and
+  nothing was verified (tensors 0 of 0, bytes 0) whatever really happened — a lying or
+  buggy agent; the coordinator must check it against the plan (`agent_procs` applies it).
 
 Faults are one-shot: each fires once and disarms. The counters (transports created,
 aborted, closed; stalls; corruptions) are what the status endpoint of `agent_procs` reports,
@@ -46,6 +49,7 @@ class FaultCounters:
     stalls: int = 0
     corrupted_sends: int = 0
     delays: int = 0
+    misreports: int = 0
     # Bytes posted since the current stall was armed.
     bytes_posted: int = 0
     stalled: bool = False
@@ -63,6 +67,7 @@ class Faults:
     stall_until: StallUntil = "deadline"
     corrupt_sends: int = 0
     delay_s: float = 0.0
+    misreport_done: int = 0
     counters: FaultCounters = field(default_factory=FaultCounters)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -73,6 +78,7 @@ class Faults:
         stall_until: str = "deadline",
         corrupt_sends: int = 0,
         delay_s: float = 0.0,
+        misreport_done: int = 0,
     ) -> None:
         if stall_until not in ("deadline", "abort"):
             raise InvalidArgument(
@@ -86,6 +92,7 @@ class Faults:
             self.stall_until = "abort" if stall_until == "abort" else "deadline"
             self.corrupt_sends = max(0, corrupt_sends)
             self.delay_s = max(0.0, delay_s)
+            self.misreport_done = max(0, misreport_done)
             self.counters.bytes_posted = 0
 
     def snapshot(self) -> dict[str, Any]:
@@ -97,6 +104,7 @@ class Faults:
                 "armed_stall_after_bytes": self.stall_after_bytes,
                 "armed_corrupt_sends": self.corrupt_sends,
                 "armed_delay_s": self.delay_s,
+                "armed_misreport_done": self.misreport_done,
             }
 
     # -- called by the transport ------------------------------------------------------------
@@ -112,6 +120,15 @@ class Faults:
             if self.counters.stalled:
                 self.counters.stalled = False
                 self.stall_after_bytes = None
+
+    def take_misreport(self) -> bool:
+        """Whether this TransferDone must be replaced by an empty one (once per arming)."""
+        with self._lock:
+            if self.misreport_done <= 0:
+                return False
+            self.misreport_done -= 1
+            self.counters.misreports += 1
+            return True
 
     def take_delay(self) -> float:
         """The delay to apply before posting this group (once)."""

@@ -31,7 +31,7 @@ from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.errors import Unavailable
 from refitplane.protocol import RefitState, Role, convert
 from refitplane.protocol import messages as m
-from refitplane.protocol.channel import aio_channel
+from refitplane.protocol.channel import Metadata, aio_channel, member_metadata
 from refitplane.reshard.layout import LayoutBuilder, TensorSpec
 from refitplane.testing.cluster.proc_cluster import ProcCluster
 from refitplane.testing.cluster.synthetic_state import expected_digests
@@ -131,8 +131,8 @@ class Crowd:
             members = await asyncio.gather(*(self._join(stub, i, gate) for i in range(self.size)))
             self._ready.set()
             renewers = [
-                asyncio.create_task(self._renew(stub, member_id, every))
-                for member_id, every in members
+                asyncio.create_task(self._renew(stub, member_id, metadata, every))
+                for member_id, metadata, every in members
                 if member_id
             ]
             await self._stop.wait()
@@ -143,7 +143,9 @@ class Crowd:
             self._ready.set()
             await channel.close()
 
-    async def _join(self, stub: Any, i: int, gate: asyncio.Semaphore) -> tuple[str, float]:
+    async def _join(
+        self, stub: Any, i: int, gate: asyncio.Semaphore
+    ) -> tuple[str, Metadata, float]:
         # Generator replicas of one rank each, so the crowd is a valid (large) topology.
         info = m.MemberInfo(
             job=self.job, role=Role.GENERATOR, rank=0, world_size=1, replica_id=f"r{i}"
@@ -155,23 +157,27 @@ class Crowd:
         async with gate:
             try:
                 reply = await stub.Register(convert.register_to_proto(info), timeout=30)
+                metadata = member_metadata(None, reply.member_credential)
                 await stub.PublishLayout(
                     apb.PublishLayoutRequest(
                         member_id=reply.member_id, layout=convert.layout_to_proto(layout, 0)
                     ),
                     timeout=30,
+                    metadata=metadata,
                 )
             except Exception:  # noqa: BLE001 - counted and reported by the soak
                 self.errors += 1
-                return "", 0.0
+                return "", (), 0.0
         self.registered += 1
-        return reply.member_id, reply.renew_interval_s
+        return reply.member_id, metadata, reply.renew_interval_s
 
-    async def _renew(self, stub: Any, member_id: str, every: float) -> None:
+    async def _renew(self, stub: Any, member_id: str, metadata: Metadata, every: float) -> None:
         while True:
             await asyncio.sleep(every)
             try:
-                await stub.RenewLease(apb.RenewLeaseRequest(member_id=member_id), timeout=30)
+                await stub.RenewLease(
+                    apb.RenewLeaseRequest(member_id=member_id), timeout=30, metadata=metadata
+                )
                 self.renewals += 1
             except Exception:  # noqa: BLE001 - counted and reported by the soak
                 self.errors += 1

@@ -16,6 +16,7 @@ from refitplane._generated.refit.v1 import common_pb2 as cpb
 from refitplane._generated.refit.v1 import orchestrator_pb2 as opb
 from refitplane.errors import Unauthenticated
 from refitplane.protocol import RefitState
+from refitplane.protocol.channel import member_metadata
 
 pytestmark = pytest.mark.integration
 
@@ -47,6 +48,11 @@ def _register(agents, **fields):
         **fields,
     }
     return agents.Register(apb.RegisterRequest(**request), timeout=5)
+
+
+def _as(reply):
+    """The metadata that proves to be the member `reply` registered."""
+    return member_metadata(None, reply.member_credential)
 
 
 def test_auth_required_on_mutating_calls_only(coordinator_factory, sim_cluster):
@@ -149,10 +155,11 @@ def _tensor(name="w", shape=(8, 4), dtype="float32", boxes=(((0, 8), (0, 4)),)):
     ],
 )
 def test_malformed_layouts_name_the_field(agents, tensors, field, named):
-    member = _register(agents).member_id
+    reply = _register(agents)
+    member = reply.member_id
     request = apb.PublishLayoutRequest(member_id=member, layout=cpb.RankLayout(tensors=tensors))
     with pytest.raises(grpc.RpcError) as err:
-        agents.PublishLayout(request, timeout=5)
+        agents.PublishLayout(request, timeout=5, metadata=_as(reply))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert _trailers(err.value)["refit-field"] == field
     assert named in err.value.details()
@@ -169,22 +176,29 @@ def test_malformed_layouts_name_the_field(agents, tensors, field, named):
         ),
     )
     with pytest.raises(grpc.RpcError) as err:
-        agents.PublishLayout(bad, timeout=5)
+        agents.PublishLayout(bad, timeout=5, metadata=_as(reply))
     assert _trailers(err.value)["refit-field"] == "layout.tensors[0].boxes[0]"
 
 
 def test_unknown_member_and_report_without_body(agents):
     with pytest.raises(grpc.RpcError) as err:
-        agents.RenewLease(apb.RenewLeaseRequest(member_id="nobody"), timeout=5)
+        agents.RenewLease(
+            apb.RenewLeaseRequest(member_id="nobody"),
+            timeout=5,
+            metadata=member_metadata(None, "some-credential"),
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert _trailers(err.value)["refit-field"] == "member_id"
-    member = _register(agents).member_id
+    reply = _register(agents)
+    member = reply.member_id
     with pytest.raises(grpc.RpcError) as err:
-        agents.Report(apb.ReportRequest(member_id=member), timeout=5)
+        agents.Report(apb.ReportRequest(member_id=member), timeout=5, metadata=_as(reply))
     assert _trailers(err.value)["refit-field"] == "report"
     # A report for a refit that is not running is answered, but not accepted.
     stale = agents.Report(
-        apb.ReportRequest(member_id=member, refit_id="old", prepared=apb.Prepared()), timeout=5
+        apb.ReportRequest(member_id=member, refit_id="old", prepared=apb.Prepared()),
+        timeout=5,
+        metadata=_as(reply),
     )
     assert stale.accepted is False
 

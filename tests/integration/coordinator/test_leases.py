@@ -39,7 +39,11 @@ def test_expired_lease_fails_refit_naming_member(store_url, coordinator_factory,
     channel = grpc.insecure_channel(coord.grpc_target)
     stub = agent_pb2_grpc.AgentServiceStub(channel)
     with pytest.raises(grpc.RpcError) as err:
-        stub.RenewLease(apb.RenewLeaseRequest(member_id=gen.member_id), timeout=5)
+        stub.RenewLease(
+            apb.RenewLeaseRequest(member_id=gen.member_id),
+            timeout=5,
+            metadata=gen.session.metadata,
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     channel.close()
 

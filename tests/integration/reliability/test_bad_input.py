@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import httpx
@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from refitplane._generated.refit.v1 import agent_pb2, common_pb2, orchestrator_pb2
 from refitplane.agent.simulated import SimulatedAgent
 from refitplane.protocol import RefitState, Role
+from refitplane.protocol.channel import Metadata, member_metadata
 from refitplane.reshard.layout import LayoutBuilder, TensorSpec
 from tests.integration.reliability.conftest import start_world
 from tests.integration.reliability.support import World
@@ -47,8 +48,16 @@ CLIENT_ERRORS = {
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
+    # A member call without that member's credential (fuzzed ids, random bytes).
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
 }
 FUZZ_JOB = "fuzz-job"
+
+
+class FuzzMember(NamedTuple):
+    member_id: str
+    metadata: Metadata
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +81,9 @@ def channel(world: World) -> Iterator[grpc.Channel]:
 
 
 @pytest.fixture(scope="module")
-def fuzz_member(channel: grpc.Channel) -> str:
-    """A real registered trainer of another job, for fuzzed calls to aim at."""
+def fuzz_member(channel: grpc.Channel) -> FuzzMember:
+    """A real registered trainer of another job, for fuzzed calls to aim at (with its
+    credential, so they reach past authentication)."""
     register = _unary(channel, "refit.v1.AgentService", "Register", agent_pb2.RegisterRequest)
     reply = agent_pb2.RegisterResponse.FromString(
         register(
@@ -83,7 +93,7 @@ def fuzz_member(channel: grpc.Channel) -> str:
             timeout=5,
         )
     )
-    return reply.member_id
+    return FuzzMember(reply.member_id, member_metadata(None, reply.member_credential))
 
 
 def _unary(channel: grpc.Channel, service: str, method: str, request: Any) -> Any:
@@ -107,15 +117,22 @@ def _methods() -> list[tuple[str, str, Any, bool]]:
 METHODS = _methods()
 
 
-def _status(channel: grpc.Channel, service: str, method: str, stream: bool, raw: bytes) -> Any:
+def _status(
+    channel: grpc.Channel,
+    service: str,
+    method: str,
+    stream: bool,
+    raw: bytes,
+    metadata: Metadata = (),
+) -> Any:
     path = f"/{service}/{method}"
     try:
         if stream:
             call = channel.unary_stream(path, request_serializer=lambda b: b)
-            for _ in call(raw, timeout=1.5):
+            for _ in call(raw, timeout=1.5, metadata=metadata):
                 pass
         else:
-            _unary(channel, service, method, None)(raw, timeout=5)
+            _unary(channel, service, method, None)(raw, timeout=5, metadata=metadata)
     except grpc.RpcError as exc:
         return exc
     return None
@@ -205,9 +222,11 @@ def test_fuzzed_grpc_messages_get_client_errors_only(channel, fuzz_member, data)
     service, method, request, stream = data.draw(st.sampled_from(METHODS))
     msg = data.draw(message(request))
     aimable = "member_id" in request.DESCRIPTOR.fields_by_name and method != "Deregister"
+    metadata: Metadata = ()
     if aimable and data.draw(st.booleans()):
-        msg.member_id = fuzz_member  # reach past the member lookup
-    exc = _status(channel, service, method, stream, msg.SerializeToString())
+        msg.member_id = fuzz_member.member_id  # reach past the member lookup and auth
+        metadata = fuzz_member.metadata
+    exc = _status(channel, service, method, stream, msg.SerializeToString(), metadata)
     _check(exc, stream, f"{method}({msg})"[:400])
 
 
@@ -228,12 +247,17 @@ def _tensor(name: str, shape: list[int], dtype: str, boxes: list[list[tuple[int,
     )
 
 
-def _publish(channel: grpc.Channel, member: str, tensors: list[Any]) -> Any:
+def _publish(channel: grpc.Channel, member: FuzzMember, tensors: list[Any]) -> Any:
     request = agent_pb2.PublishLayoutRequest(
-        member_id=member, layout=common_pb2.RankLayout(tensors=tensors)
+        member_id=member.member_id, layout=common_pb2.RankLayout(tensors=tensors)
     )
     return _status(
-        channel, "refit.v1.AgentService", "PublishLayout", False, request.SerializeToString()
+        channel,
+        "refit.v1.AgentService",
+        "PublishLayout",
+        False,
+        request.SerializeToString(),
+        member.metadata,
     )
 
 

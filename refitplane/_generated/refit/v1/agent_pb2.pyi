@@ -9,7 +9,10 @@ reports. Tensor bytes move rank-to-rank over NCCL/Gloo, never through this servi
 Lifecycle: Register → (RenewLease every ttl/3) → PublishLayout (data-plane ranks) →
 StreamCommands (server stream; reconnect with the same member_id) → Report per command.
 Every mutating call needs the bearer token as `authorization: Bearer <token>` metadata
-when the coordinator has one configured.
+when the coordinator has one configured. Every call after Register also needs the member's
+own credential (RegisterResponse.member_credential) as `x-refit-member-credential`
+metadata: the shared token lets a caller register, never act as another member
+(docs/coordinator.md#security).
 """
 
 from collections import abc as _abc
@@ -109,20 +112,26 @@ class RegisterResponse(_message.Message):
     MEMBER_ID_FIELD_NUMBER: _builtins.int
     LEASE_TTL_S_FIELD_NUMBER: _builtins.int
     RENEW_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    MEMBER_CREDENTIAL_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     lease_ttl_s: _builtins.float
     renew_interval_s: _builtins.float
     """Renew at least this often (ttl/3)."""
+    member_credential: _builtins.str
+    """This member's secret: sent as `x-refit-member-credential` metadata on every call that
+    names member_id. Returned once; the coordinator keeps only its SHA-256.
+    """
     def __init__(
         self,
         *,
         member_id: _builtins.str = ...,
         lease_ttl_s: _builtins.float = ...,
         renew_interval_s: _builtins.float = ...,
+        member_credential: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ttl_s", b"lease_ttl_s", "member_id", b"member_id", "renew_interval_s", b"renew_interval_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ttl_s", b"lease_ttl_s", "member_credential", b"member_credential", "member_id", b"member_id", "renew_interval_s", b"renew_interval_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

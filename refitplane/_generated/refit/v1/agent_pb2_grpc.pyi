@@ -9,7 +9,10 @@ reports. Tensor bytes move rank-to-rank over NCCL/Gloo, never through this servi
 Lifecycle: Register → (RenewLease every ttl/3) → PublishLayout (data-plane ranks) →
 StreamCommands (server stream; reconnect with the same member_id) → Report per command.
 Every mutating call needs the bearer token as `authorization: Bearer <token>` metadata
-when the coordinator has one configured.
+when the coordinator has one configured. Every call after Register also needs the member's
+own credential (RegisterResponse.member_credential) as `x-refit-member-credential`
+metadata: the shared token lets a caller register, never act as another member
+(docs/coordinator.md#security).
 """
 
 from collections import abc as _abc

@@ -21,6 +21,7 @@ _TABLE: tuple[tuple[type[errors.RefitError], grpc.StatusCode, HTTPStatus], ...] 
     (errors.Conflict, grpc.StatusCode.ABORTED, HTTPStatus.CONFLICT),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION, HTTPStatus.CONFLICT),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, HTTPStatus.UNAUTHORIZED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED, HTTPStatus.FORBIDDEN),
     (errors.RateLimited, grpc.StatusCode.RESOURCE_EXHAUSTED, HTTPStatus.TOO_MANY_REQUESTS),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE, HTTPStatus.SERVICE_UNAVAILABLE),
     (errors.TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED, HTTPStatus.GATEWAY_TIMEOUT),

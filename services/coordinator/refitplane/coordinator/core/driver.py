@@ -24,6 +24,7 @@ from refitplane.coordinator.core.plan_delivery import PlanDelivery
 from refitplane.coordinator.core.planning import PlannedRefit, Roster
 from refitplane.coordinator.core.records import MemberRecord, RefitRecord
 from refitplane.coordinator.core.replicas import ReplicaHealth
+from refitplane.coordinator.core.report_check import transfer_done_mismatch
 from refitplane.coordinator.core.run import Cast, RefitRun, phase_seconds
 from refitplane.coordinator.core.topology import DriverView
 from refitplane.coordinator.core.waits import wait_event
@@ -439,6 +440,13 @@ class JobDriver:
                 )
                 self._ctx.events.publish(run.record)
             case msg.TransferDone():
+                plan = self.delivery.plan_of(run, mid)
+                if plan is None:
+                    return False  # a sidecar: it reports ReplicaUpdated, never TransferDone
+                mismatch = transfer_done_mismatch(plan, body, delta=bool(run.delta.peers.get(mid)))
+                if mismatch is not None:
+                    run.fail(Reason.REPORT_MISMATCH, f"{member.describe()} reported {mismatch}")
+                    return True
                 run.done[mid] = body
                 if member.role is Role.TRAINER:
                     self.delta_bases.transfer_done(member, body)

@@ -15,11 +15,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 
+from refitplane.coordinator.auth import credential_matches, new_member_credential
 from refitplane.coordinator.core.records import MemberRecord
 from refitplane.coordinator.core.validation import check_member
 from refitplane.coordinator.store.base import Store
-from refitplane.errors import NotFound
+from refitplane.errors import NotFound, PermissionDenied, Unauthenticated
 from refitplane.protocol import MemberState, Role
+from refitplane.protocol.channel import MEMBER_CREDENTIAL_KEY
 from refitplane.protocol.messages import MemberInfo
 from refitplane.reshard.layout import Layout
 
@@ -97,6 +99,26 @@ class Membership:
             )
         return member
 
+    def authenticate(self, member_id: str, credential: str) -> MemberRecord:
+        """The registered member `member_id`, if `credential` is the one it was issued.
+        UNAUTHENTICATED without a credential; NOT_FOUND for an unknown member (its agent
+        registers again); PERMISSION_DENIED for a credential of anyone else."""
+        if not credential:
+            raise Unauthenticated("missing member credential", field=MEMBER_CREDENTIAL_KEY)
+        member = self.get(member_id)
+        if not member.credential_sha256:
+            # Registered before credentials existed: nobody can prove to be it.
+            raise NotFound(
+                f"member {member_id!r} has no credential on record; register again",
+                field="member_id",
+            )
+        if not credential_matches(credential, member.credential_sha256):
+            raise PermissionDenied(
+                f"the member credential presented is not member {member_id!r}'s",
+                field=MEMBER_CREDENTIAL_KEY,
+            )
+        return member
+
     def find(self, member_id: str) -> MemberRecord | None:
         return self._members.get(member_id)
 
@@ -121,13 +143,17 @@ class Membership:
 
     # --- changes -------------------------------------------------------------------------
 
-    async def register(self, info: MemberInfo) -> MemberRecord:
+    async def register(self, info: MemberInfo) -> tuple[MemberRecord, str]:
+        """Register (replacing the member with the same key); returns the member and its
+        credential, which only the caller ever sees."""
         check_member(info)
         if not self.allowed(info.job):
             raise NotFound(f"job {info.job!r} is not in REFIT_ALLOWED_JOBS", field="job")
         now = time.time()
+        credential, digest = new_member_credential()
         member = MemberRecord(
             member_id=uuid.uuid4().hex,
+            credential_sha256=digest,
             job=info.job,
             role=info.role,
             replica_id=info.replica_id,
@@ -158,7 +184,7 @@ class Membership:
             await self._depart(old, Departure.MEMBER_REPLACED)
         else:
             log.info("registered %s in job %s", member.describe(), member.job)
-        return member
+        return member, credential
 
     def renew(self, member_id: str) -> MemberRecord:
         member = self.get_live(member_id)

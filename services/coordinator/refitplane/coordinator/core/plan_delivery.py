@@ -45,7 +45,8 @@ class PlanDelivery:
         self._plans = {}
         self._resends = {}
 
-    def _plan_of(self, run: RefitRun, member_id: str) -> RankPlan | None:
+    def plan_of(self, run: RefitRun, member_id: str) -> RankPlan | None:
+        """The rank plan `member_id` was sent for `run` (None: a sidecar, another refit)."""
         return self._plans.get(member_id) if run.refit_id == self._refit_id else None
 
     def send(self, run: RefitRun, member_id: str, plan: RankPlan) -> None:
@@ -78,7 +79,7 @@ class PlanDelivery:
 
     def prepared(self, run: RefitRun, member_id: str) -> None:
         """`member_id` reported Prepared: it holds the plan it was sent."""
-        plan = self._plan_of(run, member_id)
+        plan = self.plan_of(run, member_id)
         if plan is not None:
             self.holdings.acknowledge(member_id, self._epoch, (plan.plan_digest, plan.rank))
 
@@ -89,7 +90,7 @@ class PlanDelivery:
         """A member does not hold the plan its PrepareRefit named: send it the body (the
         refit goes on; PREPARING's deadline still bounds it). False: the report is stale."""
         mid = member.member_id
-        plan = self._plan_of(run, mid)
+        plan = self.plan_of(run, mid)
         if (
             plan is None
             or (plan.plan_digest, plan.rank) != (body.plan_digest, body.plan_rank)

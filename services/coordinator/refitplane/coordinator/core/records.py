@@ -47,6 +47,9 @@ class MemberRecord(BaseModel):
     state: MemberState = MemberState.JOINING
     registered_unix: float = 0.0
     lease_expires_unix: float = 0.0
+    # SHA-256 of the credential issued at registration (never the credential itself; never
+    # in a view): every agent call naming this member must present the credential.
+    credential_sha256: str = ""
 
     @property
     def key(self) -> str:

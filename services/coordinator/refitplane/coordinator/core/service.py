@@ -133,20 +133,29 @@ class Coordinator:
 
     # --- agents --------------------------------------------------------------------------
 
-    async def register(self, info: msg.MemberInfo) -> MemberRecord:
-        member = await self.membership.register(info)
+    async def register(self, info: msg.MemberInfo) -> tuple[MemberRecord, str]:
+        """The new member and its credential (every later call must present it)."""
+        member, credential = await self.membership.register(info)
         await self._driver(member.job)
-        return member
+        return member, credential
 
-    def renew(self, member_id: str) -> MemberRecord:
-        return self.membership.renew(check_member_id(member_id))
+    def authenticate(self, member_id: str, credential: str) -> MemberRecord:
+        """The member a call names, if the caller proved to be it (see `Membership`)."""
+        return self.membership.authenticate(check_member_id(member_id), credential)
 
-    def member(self, member_id: str) -> MemberRecord:
+    def renew(self, member_id: str, *, credential: str) -> MemberRecord:
+        self.authenticate(member_id, credential)
+        return self.membership.renew(member_id)
+
+    def member(self, member_id: str, *, credential: str) -> MemberRecord:
         """A live member (NOT_FOUND when unknown or lost)."""
-        return self.membership.get_live(check_member_id(member_id))
+        self.authenticate(member_id, credential)
+        return self.membership.get_live(member_id)
 
-    async def publish_layout(self, member_id: str, layout: Layout) -> MemberRecord:
-        member = self.member(member_id)
+    async def publish_layout(
+        self, member_id: str, layout: Layout, *, credential: str
+    ) -> MemberRecord:
+        member = self.member(member_id, credential=credential)
         if not member.role.is_data_plane:
             raise InvalidArgument("sidecars do not publish layouts", field="member_id")
         if not len(layout):
@@ -154,20 +163,21 @@ class Coordinator:
         await self.layouts.put(layout)
         return await self.membership.publish_layout(member_id, layout)
 
-    async def stream(self, member_id: str) -> AsyncIterator[msg.Command]:
-        self.member(member_id)
+    async def stream(self, member_id: str, *, credential: str) -> AsyncIterator[msg.Command]:
+        self.member(member_id, credential=credential)
         async for command in self.outbox.stream(member_id):
             yield command
 
-    async def report(self, report: msg.Report) -> bool:
-        member = self.membership.get(check_member_id(report.member_id))
+    async def report(self, report: msg.Report, *, credential: str) -> bool:
+        member = self.authenticate(report.member_id, credential)
         if not member.alive:
             return False
         driver = self._drivers.get(member.job)
         return driver is not None and await driver.on_report(member, report)
 
-    async def deregister(self, member_id: str) -> None:
-        await self.membership.deregister(check_member_id(member_id))
+    async def deregister(self, member_id: str, *, credential: str) -> None:
+        self.authenticate(member_id, credential)
+        await self.membership.deregister(member_id)
 
     # --- orchestrators -------------------------------------------------------------------
 

@@ -13,11 +13,18 @@ from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.coordinator.core.service import Coordinator
 from refitplane.coordinator.grpc.encoding import CommandEncoder
 from refitplane.protocol import convert
+from refitplane.protocol.channel import MEMBER_CREDENTIAL_KEY
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
 # Layouts larger than this are converted off the event loop.
 _INLINE_TENSORS = 2000
+
+
+def _credential(context: Context) -> str:
+    """The member credential the caller presented ('' when none)."""
+    value = dict(context.invocation_metadata() or ()).get(MEMBER_CREDENTIAL_KEY, "")
+    return value if isinstance(value, str) else ""
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
@@ -28,16 +35,19 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def Register(
         self, request: apb.RegisterRequest, context: Context
     ) -> apb.RegisterResponse:
-        member = await self._core.register(convert.register_from_proto(request))
+        member, credential = await self._core.register(convert.register_from_proto(request))
         ttl = self._core.settings.lease_ttl_s
         return apb.RegisterResponse(
-            member_id=member.member_id, lease_ttl_s=ttl, renew_interval_s=ttl / 3
+            member_id=member.member_id,
+            lease_ttl_s=ttl,
+            renew_interval_s=ttl / 3,
+            member_credential=credential,
         )
 
     async def RenewLease(
         self, request: apb.RenewLeaseRequest, context: Context
     ) -> apb.RenewLeaseResponse:
-        member = self._core.renew(request.member_id)
+        member = self._core.renew(request.member_id, credential=_credential(context))
         return apb.RenewLeaseResponse(
             lease_expires_unix=member.lease_expires_unix,
             state=convert.member_state_to_proto(member.state),
@@ -46,26 +56,29 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def PublishLayout(
         self, request: apb.PublishLayoutRequest, context: Context
     ) -> apb.PublishLayoutResponse:
-        member = self._core.member(request.member_id)
+        credential = _credential(context)
+        member = self._core.member(request.member_id, credential=credential)
         if len(request.layout.tensors) > _INLINE_TENSORS:
             layout = await asyncio.to_thread(convert.layout_from_proto, request.layout, member.rank)
         else:
             layout = convert.layout_from_proto(request.layout, member.rank)
-        await self._core.publish_layout(member.member_id, layout)
+        await self._core.publish_layout(member.member_id, layout, credential=credential)
         return apb.PublishLayoutResponse(layout_digest=layout.digest, num_tensors=len(layout))
 
     async def StreamCommands(
         self, request: apb.StreamCommandsRequest, context: Context
     ) -> AsyncIterator[apb.Command]:
-        async for command in self._core.stream(request.member_id):
+        async for command in self._core.stream(request.member_id, credential=_credential(context)):
             yield self._encoder.encode(command)
 
     async def Report(self, request: apb.ReportRequest, context: Context) -> apb.ReportResponse:
-        accepted = await self._core.report(convert.report_from_proto(request))
+        accepted = await self._core.report(
+            convert.report_from_proto(request), credential=_credential(context)
+        )
         return apb.ReportResponse(accepted=accepted)
 
     async def Deregister(
         self, request: apb.DeregisterRequest, context: Context
     ) -> apb.DeregisterResponse:
-        await self._core.deregister(request.member_id)
+        await self._core.deregister(request.member_id, credential=_credential(context))
         return apb.DeregisterResponse()
