@@ -44,6 +44,7 @@ COORDINATOR_ENV = frozenset(
         "REFIT_HTTP_PORT",
         "REFIT_REDIS_URL",
         "REFIT_REDIS_PASSWORD",
+        "REFIT_REDIS_PASSWORD_FILE",
         "REFIT_AUTH_TOKEN",
         "REFIT_AUTH_TOKEN_FILE",
         "REFIT_TLS_CERT_FILE",

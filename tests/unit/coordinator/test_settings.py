@@ -109,6 +109,20 @@ def test_token_file_wins_and_empty_file_is_an_error(env, tmp_path):
         _settings(auth_token_file=f).token()
 
 
+def test_redis_password_file_wins_and_is_redacted(env, tmp_path):
+    f = tmp_path / "redis-password"
+    f.write_text("p@ss/file\n")
+    s = _settings(redis_url="redis://host:1/0", redis_password="from-env", redis_password_file=f)
+    assert s.redis_dsn() == "redis://:p%40ss%2Ffile@host:1/0"
+    assert s.redacted_redis_url() == "redis://***@host:1/0"
+    assert "p@ss" not in repr(s)
+    f.write_text("")
+    with pytest.raises(ValueError, match=r"REFIT_REDIS_PASSWORD_FILE .* is empty"):
+        s.redis_dsn()
+    # The embedded store needs no password: the file is not read.
+    assert _settings(redis_password_file=tmp_path / "absent").redis_dsn() == ""
+
+
 def test_secrets_are_not_shown(env):
     s = _settings(
         auth_token="tok-123", redis_url="redis://user:urlpw@host:1/0", redis_password="pw-456"

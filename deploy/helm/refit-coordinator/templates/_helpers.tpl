@@ -71,7 +71,12 @@ app.kubernetes.io/component: test
 {{- end -}}
 
 {{- define "refit.redis.image" -}}
-{{- printf "%s:%s" .Values.redis.bundled.image.repository (toString .Values.redis.bundled.image.tag) -}}
+{{- $image := .Values.redis.bundled.image -}}
+{{- if $image.digest -}}
+{{- printf "%s:%s@%s" $image.repository (toString $image.tag) $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $image.repository (toString $image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Secrets and addresses -------------------------------------------------------------- */}}
@@ -90,6 +95,24 @@ app.kubernetes.io/component: test
 
 {{- define "refit.redis.secretKey" -}}
 {{- if .Values.redis.bundled.auth.existingSecret -}}{{ .Values.redis.bundled.auth.existingSecretKey }}{{- else -}}redis-password{{- end -}}
+{{- end -}}
+
+{{/* The Secret (and key) with the coordinator's Redis password: the bundled Redis' or
+     redis.external.existingSecret; empty when the external Redis has no password Secret. */}}
+{{- define "refit.redis.passwordSecret" -}}
+{{- if .Values.redis.bundled.enabled -}}
+{{- include "refit.redis.secretName" . -}}
+{{- else if .Values.redis.external.existingSecret -}}
+{{- .Values.redis.external.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "refit.redis.passwordKey" -}}
+{{- if .Values.redis.bundled.enabled -}}
+{{- include "refit.redis.secretKey" . -}}
+{{- else -}}
+{{- .Values.redis.external.existingSecretKey -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "refit.redis.url" -}}

@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     redis_url: str = ""
     # Overrides the password in redis_url (so the URL can live in a ConfigMap).
     redis_password: SecretStr | None = None
+    # A mounted secret holding the password; wins over redis_password.
+    redis_password_file: Path | None = None
     auth_token: SecretStr | None = None
     # A mounted secret; wins over auth_token.
     auth_token_file: Path | None = None
@@ -101,17 +103,21 @@ class Settings(BaseSettings):
     def token(self) -> str | None:
         """The bearer token agents and orchestrators must present (None: auth off)."""
         if self.auth_token_file is not None:
-            text = self.auth_token_file.read_text().strip()
-            if not text:
-                raise ValueError(f"REFIT_AUTH_TOKEN_FILE {self.auth_token_file} is empty")
-            return text
+            return _secret_file(self.auth_token_file, "REFIT_AUTH_TOKEN_FILE")
         if self.auth_token is not None and self.auth_token.get_secret_value():
             return self.auth_token.get_secret_value()
         return None
 
+    def _redis_password(self) -> str | None:
+        if self.redis_password_file is not None:
+            return _secret_file(self.redis_password_file, "REFIT_REDIS_PASSWORD_FILE")
+        return self.redis_password.get_secret_value() if self.redis_password is not None else None
+
     def redis_dsn(self) -> str:
-        """redis_url with REFIT_REDIS_PASSWORD applied (never log this: use redacted_redis_url)."""
-        if not self.redis_url or self.redis_password is None:
+        """redis_url with REFIT_REDIS_PASSWORD(_FILE) applied (never log this: use
+        redacted_redis_url)."""
+        secret = self._redis_password() if self.redis_url else None
+        if secret is None:
             return self.redis_url
         parts = urlsplit(self.redis_url)
         host = parts.hostname or ""
@@ -119,7 +125,7 @@ class Settings(BaseSettings):
             host = f"[{host}]"
         port = f":{parts.port}" if parts.port else ""
         user = quote(parts.username or "", safe="")
-        password = quote(self.redis_password.get_secret_value(), safe="")
+        password = quote(secret, safe="")
         netloc = f"{user}:{password}@{host}{port}"
         return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
@@ -129,7 +135,8 @@ class Settings(BaseSettings):
         parts = urlsplit(self.redis_url)
         host = parts.hostname or ""
         port = f":{parts.port}" if parts.port else ""
-        auth = "***@" if parts.password or self.redis_password is not None else ""
+        given = self.redis_password is not None or self.redis_password_file is not None
+        auth = "***@" if parts.password or given else ""
         return urlunsplit((parts.scheme, f"{auth}{host}{port}", parts.path, "", ""))
 
     def transfer_config(self) -> TransferConfig:
@@ -147,3 +154,11 @@ class Settings(BaseSettings):
     @property
     def tls(self) -> bool:
         return self.tls_cert_file is not None
+
+
+def _secret_file(path: Path, variable: str) -> str:
+    """A mounted secret's value (surrounding whitespace dropped); an empty file is an error."""
+    text = path.read_text().strip()
+    if not text:
+        raise ValueError(f"{variable} {path} is empty")
+    return text
