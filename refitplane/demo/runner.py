@@ -82,6 +82,12 @@ class VariantResult:
         )
 
 
+# How long each child process (vLLM, sidecar, coordinator) gets to exit after SIGTERM before
+# SIGKILL; after ^C or SIGTERM of the demo itself, everything must stop within seconds.
+CHILD_STOP_S = 15.0
+INTERRUPTED_STOP_S = 3.0
+
+
 def say(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
@@ -108,9 +114,9 @@ class Demo:
         self.procs.append(proc)
         return proc
 
-    def stop_all(self) -> None:
+    def stop_all(self, timeout_s: float = CHILD_STOP_S) -> None:
         for proc in reversed(self.procs):
-            proc.stop()
+            proc.stop(timeout_s)
         self.procs.clear()
 
     # -- one model variant --------------------------------------------------------------------
@@ -207,6 +213,7 @@ class Demo:
         ]
         for p in trainers:
             p.start()
+        interrupted = False  # ^C / SIGTERM: stop everything within seconds
         try:
             shards = self._collect(results, "ready", 2, 180)
             say(
@@ -230,14 +237,17 @@ class Demo:
             result.trainer_tokens = self._collect(results, "tokens", 1, 300)[0]
         except RefitError as exc:
             result.error = exc.message
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
             for q in commands:
                 q.put("stop")
             for p in trainers:
-                p.join(timeout=30)
+                p.join(timeout=INTERRUPTED_STOP_S if interrupted else 30.0)
                 if p.is_alive():
                     p.kill()
-            self.stop_all()
+            self.stop_all(timeout_s=INTERRUPTED_STOP_S if interrupted else CHILD_STOP_S)
         return result
 
     # -- helpers --------------------------------------------------------------------------
@@ -380,8 +390,11 @@ def run_demo(
             except RefitError as exc:
                 results.append(VariantResult(variant, error=exc.message))
                 say(f"{variant}: {exc.message}")
+    except KeyboardInterrupt:
+        say(f"interrupted: stopped its processes; logs kept in {base}")
+        raise
     finally:
-        demo.stop_all()
+        demo.stop_all(timeout_s=INTERRUPTED_STOP_S)
     print_summary(results)
     ok = bool(results) and all(r.ok for r in results)
     if owned and ok and not keep:
