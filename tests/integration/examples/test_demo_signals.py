@@ -8,10 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.integration.vllm_marks import VLLM_CPU
+from tests.support.processes import killed_at_exit, stop_with, wait_for_line
 
 pytestmark = VLLM_CPU
 
@@ -41,20 +41,11 @@ def test_sigterm_while_vllm_starts_stops_everything(tmp_path: Path) -> None:
              "--steps", "1", "--workdir", str(workdir)],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
-        while "starting vLLM" not in log_path.read_text():
-            assert demo.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the demo never started vLLM"
-            time.sleep(0.2)
+    with killed_at_exit(demo):
+        wait_for_line(demo, log_path, "starting vLLM", timeout_s=300, what="the demo")
         children = _processes_mentioning(str(workdir), besides=demo.pid)
         assert children, "no child process to stop"  # the coordinator and vLLM, at least
-        demo.send_signal(signal.SIGTERM)
-        code = demo.wait(timeout=STOP_BOUND_S)
-    finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
+        code = stop_with(demo, signal.SIGTERM, timeout_s=STOP_BOUND_S)
     text = log_path.read_text()
     assert code == 130, text
     assert "refitctl: interrupted (SIGTERM)" in text

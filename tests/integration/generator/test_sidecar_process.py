@@ -16,7 +16,7 @@ import pytest
 
 from refitplane.demo.processes import free_port
 from refitplane.version import __version__
-from tests.support.processes import run_to_end
+from tests.support.processes import killed_at_exit, run_to_end, stop_with, wait_for_line
 
 pytestmark = pytest.mark.integration
 
@@ -48,21 +48,12 @@ def test_signal_stops_it_while_waiting_for_vllm(tmp_path: Path, signum: signal.S
         proc = subprocess.Popen(
             _command("--sidecar-port", "0"), env=_env(), cwd=tmp_path, stdout=log, stderr=log
         )
-    try:
-        deadline = time.monotonic() + 60
-        while "waiting for vLLM" not in log_path.read_text():
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the sidecar never started waiting for vLLM"
-            time.sleep(0.05)
+    with killed_at_exit(proc):
+        wait_for_line(proc, log_path, "waiting for vLLM", timeout_s=60, what="the sidecar")
         time.sleep(1.0)  # well inside the wait loop
         signalled = time.monotonic()
-        proc.send_signal(signum)
-        code = proc.wait(timeout=STOP_BOUND_S + MARGIN_S)
+        code = stop_with(proc, signum, timeout_s=STOP_BOUND_S + MARGIN_S)
         took = time.monotonic() - signalled
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     text = log_path.read_text()
     assert code == 0, text
     assert f"{signum.name} received: stopping" in text
