@@ -4,6 +4,7 @@ by default, ignoring both), a health port in use is one line, a bad flag is refu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -44,9 +45,11 @@ def _env() -> dict[str, str]:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_it_while_waiting_for_vllm(tmp_path: Path, signum: signal.Signals):
     log_path = tmp_path / "sidecar.log"
+    json_logs = signum == signal.SIGINT  # one of the two runs logs JSON lines (REFIT_LOG_JSON)
+    env = _env() | ({"REFIT_LOG_JSON": "true"} if json_logs else {})
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            _command("--sidecar-port", "0"), env=_env(), cwd=tmp_path, stdout=log, stderr=log
+            _command("--sidecar-port", "0"), env=env, cwd=tmp_path, stdout=log, stderr=log
         )
     with killed_at_exit(proc):
         wait_for_line(proc, log_path, "waiting for vLLM", timeout_s=60, what="the sidecar")
@@ -58,6 +61,10 @@ def test_signal_stops_it_while_waiting_for_vllm(tmp_path: Path, signum: signal.S
     assert code == 0, text
     assert f"{signum.name} received: stopping" in text
     assert "stopped" in text
+    if json_logs:
+        lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+        assert {"ts", "level", "logger", "message"} <= set(lines[-1])
+        assert any(d["message"] == f"{signum.name} received: stopping" for d in lines)
     print(f"stopped {took:.2f} s after {signum.name}")
 
 

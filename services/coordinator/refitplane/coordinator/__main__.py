@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prog = "refit-coordinator"
     # Heavy imports after argument parsing keep --help fast.
-    from refitplane.coordinator import logs
+    from refitplane import logs
     from refitplane.coordinator.settings import Settings
 
     try:

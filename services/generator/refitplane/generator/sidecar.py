@@ -82,6 +82,9 @@ class SidecarSettings(BaseSettings):
     vllm_start_timeout_s: float = 900.0
     update_timeout_s: float = 900.0
     register_timeout_s: float = 120.0
+    log_level: str = "INFO"
+    # One JSON object per log line, as the coordinator's REFIT_LOG_JSON.
+    log_json: bool = False
 
     def token(self) -> str | None:
         if self.auth_token_file:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import threading
 from collections.abc import Sequence
 
+from refitplane import logs
 from refitplane.errors import RefitError
 from refitplane.generator.sidecar import Sidecar, SidecarSettings
 from refitplane.lifecycle import (
@@ -42,13 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag in ("coordinator", "job", "replica-id", "vllm-url", "pause-mode", "sidecar-port"):
         parser.add_argument(f"--{flag}", help=f"overrides REFIT_{flag.upper().replace('-', '_')}")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("REFIT_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     try:
         settings = SidecarSettings(**overrides)
+        logs.configure(settings.log_level.upper(), json_lines=settings.log_json)
     except ValueError as exc:  # pydantic's ValidationError names the missing fields
         print(f"{prog}: bad configuration: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIGURATION

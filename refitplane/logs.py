@@ -1,4 +1,5 @@
-"""Logging set-up: plain text or one JSON object per line (REFIT_LOG_JSON); the access log
+"""Logging set-up of every long-running command (coordinator, sidecar): plain text or one
+JSON object per line (REFIT_LOG_JSON); the coordinator's access log
 (`refitplane.coordinator.access`) on or off (REFIT_ACCESS_LOG)."""
 
 from __future__ import annotations
