@@ -1,12 +1,16 @@
 """`refit-coordinator` refuses to start with one line naming what and where: a gRPC or HTTP
 port another coordinator listens on (gRPC's SO_REUSEPORT default would let both listen),
-an unreachable Redis (named by its URL, password redacted)."""
+an unreachable Redis (named by its URL, password redacted); and SIGTERM stops it during
+start-up too."""
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -15,7 +19,7 @@ import pytest
 from refitplane.demo.processes import free_port
 from refitplane.version import __version__
 from tests.integration.conftest import COORDINATOR_MODULE
-from tests.support.processes import run_to_end
+from tests.support.processes import killed_at_exit, run_to_end, stop_with
 
 pytestmark = pytest.mark.integration
 
@@ -70,3 +74,26 @@ def test_version(tmp_path):
     result = _run(tmp_path, "--version")
     assert result.returncode == 0
     assert result.stdout.strip() == f"refit-coordinator {__version__}"
+
+
+def test_sigterm_while_the_store_does_not_answer_stops_it(tmp_path):
+    """A Redis that accepts connections and never answers holds start-up for ~20 s (5 s
+    socket timeout, 3 retries); SIGTERM must not wait for that."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the backlog; nothing ever answers
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("REFIT_")}
+        log_path = tmp_path / "coordinator.log"
+        argv = [sys.executable, *COORDINATOR_MODULE, "--env-file", str(tmp_path / "no.env"),
+                "--grpc-port", "0", "--http-port", "0", "--redis-url", url]  # fmt: skip
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=log)
+        with killed_at_exit(proc):
+            time.sleep(2.0)  # inside the store's first PING (no log line marks it)
+            assert proc.poll() is None, log_path.read_text()
+            code = stop_with(proc, signal.SIGTERM, timeout_s=12)
+    text = log_path.read_text()
+    assert code == 0, text
+    assert "SIGTERM received: stopping" in text
+    assert "Traceback" not in text
