@@ -43,6 +43,9 @@ class RequestObserver(grpc.aio.ServerInterceptor):
         @contextlib.contextmanager
         def observed(context: Context, *, unary: bool) -> Iterator[None]:
             started, failed = time.perf_counter(), None
+            # Read while the call is live: peer() on a call that already ended (a stream the
+            # client cancelled) dereferences a freed call in cygrpc and kills the process.
+            peer = context.peer() or ""
             try:
                 yield
             except BaseException as exc:
@@ -51,7 +54,7 @@ class RequestObserver(grpc.aio.ServerInterceptor):
             finally:
                 duration_s = time.perf_counter() - started
                 code = _code(context, failed)
-                metrics.grpc_call(method, code, duration_s, unary=unary, peer=context.peer() or "")
+                metrics.grpc_call(method, code, duration_s, unary=unary, peer=peer)
 
         if handler.unary_unary is not None:
             unary: Any = handler.unary_unary
