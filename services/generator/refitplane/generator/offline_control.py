@@ -7,7 +7,7 @@ generate from another thread while a refit runs.
 
 The `LLM` verbs raise where the HTTP server answers an error status (the refitplane API
 guard: 400 bad payload, 409 wrong state or unverified update, 500 engine failure, 501
-draft updates); each is turned into that status, as `VllmControl` reports it.
+draft updates); each is turned into that status, as `vllm_http_control.VllmControl` reports it.
 """
 
 from __future__ import annotations

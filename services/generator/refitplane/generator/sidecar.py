@@ -33,9 +33,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,7 +43,7 @@ from refitplane.agent.handler import NullHandler
 from refitplane.agent.session import AgentSession
 from refitplane.client.sync import RefitClient
 from refitplane.errors import FailedPrecondition, TransferError, Unavailable
-from refitplane.generator.vllm_contract import ENGINE_ATTR
+from refitplane.generator.vllm_http_control import EngineControl, VllmControl
 from refitplane.lifecycle import StartupError, bind_failure
 from refitplane.protocol import RefitState, Role
 from refitplane.protocol.messages import (
@@ -91,99 +90,6 @@ class SidecarSettings(BaseSettings):
             with open(self.auth_token_file) as f:
                 return f.read().strip() or None
         return self.auth_token or None
-
-
-class EngineControl(Protocol):
-    """The engine verbs a sidecar drives (HTTP for a server, method calls in-process)."""
-
-    def healthy(self) -> bool: ...
-    def wait_healthy(self, timeout_s: float) -> None: ...
-    def init_engine(self, init_info: dict[str, Any]) -> int: ...
-    def pause(self, mode: str) -> int: ...
-    def resume(self) -> int: ...
-    def start_update(self) -> int: ...
-    def update(self, update_info: dict[str, Any]) -> int: ...
-    # None closes the update without naming a version (a discarded or failed one).
-    def finish(self, version: int | None) -> int: ...
-    # Every worker's engine status (the refitplane engine's status channel), or None.
-    def engine_status(self) -> list[dict[str, Any]] | None: ...
-    def close(self) -> None: ...
-
-
-class VllmControl:
-    """vLLM's pause / weight-update / resume HTTP verbs (needs VLLM_SERVER_DEV_MODE=1)."""
-
-    def __init__(self, base_url: str, *, timeout_s: float = 900.0) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=10.0)
-        )
-
-    def close(self) -> None:
-        self._http.close()
-
-    def healthy(self) -> bool:
-        try:
-            return self._http.get("/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.healthy():
-            if time.monotonic() > deadline:
-                raise Unavailable(
-                    f"vLLM at {self.base_url} did not become healthy within {timeout_s:.0f} s"
-                )
-            time.sleep(1.0)
-
-    def _post(
-        self, path: str, *, body: dict[str, Any] | None = None, params: dict[str, str] | None = None
-    ) -> int:
-        try:
-            response = self._http.post(path, json=body, params=params)
-        except httpx.HTTPError as exc:
-            raise Unavailable(f"vLLM {path}: {exc}") from exc
-        if response.status_code == 404:
-            raise FailedPrecondition(f"vLLM has no {path}: start it with VLLM_SERVER_DEV_MODE=1")
-        if response.status_code >= 400:
-            # Not trusted as the outcome (see the module docstring), but worth a log line.
-            log.warning("vLLM %s answered %d: %s", path, response.status_code, response.text[:300])
-        return response.status_code
-
-    def init_engine(self, init_info: dict[str, Any]) -> int:
-        return self._post("/init_weight_transfer_engine", body={"init_info": init_info})
-
-    def pause(self, mode: str) -> int:
-        return self._post("/pause", params={"mode": mode})
-
-    def resume(self) -> int:
-        return self._post("/resume")
-
-    def start_update(self) -> int:
-        return self._post("/start_weight_update")
-
-    def update(self, update_info: dict[str, Any]) -> int:
-        return self._post("/update_weights", body={"update_info": update_info})
-
-    def finish(self, version: int | None) -> int:
-        body = None if version is None else {"weight_version": str(version)}
-        return self._post("/finish_weight_update", body=body)
-
-    def engine_status(self) -> list[dict[str, Any]] | None:
-        try:
-            response = self._http.post(
-                "/collective_rpc",
-                json={"method": ENGINE_ATTR, "kwargs": {"op": "status"}},
-                timeout=30.0,
-            )
-        except httpx.HTTPError as exc:
-            log.debug("vLLM /collective_rpc: %s", exc)
-            return None
-        if response.status_code != 200:
-            return None
-        results = response.json().get("results")
-        return results if isinstance(results, list) else None
 
 
 @dataclass
