@@ -253,8 +253,11 @@ class DataPlaneMember(NullHandler):
                 delta=self._delta_links(prepared.command, shards),
             )
             # Still under the trainer's weights read-lock: the bytes are exactly those sent.
-            self._keep_delta_base(config, shards, prepared, sent=sent_side)
+            self._keep_delta_base(config, shards, prepared, report)
         except BaseException as exc:
+            if self.delta_snapshot is not None:
+                # The scan may have advanced the base part-way: it describes no version.
+                self.delta_snapshot.invalidate()
             # A receiver that posted any receive no longer holds its old weights intact:
             # bytes land in the parameters as they arrive, long before a group completes
             # and progress counts them.
@@ -282,40 +285,54 @@ class DataPlaneMember(NullHandler):
     # -- delta refits --------------------------------------------------------------------------
 
     def _check_delta_base(self, cmd: PrepareRefitCmd) -> None:
-        """A sender named for deltas must hold the base the coordinator assumes: refuse at
-        PREPARING, before any byte moves, rather than encode against other bytes."""
+        """A sender named for deltas that does not hold the base the coordinator assumes (it
+        lost it to a failed transfer the coordinator did not hear of) sends every message
+        dense: the refit goes on in full, nothing is encoded against other bytes."""
         if not cmd.delta_peers or self.delta_snapshot is None:
             return
-        held = self.delta_snapshot.version
-        if held != cmd.delta_base_version or self.delta_snapshot.base_for(self._shards()) is None:
-            raise FailedPrecondition(
-                f"refit {cmd.refit_id} sends deltas against version {cmd.delta_base_version}, "
-                f"but this rank's delta base is "
-                + (f"version {held}" if held else "empty")
-                + " (or was taken of other boxes); the next refit goes in full"
+        if self._delta_base(cmd, self._shards()) is None:
+            held = self.delta_snapshot.version
+            log.warning(
+                "refit %s: deltas against version %d asked, but this rank's delta base is %s; "
+                "sending in full",
+                cmd.refit_id,
+                cmd.delta_base_version,
+                f"version {held}" if held else "empty (or of other boxes)",
             )
+
+    def _delta_base(self, cmd: PrepareRefitCmd, shards: LocalShards) -> LocalShards | None:
+        snapshot = self.delta_snapshot
+        if snapshot is None or snapshot.version != cmd.delta_base_version:
+            return None
+        return snapshot.base_for(shards)
 
     def _delta_links(self, cmd: PrepareRefitCmd, shards: LocalShards) -> DeltaLinks | None:
         if not cmd.delta_peers or cmd.config is None or cmd.config.delta == "off":
             return None
-        base = self.delta_snapshot.base_for(shards) if self.delta_snapshot else None
         return DeltaLinks(
             peers=cmd.delta_peers,
-            base=base,
+            base=self._delta_base(cmd, shards),
             mode=cmd.config.delta,
             max_changed=cmd.config.delta_max_changed,
+            current=shards,
         )
 
     def _keep_delta_base(
-        self, config: TransferConfig, shards: LocalShards, prepared: Prepared, *, sent: bool
+        self,
+        config: TransferConfig,
+        shards: LocalShards,
+        prepared: Prepared,
+        report: TransferReport,
     ) -> None:
         snapshot = self.delta_snapshot
-        if snapshot is None or not sent:
+        if snapshot is None or not prepared.held.send_bytes:
             return
         if config.delta == "off":
             snapshot.release()  # deltas turned off: give the memory back
-            return
-        snapshot.capture(shards, prepared.version)
+        elif report.delta_base_advanced:
+            snapshot.advanced_to(prepared.version)  # the scan wrote the bytes sent
+        else:
+            snapshot.capture(shards, prepared.version)
 
     def _executor_for(self, config: TransferConfig) -> Executor:
         if self.transport is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
@@ -83,6 +83,32 @@ def changed_words(current: torch.Tensor, base: torch.Tensor, word: int) -> torch
     return torch.count_nonzero(cur != old)
 
 
+@dataclass(slots=True)
+class Scan:
+    """What one pass over a message found (`scan`): how many words changed (`count`, 0-d on
+    the device, read back with many others at once) and which (`flags`: a bitmap on CUDA, a
+    boolean mask on the torch path), for `encode_scanned`."""
+
+    count: torch.Tensor
+    flags: torch.Tensor
+    block_counts: torch.Tensor | None = field(default=None)
+
+
+def scan(current: torch.Tensor, base: torch.Tensor, word: int, *, update_base: bool) -> Scan:
+    """Compare `current` with `base` once, word by word; with `update_base`, `base` holds
+    `current`'s bytes afterwards (a sender's snapshot advanced to the version it sends, in
+    the same pass on CUDA)."""
+    cur, old = _words(current, word), _words(base, word)
+    if delta_triton.available(cur):
+        bits = torch.empty((cur.numel() + 7) // 8, dtype=torch.uint8, device=cur.device)
+        counts = delta_triton.scan(cur, old, bits, update=update_base)
+        return Scan(counts.sum(dtype=torch.int64), bits, counts)
+    mask = cur != old
+    if update_base:
+        old.copy_(cur)
+    return Scan(torch.count_nonzero(mask), mask)
+
+
 def encoded_nbytes(encoding: Encoding, nbytes: int, changed: int, word: int) -> int:
     words = nbytes // word
     if encoding is Encoding.DENSE:
@@ -124,46 +150,49 @@ def _pack_bits(mask: torch.Tensor, bitmap: torch.Tensor) -> None:
     bitmap.copy_(packed.bitwise_and_(0xFF))
 
 
-def encode_into(
-    current: torch.Tensor, base: torch.Tensor, header: DeltaHeader, word: int, out: torch.Tensor
+def encode_scanned(
+    current: torch.Tensor, found: Scan, header: DeltaHeader, word: int, out: torch.Tensor
 ) -> None:
-    """Write the payload of `current` against `base` in `header`'s encoding into `out`
-    (1-D uint8 of `header.nbytes`)."""
+    """Write the payload of `current` in `header`'s encoding into `out` (1-D uint8 of
+    `header.nbytes`) from a `scan` of the message (the base may have been advanced since):
+    on CUDA reading only the flagged words of `current`."""
     if out.numel() != header.nbytes or out.dtype != torch.uint8:
         raise InvalidArgument(f"payload buffer of {out.numel()} bytes, need {header.nbytes}")
     if header.encoding is Encoding.DENSE:
         out.copy_(current)
         return
-    cur, old = _words(current, word), _words(base, word)
+    cur = _words(current, word)
     values_at = header.nbytes - header.changed * word
     values = out[values_at:].view(_WORD_DTYPES[word])
-    # The gap before the values is alignment padding: zeroed, so a payload's bytes depend
-    # on the data alone (the same on every device).
     section_end = (
         header.changed * _INDEX_BYTES
         if header.encoding is Encoding.INDEX
         else (cur.numel() + 7) // 8
     )
+    # The gap before the values is alignment padding: zeroed, so a payload's bytes depend
+    # on the data alone (the same on every device).
     out[section_end:values_at].zero_()
-    if delta_triton.available(cur):
-        # Same bytes in fewer passes over memory; a count that no longer matches is caught
-        # by the per-message checksums of the end state (as any other wrong byte would be).
-        if header.encoding is Encoding.INDEX:
-            index = out[: header.changed * _INDEX_BYTES].view(torch.int32)
-            delta_triton.compact(cur, old, values, index)
-        else:
-            delta_triton.pack_bitmap(cur, old, out[:section_end])
-            delta_triton.compact(cur, old, values, None)
+    index = (
+        out[: header.changed * _INDEX_BYTES].view(torch.int32)
+        if header.encoding is Encoding.INDEX
+        else None
+    )
+    if found.block_counts is not None:
+        # A count that no longer matches is caught by the per-message checksums of the end
+        # state, as any other wrong byte would be.
+        if index is None:
+            out[:section_end].copy_(found.flags)
+        delta_triton.gather(cur, found.flags, found.block_counts, values, index)
         return
-    mask = cur != old
-    if header.encoding is Encoding.INDEX:
-        found = torch.nonzero(mask).flatten()
-        if found.numel() != header.changed:
+    mask = found.flags
+    if index is not None:
+        positions = torch.nonzero(mask).flatten()
+        if positions.numel() != header.changed:
             raise InvalidArgument(
-                f"{found.numel()} words changed since they were counted ({header.changed})"
+                f"{positions.numel()} words changed since they were counted ({header.changed})"
             )
-        out[: header.changed * _INDEX_BYTES].view(torch.int32).copy_(found)
-        torch.index_select(cur, 0, found, out=values)
+        index.copy_(positions)
+        torch.index_select(cur, 0, positions, out=values)
         return
     _pack_bits(mask, out[:section_end])
     selected = cur[mask]  # masked_select is several times slower on CPU
@@ -172,6 +201,18 @@ def encode_into(
             f"{selected.numel()} words changed since they were counted ({header.changed})"
         )
     values.copy_(selected)
+
+
+def encode_into(
+    current: torch.Tensor, base: torch.Tensor, header: DeltaHeader, word: int, out: torch.Tensor
+) -> None:
+    """Write the payload of `current` against `base` in `header`'s encoding into `out`
+    (1-D uint8 of `header.nbytes`): one `scan`, then `encode_scanned`."""
+    if header.encoding is Encoding.DENSE:  # nothing to compare: the bytes themselves
+        found = Scan(torch.zeros((), dtype=torch.int64), torch.empty(0, dtype=torch.bool))
+    else:
+        found = scan(current, base, word, update_base=False)
+    encode_scanned(current, found, header, word, out)
 
 
 def apply_delta(image: torch.Tensor, header: DeltaHeader, word: int, payload: torch.Tensor) -> None:
@@ -184,11 +225,17 @@ def apply_delta(image: torch.Tensor, header: DeltaHeader, word: int, payload: to
         return
     dst = _words(image, word)
     values = payload[header.nbytes - header.changed * word :].view(_WORD_DTYPES[word])
-    if header.encoding is Encoding.INDEX:
-        index = payload[: header.changed * _INDEX_BYTES].view(torch.int32).long()
-        dst.index_copy_(0, index, values)
-        return
     nbits = dst.numel()
+    if header.encoding is Encoding.INDEX:
+        index = payload[: header.changed * _INDEX_BYTES].view(torch.int32)
+        if delta_triton.available(dst):
+            delta_triton.scatter_index(dst, index, values)
+            return
+        dst.index_copy_(0, index.long(), values)
+        return
     bitmap = payload[: (nbits + 7) // 8]
+    if delta_triton.available(dst):
+        delta_triton.scatter_bitmap(dst, bitmap, values)
+        return
     mask = (bitmap.unsqueeze(1) & _bit_weights(image.device)).ne(0).flatten()[:nbits]
     dst.masked_scatter_(mask, values)

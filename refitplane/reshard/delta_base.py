@@ -8,7 +8,11 @@ Memory cost: one copy of the rank's shards, `nbytes`.
 
 The snapshot is taken after a send completed (while the trainer still holds its weights'
 read-lock, so the bytes are exactly those sent) and dropped by any failure: a partly
-updated base must never be used. Which version it holds is reported to the coordinator,
+updated base must never be used. A delta transfer whose messages send every element of the
+snapshot exactly once advances it in place while it scans for changes (the changed words
+written in the same pass, `DeltaExchange.encode`), so no copy is taken after it
+(`advanced_to`); other transfers (a full refit, several target replicas, a host-side
+snapshot) copy it whole after the send. Which version it holds is reported to the coordinator,
 which allows a delta to a replica only when the replica holds that same version intact.
 """
 
@@ -71,6 +75,12 @@ class DeltaSnapshot:
         first = next(iter(shards), None)
         if first is not None and first.tensor.device.type == "cuda":
             torch.cuda.current_stream(first.tensor.device).synchronize()
+        self.version = version
+
+    def advanced_to(self, version: int) -> None:
+        """The transfer's scan already wrote `version`'s bytes into the snapshot."""
+        if version <= 0 or self._shards is None:
+            raise InvalidArgument(f"no snapshot to advance to version {version}")
         self.version = version
 
     def invalidate(self) -> None:

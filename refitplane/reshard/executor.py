@@ -91,6 +91,12 @@ class TransferReport:
     # wire), and the messages that went as deltas.
     bytes_full: int = 0
     delta_messages: int = 0
+    # A sender's delta base was advanced to the bytes sent while encoding (no snapshot copy
+    # needed once the transfer completed; see `DeltaExchange.advanced`).
+    delta_base_advanced: bool = False
+    # Host seconds of the delta exchange before the first message (senders: scan, counts
+    # read back, payloads written; both ends: the header tables swapped).
+    delta_seconds: float = 0.0
     # Staged receivers (`StagedShards`): buckets of stages, how many were applied during the
     # transfer (the last one is left to the owner), and the staging arena's size.
     staged_buckets: int = 0
@@ -367,7 +373,10 @@ class _Run:
             self.report.staged_buckets = len(self.buckets)
             self.report.staged_peak_bytes = self.staged.staging_peak_bytes
         if self.delta is not None:
+            began = time.monotonic()
             self._exchange_delta_headers(self.delta)
+            self.report.delta_base_advanced = self.delta.advanced
+            self.report.delta_seconds = time.monotonic() - began
         for i, step in enumerate(self.steps):
             self._check_cancel()
             bucket = self.bucket_starts.get(i)
@@ -582,8 +591,7 @@ class _Run:
     # -- packing, unpacking, checksums -----------------------------------------------------------
 
     def _after_transfer(self, group: _Group) -> None:
-        for image, delta in group.delta_apply:
-            DeltaExchange.apply(image, delta)
+        DeltaExchange.apply_all(group.delta_apply)
         if group.unpack_dst:
             torch._foreach_copy_(group.unpack_dst, group.unpack_src)
         for part, chunk in group.unpack_strided:

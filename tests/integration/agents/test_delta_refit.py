@@ -157,6 +157,13 @@ def test_delta_refits_move_only_changes_and_end_exact(
             assert done.bytes_on_wire < done.bytes_total, (fraction, done.bytes_on_wire)
             if fraction <= 0.01:
                 assert done.bytes_on_wire < done.bytes_total / 5, fraction
+            # One replica fed from whole shards: the scan advanced each base in place (no
+            # snapshot copy); two replicas read the same base twice, so it is copied after.
+            advanced = {t.member.last_report.delta_base_advanced for t in trainers}
+            if replicas > 1:
+                assert advanced == {False}
+            elif gen_tp == 1:
+                assert advanced == {True}
         metrics = coordinator.core.metrics.registry
         assert (
             metrics.get_sample_value("refit_replica_updates_total", {"path": "DELTA"})
@@ -240,3 +247,34 @@ def test_a_restarted_trainer_rank_sends_in_full_once(
             again = _refit(client, "k3")
             assert again.delta_replicas == ["rep-0"]
             _assert_holds(gens, truth, again.version)
+
+
+def test_a_sender_that_lost_its_base_sends_in_full(
+    coordinator_factory: Callable[..., Any],
+) -> None:
+    """A trainer rank whose base is gone without the coordinator knowing (a transfer that
+    failed after its scan advanced the base part-way, say) is still named for deltas: it
+    sends every message dense, the refit commits exact, and the next one is a delta again."""
+    with _session(coordinator_factory, "on", trainer_tp=2, gen_tp=1) as (
+        _,
+        trainers,
+        gens,
+        truth,
+        client,
+    ):
+        _refit(client, "k0")
+        _step(trainers, truth, 0.01, seed=1)
+        assert _refit(client, "k1").delta_replicas == ["rep-0"]
+        trainers[0].member.delta_snapshot.invalidate()
+        _step(trainers, truth, 0.01, seed=2)
+        lost = _refit(client, "k2")
+        assert lost.delta_replicas == ["rep-0"]
+        report = trainers[0].member.last_report
+        assert report is not None
+        assert report.delta_messages == 0
+        assert report.bytes_sent == report.bytes_full
+        _assert_holds(gens, truth, lost.version)
+        _step(trainers, truth, 0.01, seed=3)
+        again = _refit(client, "k3")
+        assert again.bytes_on_wire < again.bytes_total / 5
+        _assert_holds(gens, truth, again.version)

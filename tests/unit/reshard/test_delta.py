@@ -13,7 +13,9 @@ from refitplane.reshard.delta import (
     changed_words,
     choose_encoding,
     encode_into,
+    encode_scanned,
     encoded_nbytes,
+    scan,
     word_size,
 )
 
@@ -133,3 +135,29 @@ def test_bitmap_packing_for_every_byte_pattern() -> None:
     received = old.clone()
     apply_delta(received, header, 2, payload)
     assert torch.equal(received, new)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fraction", [0.0, 0.002, 0.05, 0.6])
+@pytest.mark.parametrize("encoding", list(Encoding))
+@pytest.mark.parametrize("update_base", [False, True])
+def test_one_scan_encodes_the_same_payload_and_can_advance_the_base(
+    dtype: torch.dtype, fraction: float, encoding: Encoding, update_base: bool
+) -> None:
+    """The fused path (`scan`, then `encode_scanned`) writes exactly `encode_into`'s bytes,
+    and with `update_base` leaves the base holding the current bytes."""
+    base = torch.randn(5003, generator=torch.Generator().manual_seed(4)).to(dtype)
+    current = _perturbed(base, fraction, seed=5)
+    word = base.element_size()
+    old, new = _image(base), _image(current)
+    changed = int(changed_words(new, old, word))
+    header = DeltaHeader(encoding, changed, encoded_nbytes(encoding, new.numel(), changed, word))
+    want = torch.full((header.nbytes,), 0xFF, dtype=torch.uint8)
+    encode_into(new, old, header, word, want)
+    snapshot = old.clone()
+    found = scan(new, snapshot, word, update_base=update_base)
+    assert int(found.count) == changed
+    assert torch.equal(snapshot, new if update_base else old)
+    got = torch.full((header.nbytes,), 0xAA, dtype=torch.uint8)
+    encode_scanned(new, found, header, word, got)
+    assert torch.equal(got, want)
