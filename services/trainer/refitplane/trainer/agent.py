@@ -165,15 +165,16 @@ class TrainerAgent:
         self._shards_fn = shards if callable(shards) else (lambda: shards)
         self.guard = WeightsGuard()
         host = host or local_address()
+        snapshot = DeltaSnapshot(
+            delta_snapshot or os.environ.get("REFIT_DELTA_SNAPSHOT") or "device"
+        )
         self.member = _TrainerMember(
             self.guard,
             self._shards_fn,
             device=self.device,
             local_host=host,
             step_timeout_s=step_timeout_s,
-            delta_snapshot=DeltaSnapshot(
-                delta_snapshot or os.environ.get("REFIT_DELTA_SNAPSHOT") or "device"
-            ),
+            delta_snapshot=snapshot,
         )
         info = MemberInfo(
             job=job,
@@ -182,7 +183,13 @@ class TrainerAgent:
             world_size=world_size,
             host=host,
             device=str(self.device),
-            labels=labels or {},
+            labels={
+                # What a delta base costs this rank (shown by `refitctl topology`): one copy
+                # of its shards, kept only while the coordinator runs delta refits.
+                "delta_snapshot": snapshot.placement.value,
+                "delta_snapshot_bytes": str(_shard_bytes(self._shards_fn())),
+                **(labels or {}),
+            },
         )
         self.session = AgentSession(
             coordinator, info, self.member, token=self._token, tls_ca=self._tls_ca
@@ -227,3 +234,7 @@ class TrainerAgent:
     def close(self) -> None:
         self.session.close()
         self.member.close()
+
+
+def _shard_bytes(shards: LocalShards) -> int:
+    return sum(sv.tensor.numel() * sv.tensor.element_size() for sv in shards)

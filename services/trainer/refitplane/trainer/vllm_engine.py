@@ -60,7 +60,7 @@ from refitplane.errors import FailedPrecondition, InvalidArgument, TransferError
 from refitplane.generator.offline_control import call_verb
 from refitplane.generator.sidecar import SidecarMember, wait_replica_ranks
 from refitplane.generator.vllm_plugin import register
-from refitplane.protocol import RefitState, Role
+from refitplane.protocol import Refit, RefitState, Role
 from refitplane.protocol.messages import MemberInfo
 from refitplane.reshard.boxes import full_box
 from refitplane.reshard.layout import TensorSpec
@@ -352,6 +352,9 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         self.run_id = run_id
         self.rounds = 0
         self.agent: TrainerAgent | None = None
+        # The record of the last committed refit (bytes on the wire, which replicas took a
+        # delta), for callers that report it.
+        self.last_refit: Refit | None = None
         self.controller: AgentSession | None = None
         # Rank 0: the replica's controller (what refit-sidecar runs for a server).
         self.controller_member: SidecarMember | None = None
@@ -512,11 +515,14 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
                 reason=final.reason or final.state.value,
                 refit_id=final.refit_id,
             )
+        self.last_refit = final
         log.info(
-            "refit %s committed version %d (%d bytes)",
+            "refit %s committed version %d (%d bytes, %d on the wire; delta to %s)",
             final.refit_id,
             final.version,
             final.bytes_total,
+            final.bytes_on_wire,
+            ",".join(final.delta_replicas) or "no replica",
         )
 
     def shutdown(self) -> None:
