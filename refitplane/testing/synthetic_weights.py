@@ -50,3 +50,45 @@ def synthetic(name: str, shape: Sequence[int], dtype: str, device: Any) -> Any:
         return (values * 0.5).to(torch_dtype(dtype))
     scale = 1.0 if name.endswith("norm.weight") else 0.02
     return (values * scale + (1.0 if name.endswith("norm.weight") else 0.0)).to(torch_dtype(dtype))
+
+
+# A change the benchmark makes to the synthetic weights, replayed anywhere from its name:
+# ("flip", fraction, seed) flips the lowest bit of about `fraction` of the elements (so
+# exactly those change); ("adamw", lr, seed) is one real `torch.optim.AdamW` step (fp32
+# master weights from the current ones, a seeded normal gradient, weight decay 0.01) cast
+# back to the tensor's dtype, the changed pattern an optimizer step leaves in bf16.
+Step = tuple[str, float, int]
+
+
+def apply_step(name: str, full: Any, step: Step) -> None:
+    """Apply `step` in place to tensor `name`'s full value `full` (same result on any
+    CUDA device for the same input)."""
+    import torch
+
+    kind, amount, seed = step
+    base_seed = int.from_bytes(hashlib.sha256(f"{name}/{seed}".encode()).digest()[:6], "little")
+    gen = torch.Generator(device=full.device).manual_seed(base_seed)
+    if kind == "flip":
+        picked = torch.rand(full.shape, generator=gen, device=full.device) < amount
+        words = full.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[full.element_size()])
+        words[picked] ^= 1
+        return
+    if kind != "adamw":
+        raise ValueError(f"unknown step kind {kind!r}")
+    master = torch.nn.Parameter(full.float())
+    master.grad = torch.randn(full.shape, generator=gen, device=full.device)
+    optimizer = torch.optim.AdamW(
+        [master], lr=amount, weight_decay=0.01, foreach=False, fused=False
+    )
+    optimizer.step()
+    full.copy_(master.detach())
+
+
+def replayed(
+    name: str, shape: Sequence[int], dtype: str, device: Any, steps: Sequence[Step]
+) -> Any:
+    """Tensor `name` after `steps`, from its synthetic start."""
+    full = synthetic(name, shape, dtype, device)
+    for step in steps:
+        apply_step(name, full, step)
+    return full

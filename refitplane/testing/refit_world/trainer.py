@@ -1,12 +1,16 @@
 """One trainer rank of a refit world: a spawned process, pinned to a GPU (or the CPU), holding
 its tensor-parallel share of the synthetic weights (the HF tensor-parallel split), served by
 a real `TrainerAgent`. On its command queue: "mem" (peak extra GPU memory since the last
-ask), "stop". It puts ("ready", rank, bytes held) once published, ("error", rank, traceback)
+ask), "report" (the agent's last `TransferReport`), ("step", step) (change the weights as an optimizer step would, `synthetic_weights.
+apply_step`, under the agent's write lock), ("tokens", (prompt, n)) (greedy tokens and the
+top-two logit margins of a transformers model over this rank's weights, which must hold
+every tensor whole: TP 1), "stop". It puts ("ready", rank, bytes held) once published, ("error", rank, traceback)
 if anything fails.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 from dataclasses import dataclass
@@ -62,6 +66,7 @@ def trainer_main(rank: int, spec: TrainerSpec, commands: Any, results: Any) -> N
             host="127.0.0.1",
         )
         agent.start()
+        steps: list[Any] = []
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -79,6 +84,70 @@ def trainer_main(rank: int, spec: TrainerSpec, commands: Any, results: Any) -> N
                 results.put(("mem", rank, int(peak)))
             elif command == "stop":
                 break
+            elif command[0] == "step":
+                steps.append(command[1])
+                _step(agent, shards, steps, device)
+                results.put(("step", rank, len(steps)))
+            elif command == "report":
+                last = agent.member.last_report
+                results.put(("report", rank, dataclasses.asdict(last) if last else {}))
+            elif command[0] == "tokens":
+                results.put(("tokens", rank, _hf_tokens(spec, shards, *command[1])))
         agent.close()
     except BaseException as exc:  # noqa: BLE001 - reported to the driver
         results.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _step(agent: Any, shards: Any, steps: list[Any], device: Any) -> None:
+    from refitplane.reshard.boxes import full_box, to_slices
+    from refitplane.testing.synthetic_weights import apply_step, replayed
+
+    with agent.updating_weights():
+        for sv in shards:
+            if sv.box == full_box(sv.spec.shape):
+                apply_step(sv.spec.name, sv.tensor, steps[-1])
+            else:
+                full = replayed(sv.spec.name, sv.spec.shape, sv.spec.dtype, device, steps)
+                sv.tensor.copy_(full[to_slices(sv.box)])
+
+
+def _hf_tokens(spec: TrainerSpec, shards: Any, prompt: list[int], n: int) -> dict[str, Any]:
+    """Greedy continuation by transformers over the rank's own tensors (shared, not
+    copied), with the gap between the two best logits at each step: engines computing in
+    bf16 can only be expected to agree where that gap is clear."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from refitplane.testing.model_shapes import model_spec
+
+    config = model_spec(spec.shape, spec.dtype).hf_config()
+    if config["model_type"] != "qwen3":
+        raise ValueError(f"tokens: dense Qwen3 shapes only, not {config['model_type']}")
+    first = next(iter(shards)).tensor
+    device, saved = first.device, torch.get_default_dtype()
+    torch.set_default_dtype(first.dtype)  # never a float32 copy of the model
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(Qwen3Config(**config))  # type: ignore[no-untyped-call]
+    finally:
+        torch.set_default_dtype(saved)
+    state = {sv.spec.name: sv.tensor for sv in shards}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.eval()  # type: ignore[no-untyped-call]
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    tokens: list[int] = []
+    margins: list[float] = []
+    past = None
+    with torch.no_grad():
+        for _ in range(n):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            logits = out.logits[0, -1].float()
+            top = logits.topk(2).values
+            margins.append(float(top[0] - top[1]))
+            tokens.append(int(logits.argmax()))
+            ids = torch.tensor([[tokens[-1]]], dtype=torch.long, device=device)
+            past = out.past_key_values
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"tokens": tokens, "margins": margins}

@@ -38,6 +38,10 @@ class RefitResult:
     reason: str = ""
     # Seconds per coordinator phase (PREPARING, TRANSFERRING, VERIFYING, COMMITTING, ...).
     phases: dict[str, float] = field(default_factory=dict)
+    # What went on the wire (below bytes_total by what delta refits saved), and the
+    # replicas that took a delta.
+    bytes_on_wire: int = 0
+    delta_replicas: tuple[str, ...] = ()
 
 
 @dataclass
@@ -191,6 +195,8 @@ class World:
             final.tensors_total,
             f"{final.reason} {final.message}".strip(),
             phases,
+            final.bytes_on_wire,
+            tuple(final.delta_replicas),
         )
 
     def trainer_peak_memory(self) -> list[int]:
