@@ -13,6 +13,7 @@ from refitplane.client import RefitClient
 from refitplane.errors import NotFound
 from refitplane.protocol import RefitState
 from refitplane.version import __version__
+from tests.integration.conftest import wait_until
 from tests.support import dashboard
 
 pytestmark = pytest.mark.integration
@@ -98,3 +99,25 @@ def test_label_values_are_upper_case(scraped):
             for key, value in labels.items():
                 if key in enum_labels:
                     assert value == value.upper(), f"{name}{{{key}={value!r}}}"
+
+
+def test_a_watch_the_client_stops_counts_as_cancelled(coordinator, sim_cluster):
+    cluster = sim_cluster(coordinator)
+    cluster.trainers(world=1)
+    cluster.replica("a")
+    for m in cluster.members:
+        m.agent.behaviour = Behaviour(hold_transfer_s=30)
+    client: RefitClient = cluster.client()
+    refit = client.trigger("job")
+    watch = client.watch(refit.refit_id)
+    next(watch)
+    watch.close()  # the client cancels the stream mid-refit
+    client.cancel(refit.refit_id)
+    registry = coordinator.core.metrics.registry
+
+    def watches(code: str) -> float:
+        labels = {"service": "refit.v1.RefitService", "method": "WatchRefit", "code": code}
+        return registry.get_sample_value("refit_grpc_requests_total", labels) or 0.0
+
+    wait_until(lambda: watches("CANCELLED") == 1, what="the cancelled watch to be counted")
+    assert watches("UNKNOWN") == 0

@@ -3,6 +3,7 @@ the status it ended with (after RefitInterceptor mapped domain errors to codes).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -15,14 +16,15 @@ from refitplane.coordinator.observability.requests import RequestMetrics
 
 
 def _code(context: Context, failed: BaseException | None) -> grpc.StatusCode:
+    if isinstance(failed, asyncio.CancelledError):
+        # The client went away (a watch it stopped, an agent's stream closing) or the server
+        # is stopping: the call may be gone already, so nothing is read from it.
+        return grpc.StatusCode.CANCELLED
     # None until the call set or aborted with a code (the stubs say StatusCode).
     code: object = context.code()
     if isinstance(code, grpc.StatusCode):
         return code
-    if failed is None:
-        return grpc.StatusCode.OK
-    # Cancelled by the client (or the server stopping) rather than aborted with a code.
-    return grpc.StatusCode.CANCELLED if isinstance(failed, Exception) else grpc.StatusCode.UNKNOWN
+    return grpc.StatusCode.OK if failed is None else grpc.StatusCode.UNKNOWN
 
 
 class RequestObserver(grpc.aio.ServerInterceptor):
