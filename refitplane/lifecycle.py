@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
+from pydantic import ValidationError
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -69,6 +71,23 @@ def bind_failure(what: str, host: str, port: int, setting: str, exc: OSError) ->
     else:
         cause = exc.strerror or str(exc)
     return f"cannot listen for {what} on {host}:{port}: {cause}; choose another with {setting}"
+
+
+def settings_problems(exc: ValidationError, *, prefix: str = "REFIT_") -> str:
+    """A settings object's validation errors as one line, each naming its variable:
+    `REFIT_GRPC_PORT: must be <= 65535 (got '99999'); REFIT_JOB: required`."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        names = [str(p) for p in error.get("loc", ()) if isinstance(p, str)]
+        variable = prefix + "_".join(names).upper() if names else ""
+        message = str(error.get("msg", "invalid"))
+        message = message.removeprefix("Value error, ").removeprefix("Input should be ")
+        if error.get("type") == "missing":
+            message = "required (set it or pass its flag)"
+        elif "input" in error and error.get("type") != "value_error":
+            message = f"should be {message} (got {error['input']!r})"
+        parts.append(f"{variable}: {message}" if variable else message)
+    return "; ".join(parts)
 
 
 def fail_startup(prog: str, message: str) -> int:

@@ -94,7 +94,10 @@ def test_invalid_configuration_exits_with_a_message(tmp_path):
     argv = [sys.executable, *COORDINATOR_MODULE, "--env-file", str(tmp_path / "none")]
     result = run_to_end(argv, env=env, cwd=tmp_path)
     assert result.returncode == 2
-    assert "REFIT_MAX_INFLIGHT_BYTES" in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "refit-coordinator: invalid configuration: REFIT_MAX_INFLIGHT_BYTES: max_inflight_bytes "
+        "(10) must be at least bucket_bytes (1024)"
+    ]
 
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:

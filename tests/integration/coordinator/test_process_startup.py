@@ -97,3 +97,12 @@ def test_sigterm_while_the_store_does_not_answer_stops_it(tmp_path):
     assert code == 0, text
     assert "SIGTERM received: stopping" in text
     assert "Traceback" not in text
+
+
+def test_invalid_settings_are_one_line_naming_each_variable(tmp_path):
+    result = _run(tmp_path, "--grpc-port", "99999", "--log-level", "loud")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "refit-coordinator: invalid configuration: REFIT_GRPC_PORT: should be less than or "
+        "equal to 65535 (got 99999); REFIT_LOG_LEVEL: unknown log level 'loud'"
+    ]

@@ -27,6 +27,7 @@ from refitplane.lifecycle import (
     StartupError,
     announce_signal,
     fail_startup,
+    settings_problems,
 )
 from refitplane.version import __version__
 
@@ -109,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings(_env_file=args.env_file or ".env", **_overrides(args))  # type: ignore[call-arg]
     except ValidationError as exc:
-        print(f"{prog}: invalid configuration:\n{exc}", file=sys.stderr)
+        print(f"{prog}: invalid configuration: {settings_problems(exc)}", file=sys.stderr)
         return EXIT_BAD_CONFIGURATION
     logs.configure(settings.log_level, json_lines=settings.log_json, access_log=settings.access_log)
     try:

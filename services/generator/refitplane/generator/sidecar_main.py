@@ -14,6 +14,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from refitplane import logs
 from refitplane.errors import RefitError
 from refitplane.generator.sidecar import Sidecar, SidecarSettings
@@ -22,6 +24,7 @@ from refitplane.lifecycle import (
     EXIT_STOPPED,
     StartupError,
     fail_startup,
+    settings_problems,
     stop_event_on_signals,
 )
 from refitplane.version import __version__
@@ -46,8 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = SidecarSettings(**overrides)
         logs.configure(settings.log_level.upper(), json_lines=settings.log_json)
-    except ValueError as exc:  # pydantic's ValidationError names the missing fields
-        print(f"{prog}: bad configuration: {exc}", file=sys.stderr)
+    except ValidationError as exc:
+        print(f"{prog}: invalid configuration: {settings_problems(exc)}", file=sys.stderr)
+        return EXIT_BAD_CONFIGURATION
+    except ValueError as exc:  # logging refuses the level
+        print(f"{prog}: invalid configuration: REFIT_LOG_LEVEL: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIGURATION
     stop = stop_event_on_signals(log)
     try:
