@@ -112,6 +112,7 @@ def _describe(refit: Refit) -> str:
         f"replicas  {', '.join(refit.target_replicas) or '(all)'}",
         f"progress  {_human_bytes(refit.bytes_done)} / {_human_bytes(refit.bytes_total)}",
         f"tensors   {refit.tensors_verified} / {refit.tensors_total} verified",
+        *_paths(refit),
         f"epoch     {refit.group_epoch}",
         f"created   {_ago(refit.created_unix)}",
     ]
@@ -124,6 +125,17 @@ def _describe(refit: Refit) -> str:
     if refit.reason:
         lines.append(f"reason    {refit.reason}: {refit.message}")
     return "\n".join(lines)
+
+
+def _paths(refit: Refit) -> list[str]:
+    """Which replicas took a delta and which went in full, and the bytes on the wire."""
+    if not refit.bytes_on_wire and not refit.delta_replicas:
+        return []
+    full = [r for r in refit.target_replicas if r not in refit.delta_replicas]
+    return [
+        f"delta     {', '.join(refit.delta_replicas) or '-'}; full: {', '.join(full) or '-'}",
+        f"wire      {_human_bytes(refit.bytes_on_wire)} of {_human_bytes(refit.bytes_total)}",
+    ]
 
 
 def _print_json(obj: Any) -> None:

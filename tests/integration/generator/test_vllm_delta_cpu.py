@@ -11,8 +11,9 @@ refit sequence must then:
   same refit (the refit record's `delta_replicas` names only the reference replica);
 - leave both byte-exact: every vLLM parameter as `load_weights` writes it from the trainer's
   tensors (`check_refit`), the reference replica's shards equal to them;
-- say so in `refitctl topology`: the vLLM ranks "full only", the reference "in place", the
-  trainer's snapshot with its size.
+- say so in `refitctl status` (which replica took a delta, which went full, the bytes on
+  the wire) and `refitctl topology`: the vLLM ranks "full only", the reference "in place",
+  the trainer's snapshot with its size.
 
 Delta into live vLLM parameters runs on GPUs (benchmarks/delta_refit_gpu.py).
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from refitplane.cli.refit_cmds import topology_text
+from refitplane.cli.refit_cmds import _describe, topology_text
 from refitplane.generator.reference_engine import specs_of
 from refitplane.models.tiny import load_checkpoint, write_tiny_model
 from refitplane.protocol import RefitState
@@ -86,6 +87,8 @@ def test_vllm_cpu_goes_full_while_a_live_replica_takes_the_delta(tmp_path: Path)
                     assert done.delta_replicas == ([] if step == 0 else ["rep-0"])
                     if step:
                         assert done.bytes_on_wire < done.bytes_total * 0.7
+                        # `refitctl status` says which replica took which path.
+                        assert "delta     rep-0; full: r0" in _describe(done)
                     checkpoint = _save(truth, served, tmp_path / f"ckpt{step}")
                     for report in llm.collective_rpc(check_refit, args=(str(checkpoint),)):
                         assert report["mode"] == "layerwise"
