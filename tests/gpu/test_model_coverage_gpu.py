@@ -91,7 +91,7 @@ def _checkpoint(case: str, root: Path) -> tuple[Path, dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _vllm(model_dir: Path, **kwargs: Any) -> Iterator[Any]:
+def _vllm(model_dir: Path, *, load_format: str = "dummy", **kwargs: Any) -> Iterator[Any]:
     saved = dict(os.environ)
     os.environ.update(
         {
@@ -106,7 +106,7 @@ def _vllm(model_dir: Path, **kwargs: Any) -> Iterator[Any]:
 
     llm = LLM(
         model=str(model_dir),
-        load_format="dummy",
+        load_format=load_format,
         dtype="bfloat16",
         skip_tokenizer_init=True,
         enforce_eager=True,

@@ -209,19 +209,43 @@ def receive_like_the_engine(
 ) -> dict[str, Any]:
     """The engine's receive path without a transfer, then vLLM's own full reload, compared.
 
-    In the worker: describe the model as the engine does (checkpoint index from
-    `checkpoint_dir`, or from the served model's config when empty: dummy-weight GPU runs),
-    bind the same storage the engine binds (`vllm_staging.bind_receive`: live fast-path
-    parameters where the kernels read them as loaded, staging a bucket of layers at a time
-    elsewhere, fallback tensors whole), fill every view with its box of the checkpoint
-    (`checkpoint_dir`'s tensors, or the synthetic tensors of `synthetic_weights`) bucket by
-    bucket, applying each one as the transfer and `finish_weight_update` do, and take the
-    digest of every parameter and buffer as the kernels read them. Then reload the whole
-    checkpoint through vLLM's layerwise reload and take the digests again: a refit must
-    leave the model exactly as vLLM's own reload of the same weights does.
+    In the worker: `receive_checkpoint` (the engine's binding, filled from the checkpoint or
+    from synthetic weights, applied as the transfer and `finish_weight_update` do), then the
+    digest of every parameter and buffer as the kernels read them; then the whole checkpoint
+    reloaded through vLLM's layerwise reload and the digests again. This compares with
+    vLLM's reload, whose bugs the refit's own fixes do not share: the fresh-load oracle
+    (`tests.support.fresh_load`) is the one that judges; this one locates a difference.
     """
+    report, tensors = _receive(worker, checkpoint_dir, "auto", skip_rules)
+    received = parameter_digests(worker)
+    reload_weights(worker.model_runner.get_model(), worker.vllm_config, tensors)
+    reloaded = parameter_digests(worker)
+    return {
+        **report,
+        "digests": len(received),
+        "differ": sorted(n for n in reloaded if received.get(n) != reloaded[n]),
+    }
+
+
+def receive_checkpoint(
+    worker: Any, checkpoint_dir: str = "", mode: str = "auto", skip_rules: Sequence[str] = ()
+) -> dict[str, Any]:
+    """In the worker: describe the model as the engine does (checkpoint index from
+    `checkpoint_dir`, or from the served model's config when empty: dummy-weight GPU runs),
+    bind the same storage the engine binds for receive `mode` (`vllm_staging.bind_receive`:
+    live fast-path parameters where the kernels read them as loaded, staging a bucket of
+    layers at a time elsewhere, fallback tensors whole; "staged": everything staged), fill
+    every view with its box of the checkpoint (`checkpoint_dir`'s tensors, or the synthetic
+    tensors of `synthetic_weights`) bucket by bucket, applying each one as the transfer and
+    `finish_weight_update` do. Returns the mode, bucket count, summary and fallback reasons."""
+    return _receive(worker, checkpoint_dir, mode, skip_rules)[0]
+
+
+def _receive(
+    worker: Any, checkpoint_dir: str, mode: str, skip_rules: Sequence[str]
+) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    """`receive_checkpoint`, and the tensors it received from."""
     from refitplane.generator.checkpoint_index import CheckpointIndex, checkpoint_specs
-    from refitplane.testing.synthetic_weights import synthetic
 
     model = worker.model_runner.get_model()
     device = next(model.parameters()).device
@@ -233,25 +257,32 @@ def receive_like_the_engine(
     layout = describe_vllm_model(
         model, checkpoint=index, vllm_config=worker.vllm_config, skip_rules=skip_rules
     )
-    if checkpoint_dir:
-        tensors = {n: t.to(device) for n, t in load_checkpoint(checkpoint_dir).items()}
-    else:
-        tensors = {
-            n: synthetic(n, spec.shape, spec.dtype, device) for n, spec in layout.specs.items()
-        }
-    binding = bind_receive(model, layout, device=device, vllm_config=worker.vllm_config)
-    buckets = receive_without_transfer(binding, tensors)
-    received = parameter_digests(worker)
-    reload_weights(model, worker.vllm_config, tensors.items())
-    reloaded = parameter_digests(worker)
-    return {
+    binding = bind_receive(
+        model, layout, device=device, vllm_config=worker.vllm_config, requested=mode
+    )
+    tensors = _tensors(worker, checkpoint_dir, layout)
+    buckets = receive_without_transfer(binding, dict(tensors))
+    report = {
         "mode": binding.mode,
         "buckets": buckets,
         "summary": layout.summary(),
         "fallback": sorted({p.reason for p in layout.fallback.values()}),
-        "digests": len(received),
-        "differ": sorted(n for n in reloaded if received.get(n) != reloaded[n]),
     }
+    return report, tensors
+
+
+def _tensors(
+    worker: Any, checkpoint_dir: str, layout: VllmLayout
+) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors on the worker's device (`checkpoint_dir`), or the synthetic
+    tensors of every checkpoint tensor `layout` names."""
+    from refitplane.testing.synthetic_weights import synthetic
+
+    model = worker.model_runner.get_model()
+    device = next(model.parameters()).device
+    if checkpoint_dir:
+        return [(n, t.to(device)) for n, t in load_checkpoint(checkpoint_dir).items()]
+    return [(n, synthetic(n, s.shape, s.dtype, device)) for n, s in layout.specs.items()]
 
 
 def receive_without_transfer(binding: ReceiveBinding, tensors: dict[str, torch.Tensor]) -> int:

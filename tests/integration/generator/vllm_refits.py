@@ -8,7 +8,8 @@ exist only while their bucket is applied);
 layout, triggers a refit, waits for its end, and gathers what the test checks: the final
 state, the versions every replica reports, and, inside every vLLM worker, `check_refit`
 against the trainer's checkpoint (every parameter as `load_weights` writes it) and the
-greedy tokens served afterwards.
+greedy tokens (with top-k log-probs) and every kernel tensor afterwards, for the
+fresh-load oracle (`tests.support.fresh_load`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from refitplane.models.tiny import load_checkpoint
+from tests.support.fresh_load import ServedOutput
 
 JOB = "vllm-job"
 
@@ -42,6 +44,11 @@ class RefitRun:
     # `check_refit` per worker (only for a committed refit of a checkpoint directory).
     worker_reports: list[dict[str, Any]]
     tokens: list[int] | None
+    # What the replica serves and holds afterwards, for the fresh-load oracle
+    # (`tests.support.fresh_load`): its output with top-k log-probs (when it generates)
+    # and every kernel tensor per rank (only for a committed refit).
+    output: ServedOutput | None = None
+    kernel_tensors: list[dict[str, str]] = field(default_factory=list)
 
 
 class RefitSession:
@@ -115,15 +122,20 @@ class RefitSession:
     ) -> RefitRun:
         """One refit from trainers holding `state`; workers check it against
         `checkpoint_dir` (the directory `state` was read from) when given."""
+        from tests.support.fresh_load import kernel_tensors, served_output
         from tests.support.refit_checks import check_refit
 
         with self._trainers(state, policy, ranks):
             final = self.client.wait(self.client.trigger(JOB).refit_id, timeout_s=timeout_s)
             # Generate first: the checks below run load_weights into scratch copies.
-            served = self.tokens()
+            output = (
+                served_output(self.llm, self.prompt, self.new_tokens) if self.generates else None
+            )
+            committed = final.state.value == "COMMITTED"
+            tensors = self.llm.collective_rpc(kernel_tensors) if committed else []
             reports = (
                 self.llm.collective_rpc(check_refit, args=(str(checkpoint_dir),))
-                if checkpoint_dir is not None and final.state.value == "COMMITTED"
+                if checkpoint_dir is not None and committed
                 else []
             )
             return RefitRun(
@@ -138,7 +150,9 @@ class RefitSession:
                 final.tensors_verified,
                 final.tensors_total,
                 reports,
-                served,
+                output.tokens if output is not None else None,
+                output,
+                tensors,
             )
 
     def refit_checkpoint(self, checkpoint_dir: Path, policy: str, ranks: int) -> RefitRun:

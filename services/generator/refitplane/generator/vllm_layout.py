@@ -519,6 +519,14 @@ def _not_in_checkpoint(described: Sequence[DescribedParam], index: Mapping[str, 
                     f"its rule reads checkpoint tensor {spec.name!r} as {list(spec.shape)}, "
                     f"the checkpoint has {list(have.shape)}"
                 )
+            if have.dtype != spec.dtype:
+                # vLLM keeps some parameters in another dtype than the checkpoint (GLM-4-MoE
+                # and MiniMax-M2 routers in float32): the trainer sends what the checkpoint
+                # holds, and vLLM's loader casts it exactly as on a load.
+                return (
+                    f"vLLM keeps {d.param.name!r} in {d.param.dtype}, the checkpoint stores "
+                    f"{spec.name!r} in {have.dtype}: vLLM's loader casts it"
+                )
     return ""
 
 

