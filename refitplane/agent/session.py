@@ -12,10 +12,12 @@ Three daemon threads, every wait bounded:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +60,15 @@ class AgentSession:
         token: str | None = None,
         tls_ca: str | Path | None = None,
         timeout_s: float = 10.0,
+        held_version: Callable[[], int] | None = None,
     ) -> None:
         """`coordinator`: gRPC host:port. `timeout_s` bounds every call (and, in `start`,
-        how long to wait for the coordinator to answer at all)."""
+        how long to wait for the coordinator to answer at all). `held_version`: generators,
+        the version they fully hold now; every registration (a lost lease, a coordinator
+        that lost its state) sends it instead of `info.version`, so the coordinator's next
+        version goes above it."""
         self.info = info
+        self._held_version = held_version
         self._handler = handler
         self._timeout = timeout_s
         self._token = token
@@ -179,9 +186,10 @@ class AgentSession:
 
     def _register(self) -> None:
         with self._lock:
-            resp = self._call_unary(
-                "Register", convert.register_to_proto(self.info), self._metadata
-            )
+            info = self.info
+            if self._held_version is not None:
+                info = dataclasses.replace(info, version=self._held_version())
+            resp = self._call_unary("Register", convert.register_to_proto(info), self._metadata)
             self._who = (
                 str(resp.member_id),
                 member_metadata(self._token, str(resp.member_credential)),

@@ -230,3 +230,43 @@ async def test_active_refit_follows_the_pointer(store):
         first.model_copy(update={"state": RefitState.FAILED}), [RefitState.PENDING]
     )
     assert (await store.active_refit("job")).refit_id == second.refit_id
+
+
+async def test_reseeding_a_store_that_lost_its_state(store):
+    """What the coordinator relies on to re-seed (core/lost_state.py): members are upserted,
+    a member's held version and the re-seed raise the job's versions (never lower them),
+    the refit in flight can be written back, and triggers check the claimed sentinel."""
+    incarnation = await store.claim_incarnation()
+    assert await store.claim_incarnation() == incarnation
+    assert await store.incarnation() == incarnation
+    # A member saved that the store does not know (it lost it) is written back whole.
+    lost = _member().model_copy(update={"version": 3})
+    await store.save_member(lost)
+    assert [m.member_id for m in await store.load_members()] == [lost.member_id]
+    # Registering a member that holds version 5 raises the job's last-used version.
+    await store.register_member(_member(rank=1).model_copy(update={"version": 5}))
+    assert (await store.load_job("job")).last_version == 5
+    await store.raise_versions("job", last_version=4, committed_version=2)
+    job = await store.load_job("job")
+    assert (job.last_version, job.committed_version) == (5, 2)
+    assert (await store.trigger(_trigger())).refit.version == 6
+    restored = (await store.trigger(_trigger())).refit.model_copy(update={"version": 9})
+    await store.restore_refit(restored)
+    assert (await store.active_refit("job")) == restored
+
+
+async def test_trigger_refuses_a_store_that_lost_its_sentinel(store_url):
+    if not store_url:
+        pytest.skip("the embedded store cannot lose part of its state")
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    store = open_store(store_url, prefix=prefix)
+    try:
+        await store.claim_incarnation()
+        await store.trigger(_trigger())
+        wiper = open_store(store_url, prefix=prefix)
+        await wiper._redis.delete(f"{prefix}incarnation")  # what FLUSHALL does to it
+        await wiper.close()
+        with pytest.raises(store_base.StoreStateLost):
+            await store.trigger(_trigger())
+    finally:
+        await store.close()

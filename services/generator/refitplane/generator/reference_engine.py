@@ -118,7 +118,14 @@ class ReferenceEngine:
         token = token if token is not None else os.environ.get("REFIT_AUTH_TOKEN")
         # Like the trainer agent: a coordinator serving TLS needs its CA (REFIT_TLS_CA_FILE).
         tls_ca = tls_ca if tls_ca is not None else os.environ.get("REFIT_TLS_CA_FILE")
-        self.session = AgentSession(coordinator, info, self.member, token=token, tls_ca=tls_ca)
+        self.session = AgentSession(
+            coordinator,
+            info,
+            self.member,
+            token=token,
+            tls_ca=tls_ca,
+            held_version=lambda: self.version,
+        )
         self.member.attach(self.session)
 
     def start(self) -> None:

@@ -111,6 +111,19 @@ class JobDriver:
     def wake(self) -> None:
         self._wake.set()
 
+    async def store_lost(self) -> None:
+        """The store lost its state (core/lost_state.py): write back what this driver knows
+        — the group epoch (its numbering goes on), replica health, the refit in flight —
+        and fail that refit STORE_STATE_LOST (its participants get AbortRefit)."""
+        await self._store.save_group(self.groups.record)
+        await self._store.save_replicas(self.job, self.replicas.records.values())
+        run = self.current
+        if run is not None:
+            await self._store.restore_refit(run.record)
+            run.fail(Reason.STORE_STATE_LOST, "the state store lost its state mid-refit")
+            if not await wait_event(run.finished, 10.0):
+                log.warning("refit %s did not finish its abort in time", run.refit_id)
+
     def view(self) -> DriverView:
         """What the topology shows of this job beyond the store: a snapshot, not a window."""
         run = self.current

@@ -21,6 +21,11 @@ from refitplane.protocol import messages as msg
 
 log = logging.getLogger(__name__)
 
+# Persisting a refit's end through a store outage: back off up to this, log once after this
+# many attempts (~10 s).
+_PERSIST_BACKOFF_MAX_S = 2.0
+_LOG_PERSIST_AFTER = 8
+
 
 class RefitEndings:
     def __init__(self, ctx: DriverContext, groups: GroupEpochs, replicas: ReplicaHealth) -> None:
@@ -31,7 +36,13 @@ class RefitEndings:
     async def failed(self, run: RefitRun, failure: RefitFailed) -> None:
         """End the refit being driven as FAILED (CANCELLED when cancel caused it): persisted
         (retried through a store outage), participants told to abort, the group epoch
-        poisoned, replicas whose weights may have changed marked DEGRADED."""
+        poisoned, replicas whose weights may have changed marked DEGRADED.
+
+        A terminal state is immutable, so nobody reads it before it is durable: until the
+        write succeeds, readers and watchers keep seeing the state in flight. (Shown earlier,
+        a coordinator that died before the write would leave the refit in flight for the
+        next one to fail with another reason.) The write is retried until it lands or the
+        driver stops; the job's driver has nothing else to do without its store."""
         cancelled = run.cancelled and failure.reason == Reason.CANCELLED
         state = RefitState.CANCELLED if cancelled else RefitState.FAILED
         if run.commands_sent:
@@ -71,7 +82,8 @@ class RefitEndings:
             failure.reason,
             failure.message,
         )
-        for attempt in range(10):
+        attempt = 0
+        while True:
             try:
                 if run.commands_sent:
                     await self._groups.poison()
@@ -79,9 +91,14 @@ class RefitEndings:
                 await self._ctx.store.transition(record, [run.record.state])
                 break
             except Unavailable:
-                await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
-        else:
-            log.error("refit %s: could not persist its %s state", run.refit_id, state.value)
+                if attempt == _LOG_PERSIST_AFTER:
+                    log.error(
+                        "refit %s: its %s state is not persisted yet (store unavailable); retrying",
+                        run.refit_id,
+                        state.value,
+                    )
+                attempt += 1
+                await asyncio.sleep(min(_PERSIST_BACKOFF_MAX_S, 0.1 * 2**attempt))
         run.record = record
         self._ctx.events.publish(record)
         self._ctx.metrics.finished(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from refitplane.coordinator.core.records import RefitRecord
@@ -12,8 +12,15 @@ from refitplane.coordinator.core.records import RefitRecord
 class RefitEvents:
     def __init__(self) -> None:
         self._subscribers: dict[str, set[asyncio.Queue[RefitRecord]]] = {}
+        self._observers: list[Callable[[RefitRecord], None]] = []
+
+    def observe(self, observer: Callable[[RefitRecord], None]) -> None:
+        """Call `observer` with every record published (of every refit)."""
+        self._observers.append(observer)
 
     def publish(self, record: RefitRecord) -> None:
+        for observer in self._observers:
+            observer(record)
         for q in self._subscribers.get(record.refit_id, ()):
             # Watchers want the latest record, not every intermediate one: keep one slot.
             if q.full():

@@ -30,6 +30,8 @@ class Reason(enum.StrEnum):
     CANCELLED = "CANCELLED"
     COORDINATOR_RESTARTED = "COORDINATOR_RESTARTED"
     STORE_UNAVAILABLE = "STORE_UNAVAILABLE"
+    # The store came back without the state this coordinator wrote (see core/lost_state.py).
+    STORE_STATE_LOST = "STORE_STATE_LOST"
     INTERNAL = "INTERNAL"
 
 

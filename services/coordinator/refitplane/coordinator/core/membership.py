@@ -122,6 +122,17 @@ class Membership:
     def find(self, member_id: str) -> MemberRecord | None:
         return self._members.get(member_id)
 
+    def all(self) -> list[MemberRecord]:
+        return list(self._members.values())
+
+    def forget_all(self) -> list[MemberRecord]:
+        """Drop every member from memory, without departures: the store lost them (see
+        `lost_state`). Their next call is NOT_FOUND and their agents register again."""
+        dropped = list(self._members.values())
+        self._members.clear()
+        self._by_job.clear()
+        return dropped
+
     def of_job(self, job: str) -> list[MemberRecord]:
         index = self._by_job.get(job, {})
         return [self._members[i] for i in index.values()]

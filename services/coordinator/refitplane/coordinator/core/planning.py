@@ -175,6 +175,10 @@ class LayoutCache:
         while len(self._layouts) > self._capacity:
             self._layouts.popitem(last=False)
 
+    def forget(self) -> None:
+        """The store lost its layouts: the next put of each one writes it again."""
+        self._layouts.clear()
+
     async def put(self, layout: Layout) -> None:
         if layout.digest not in self._layouts:
             await self._store.put_layout(layout.digest, json.dumps(dump_layout(layout)))

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from refitplane.coordinator.core.context import DriverContext
 from refitplane.coordinator.core.driver import JobDriver
 from refitplane.coordinator.core.events import RefitEvents
+from refitplane.coordinator.core.lost_state import ReadinessListener, StoreWatch, VersionFloors
 from refitplane.coordinator.core.membership import Departure, Membership
 from refitplane.coordinator.core.metrics import Metrics
 from refitplane.coordinator.core.outbox import Outbox
@@ -23,6 +24,7 @@ from refitplane.coordinator.core.records import (
     RefitRecord,
     TriggerOutcome,
     TriggerRequest,
+    TriggerResult,
 )
 from refitplane.coordinator.core.topology import DriverView, JobSnapshot, job_topology
 from refitplane.coordinator.core.validation import (
@@ -35,13 +37,14 @@ from refitplane.coordinator.core.validation import (
 )
 from refitplane.coordinator.core.waits import get_within, wait_event
 from refitplane.coordinator.settings import Settings
-from refitplane.coordinator.store.base import Store
+from refitplane.coordinator.store.base import Store, StoreStateLost
 from refitplane.errors import (
     Conflict,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     RateLimited,
+    Unavailable,
 )
 from refitplane.protocol import RefitState, Role
 from refitplane.protocol import messages as msg
@@ -53,6 +56,8 @@ log = logging.getLogger(__name__)
 MAX_LIST_LIMIT = 1000
 # How often leases are checked, as a fraction of the TTL (bounded below for tiny test TTLs).
 _REAP_FRACTION = 0.1
+# How often the store's incarnation sentinel is checked (a store that lost its state).
+_STORE_CHECK_S = 0.5
 
 
 class Coordinator:
@@ -75,19 +80,46 @@ class Coordinator:
         self._limiter = TriggerRateLimiter(settings.trigger_rate_per_s)
         self._reaper: asyncio.Task[None] | None = None
         self.membership.on_departure(self._on_departure)
+        self.floors = VersionFloors()
+        self.events.observe(self.floors.seen)
+        self.store_watch = StoreWatch(
+            store,
+            self.membership,
+            self.floors,
+            reseed_drivers=self._reseed_drivers,
+            forget_streams=self._forget_streams,
+            check_interval_s=_STORE_CHECK_S,
+            lease_ttl_s=settings.lease_ttl_s,
+        )
 
     # --- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.store.ping()
+        await self.store_watch.start()
         await self.membership.load()
         for job in sorted({*await self.store.jobs(), *self.membership.jobs()}):
+            self.floors.load(await self.store.load_job(job))
             await self._driver(job)
         self._reaper = asyncio.create_task(self._reap(), name="lease-reaper")
+
+    def on_readiness(self, listener: ReadinessListener) -> None:
+        """`listener(ready)` whenever readiness changes (a store that lost its state)."""
+        self.store_watch.on_readiness(listener)
+
+    async def _reseed_drivers(self) -> None:
+        self.layouts.forget()  # members publish theirs again when they register again
+        for driver in list(self._drivers.values()):
+            await driver.store_lost()
+
+    def _forget_streams(self, member_ids: list[str]) -> None:
+        for member_id in member_ids:
+            self.outbox.close(member_id)
 
     async def stop(self, *, graceful: bool = True) -> None:
         """Stop driving refits. Graceful: refits in flight fail now and their participants
         get AbortRefit; otherwise they are left for the next coordinator to fail."""
+        await self.store_watch.stop()
         if self._reaper is not None:
             self._reaper.cancel()
             try:
@@ -128,8 +160,11 @@ class Coordinator:
             await driver.on_departure(member, why)
 
     async def ready(self) -> None:
-        """Raises Unavailable when the store cannot be reached."""
+        """Raises Unavailable when the store cannot be reached, or lost its state and is
+        being re-seeded."""
         await self.store.ping()
+        if not self.store_watch.ready:
+            raise Unavailable("the state store lost its state; re-seeding it from the members")
 
     # --- agents --------------------------------------------------------------------------
 
@@ -206,7 +241,23 @@ class Coordinator:
         except RateLimited:
             self.metrics.triggers.labels("RATE_LIMITED").inc()
             raise
-        result = await self.store.trigger(
+        try:
+            result = await self._store_trigger(job, version, targets, idempotency_key)
+        except StoreStateLost:
+            self.store_watch.suspect()
+            raise
+        self.floors.seen(result.refit)
+        self.metrics.triggers.labels(result.outcome.name).inc()
+        if result.outcome is TriggerOutcome.COALESCED:
+            self.events.publish(result.refit)
+        driver = await self._driver(job)
+        driver.wake()
+        return self._live(result.refit).view()
+
+    async def _store_trigger(
+        self, job: str, version: int, targets: list[str], idempotency_key: str
+    ) -> TriggerResult:
+        return await self.store.trigger(
             TriggerRequest(
                 job=job,
                 version=version,
@@ -216,12 +267,6 @@ class Coordinator:
                 new_id=uuid.uuid4().hex,
             )
         )
-        self.metrics.triggers.labels(result.outcome.name).inc()
-        if result.outcome is TriggerOutcome.COALESCED:
-            self.events.publish(result.refit)
-        driver = await self._driver(job)
-        driver.wake()
-        return self._live(result.refit).view()
 
     def _check_job(self, job: str) -> None:
         if self.settings.allowed_jobs:

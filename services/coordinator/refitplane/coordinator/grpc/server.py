@@ -57,6 +57,8 @@ class GrpcServer:
         orchestrator_pb2_grpc.add_RefitServiceServicer_to_server(RefitServicer(core), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # NOT_SERVING while the core is not ready (a store that lost its state, re-seeding).
+        core.on_readiness(self._set_serving)
         enable_reflection(self.server, (*SERVICE_NAMES, health.SERVICE_NAME))
         self._tls = tls
 
@@ -73,8 +75,16 @@ class GrpcServer:
 
     async def start(self) -> None:
         await self.server.start()
+        await self._set_serving(True)
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ("", *SERVICE_NAMES):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, status)
 
     async def stop(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()

@@ -21,13 +21,19 @@ from refitplane.coordinator.core.records import (
     TriggerRequest,
     TriggerResult,
 )
-from refitplane.errors import Conflict, FailedPrecondition, InvalidArgument
+from refitplane.errors import Conflict, FailedPrecondition, InvalidArgument, Unavailable
 from refitplane.protocol import RefitState
 
 # Versions stay below 10^14: Redis' Lua numbers and cjson (14 significant digits) stay exact.
 MAX_VERSION = 10**14 - 1
 # Finished refit records kept per job (older ones are dropped when a refit finishes).
 REFITS_KEPT_PER_JOB = 1000
+
+
+class StoreStateLost(Unavailable):
+    """The store answers, but not with the state this coordinator wrote: its incarnation
+    sentinel is gone or another (a wiped or replaced Redis). Callers see UNAVAILABLE; the
+    coordinator re-seeds the store from what it and the members know."""
 
 
 def stale_version_error(asked: int, last: int) -> FailedPrecondition:
@@ -60,16 +66,39 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None: ...
 
+    # --- lost state ------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def claim_incarnation(self) -> str:
+        """The store's incarnation sentinel: the one it holds, or a new one written now (a
+        fresh — or wiped — store). Later writes that must not land in a lost store (triggers)
+        check it; the coordinator compares it on every check."""
+
+    @abc.abstractmethod
+    async def incarnation(self) -> str | None:
+        """The sentinel the store holds now (None: none — it lost its state)."""
+
+    @abc.abstractmethod
+    async def raise_versions(self, job: str, *, last_version: int, committed_version: int) -> None:
+        """Re-seed: raise the job's last-used and committed versions to at least these (never
+        lowers them), and list the job."""
+
+    @abc.abstractmethod
+    async def restore_refit(self, refit: RefitRecord) -> None:
+        """Re-seed: write back a refit the store forgot, as the job's active refit."""
+
     # --- members -------------------------------------------------------------------------
 
     @abc.abstractmethod
     async def register_member(self, member: MemberRecord) -> str | None:
-        """Store `member`, atomically replacing the member with the same key in its job.
-        Returns the replaced member's id."""
+        """Store `member`, atomically replacing the member with the same key in its job, and
+        raise the job's last-used version to the version the member holds (the next refit
+        goes above every version a member holds). Returns the replaced member's id."""
 
     @abc.abstractmethod
     async def save_member(self, member: MemberRecord) -> None:
-        """Update a registered member (no effect once it was removed or replaced)."""
+        """Upsert a member's record, indexing it under its key unless another member holds
+        the key (it was replaced). Only members the coordinator holds are saved."""
 
     @abc.abstractmethod
     async def delete_member(self, member: MemberRecord) -> None: ...

@@ -8,6 +8,7 @@ the same guarantee the Lua scripts give the Redis store.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ class EmbeddedStore(Store):
         self._layouts: dict[str, str] = {}
         self._plans: dict[str, PlanInfo] = {}
         self._refits: dict[str, RefitRecord] = {}
+        self._incarnation = uuid.uuid4().hex
 
     def _job(self, job: str) -> _Job:
         return self._jobs.setdefault(job, _Job())
@@ -66,18 +68,40 @@ class EmbeddedStore(Store):
     async def close(self) -> None:
         return None
 
+    # The process's memory cannot lose part of its state: the sentinel never changes.
+    async def claim_incarnation(self) -> str:
+        return self._incarnation
+
+    async def incarnation(self) -> str | None:
+        return self._incarnation
+
+    async def raise_versions(self, job: str, *, last_version: int, committed_version: int) -> None:
+        j = self._job(job)
+        j.last_version = max(j.last_version, last_version)
+        j.committed_version = max(j.committed_version, committed_version)
+
+    async def restore_refit(self, refit: RefitRecord) -> None:
+        j = self._job(refit.job)
+        if refit.refit_id not in self._refits:
+            j.refits.append(refit.refit_id)
+        self._refits[refit.refit_id] = refit
+        j.active = refit.refit_id
+
     async def register_member(self, member: MemberRecord) -> str | None:
         job = self._job(member.job)
         old = job.members.get(member.key)
         job.members[member.key] = member.member_id
         self._members[member.member_id] = member
+        job.last_version = max(job.last_version, member.version)
         if old is not None and old != member.member_id:
             self._members.pop(old, None)
             return old
         return None
 
     async def save_member(self, member: MemberRecord) -> None:
-        if member.member_id in self._members:
+        index = self._job(member.job).members
+        holder = index.setdefault(member.key, member.member_id)
+        if holder == member.member_id:
             self._members[member.member_id] = member
 
     async def delete_member(self, member: MemberRecord) -> None:

@@ -11,6 +11,7 @@ each is atomic on the server; single-key writes are plain commands. Key schema (
     member:{id}                  STRING MemberRecord JSON
     refit:{id}                   STRING RefitRecord JSON
     idem:{job}:{key}             STRING refit id (expires after the key TTL)
+    incarnation                  STRING sentinel written at start (gone: the store lost state)
     layout:{digest}              STRING layout JSON (content-addressed)
     plan:{key}                   STRING PlanInfo JSON
 
@@ -21,6 +22,7 @@ which Redis Cluster does not allow.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -47,6 +49,7 @@ from refitplane.coordinator.store.base import (
     MAX_VERSION,
     REFITS_KEPT_PER_JOB,
     Store,
+    StoreStateLost,
     stale_version_error,
     transition_conflict,
     version_too_large_error,
@@ -54,7 +57,15 @@ from refitplane.coordinator.store.base import (
 from refitplane.errors import NotFound, Unavailable
 from refitplane.protocol import RefitState
 
-_SCRIPTS = ("register", "unregister", "trigger", "transition", "active")
+_SCRIPTS = (
+    "register",
+    "unregister",
+    "save_member",
+    "trigger",
+    "transition",
+    "active",
+    "raise_versions",
+)
 
 
 def _lua(name: str) -> str:
@@ -77,6 +88,8 @@ class RedisStore(Store):
             health_check_interval=30,
         )
         self._scripts = {name: self._redis.register_script(_lua(name)) for name in _SCRIPTS}
+        # The sentinel this coordinator claimed (triggers check the store still holds it).
+        self._incarnation = ""
 
     @asynccontextmanager
     async def _guard(self) -> AsyncIterator[None]:
@@ -101,19 +114,51 @@ class RedisStore(Store):
     async def close(self) -> None:
         await self._redis.aclose()
 
+    # --- lost state ------------------------------------------------------------------------
+
+    async def claim_incarnation(self) -> str:
+        async with self._guard():
+            key = self._k("incarnation")
+            await self._redis.set(key, uuid.uuid4().hex, nx=True)
+            self._incarnation = str(await self._redis.get(key) or "")
+        return self._incarnation
+
+    async def incarnation(self) -> str | None:
+        async with self._guard():
+            value = await self._redis.get(self._k("incarnation"))
+        return None if value is None else str(value)
+
+    async def raise_versions(self, job: str, *, last_version: int, committed_version: int) -> None:
+        await self._run("raise_versions", job, str(last_version), str(committed_version))
+
+    async def restore_refit(self, refit: RefitRecord) -> None:
+        jobkey = self._k("job", refit.job)
+        async with self._guard():
+            seq = await self._redis.hincrby(jobkey, "seq", 1)
+        async with self._guard(), self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._k("refit", refit.refit_id), refit.model_dump_json())
+            pipe.zadd(self._k("job", refit.job, "refits"), {refit.refit_id: seq})
+            pipe.hset(jobkey, "active", refit.refit_id)
+            pipe.sadd(self._k("jobs"), refit.job)
+            await pipe.execute()
+
     # --- members -------------------------------------------------------------------------
 
     async def register_member(self, member: MemberRecord) -> str | None:
         old = await self._run(
-            "register", member.job, member.key, member.member_id, member.model_dump_json()
+            "register",
+            member.job,
+            member.key,
+            member.member_id,
+            member.model_dump_json(),
+            str(member.version),
         )
         return str(old) or None
 
     async def save_member(self, member: MemberRecord) -> None:
-        async with self._guard():
-            await self._redis.set(
-                self._k("member", member.member_id), member.model_dump_json(), xx=True
-            )
+        await self._run(
+            "save_member", member.job, member.key, member.member_id, member.model_dump_json()
+        )
 
     async def delete_member(self, member: MemberRecord) -> None:
         await self._run("unregister", member.job, member.key, member.member_id)
@@ -198,7 +243,10 @@ class RedisStore(Store):
             request.new_id,
             str(request.key_ttl_s),
             str(MAX_VERSION),
+            self._incarnation,
         )
+        if outcome == "lost":
+            raise StoreStateLost("the state store lost its state; the coordinator re-seeds it")
         if outcome == "stale":
             raise stale_version_error(request.version, int(payload))
         if outcome == "too_large":

@@ -5,12 +5,18 @@
 --     trigger coalesces into the pending one (latest version wins, targets are unioned,
 --     empty meaning every replica); otherwise the new refit is queued as pending.
 -- Versions stay below 10^14 so Lua numbers and cjson (14 significant digits) stay exact.
+-- Nothing is written to a store that lost its state (its incarnation sentinel is not the
+-- coordinator's): a wiped store would hand out versions replicas already hold.
 -- ARGV: prefix, job, version, target replicas (JSON array), idempotency key, now, new id,
---       key ttl seconds, max version
+--       key ttl seconds, max version, incarnation
 -- Returns {outcome, refit JSON} with outcome created|coalesced|existing, or
---         {'stale', last version} / {'too_large', max version}.
+--         {'stale', last version} / {'too_large', max version} / {'lost', ''}.
 local prefix, job, asked, targets_json, key = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local now, new_id, key_ttl, max_version = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
+local claimed = ARGV[10]  -- '' when the caller never claimed one (tools, store tests)
+if claimed ~= '' and redis.call('GET', prefix .. 'incarnation') ~= claimed then
+  return {'lost', ''}
+end
 local jobkey = prefix .. 'job:' .. job
 local function refit_key(id) return prefix .. 'refit:' .. id end
 local idem = prefix .. 'idem:' .. job .. ':' .. key

@@ -1,0 +1,204 @@
+"""Lost state (issue 22 §3), every part a real process: redis-server (AOF), the coordinator
+process, one trainer rank and two one-rank generator replicas over Gloo.
+
+Expected:
+* Redis wiped mid-life (FLUSHALL): the coordinator notices (its incarnation sentinel is
+  gone), answers `/readyz` 503 and gRPC health NOT_SERVING until it re-seeded the store and
+  the members registered again (one is frozen meanwhile, so the window is a lease TTL);
+  every member registers again with the version it holds; member records are back in
+  Redis; the next refit (version chosen by the coordinator) goes above every version the
+  replicas hold and commits.
+* A terminal reason never changes: a refit that fails (TIMEOUT: a stalled trainer) while
+  Redis is away for longer than the driver used to retry is shown terminal only once that
+  is persisted, counted once in `refit_failures_total` under that reason (it used to be
+  failed a second time, COORDINATOR_RESTARTED, once Redis was back), and reads the same
+  after a coordinator restart.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from refitplane.errors import RefitError
+from refitplane.protocol import RefitState
+from refitplane.protocol.models import Refit
+from tests.integration.reliability.conftest import LEASE_TTL_S, start_world
+from tests.integration.reliability.support import World, note
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+# Longer than the transfer timeout plus the ~13 s (and the redis-py retries) after which the
+# driver used to stop trying to persist the failure: it fails while Redis is away and can
+# be persisted only after.
+LONG_OUTAGE_S = 35.0
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    w = start_world(
+        tmp_path_factory.mktemp("lost-state"), trainers=1, replicas={"rep-0": 1, "rep-1": 1}
+    )
+    try:
+        yield w
+    finally:
+        w.cluster.close()
+
+
+def _redis(world: World) -> redis.Redis:
+    assert world.cluster.redis is not None
+    return redis.Redis.from_url(world.cluster.redis.url, decode_responses=True)
+
+
+def _not_serving(channel: grpc.Channel) -> bool:
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+    except grpc.RpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def test_wiped_store_is_detected_and_reseeded_from_the_members(world: World) -> None:
+    cluster = world.cluster
+    world.commit()
+    held = world.committed
+    registrations = {a.name: a.status()["registrations"] for a in cluster.agents.values()}
+    frozen = cluster.generators[0]
+    frozen.freeze()  # its re-registration waits: the not-ready window lasts a lease TTL
+    seen_503 = seen_not_serving = False
+    with (
+        _redis(world) as r,
+        httpx.Client(base_url=cluster.coordinator.http_url, timeout=5) as http,
+        grpc.insecure_channel(cluster.coordinator.grpc_target) as channel,
+    ):
+        r.flushall()
+        wiped = time.monotonic()
+        deadline = wiped + 2 * LEASE_TTL_S + 10
+        while time.monotonic() < deadline and not (seen_503 and seen_not_serving):
+            seen_503 |= http.get("/readyz").status_code == 503
+            seen_not_serving |= _not_serving(channel)
+            time.sleep(0.02)
+        detected_s = time.monotonic() - wiped
+        frozen.thaw()
+        assert seen_503, "/readyz stayed 200 after Redis lost every key"
+        assert seen_not_serving, "gRPC health stayed SERVING after Redis lost every key"
+
+        def ready_again() -> bool:
+            return http.get("/readyz").status_code == 200
+
+        _wait("/readyz 200 again", ready_again, 30)
+        for agent in cluster.agents.values():
+            _wait(
+                f"{agent.name} to register again",
+                lambda a=agent: a.status()["registrations"] == registrations[a.name] + 1,
+                30,
+            )
+        cluster.wait_ready()
+        # Member records are upserted: all of them are back in Redis.
+        assert len(r.keys("refit:member:*")) == len(cluster.agents)
+        assert int(r.hget(f"refit:job:{cluster.job}", "last_version") or 0) >= held
+    # The coordinator picks the next version itself: above what every replica holds.
+    version = world.next_version()
+    world.step(version)
+    with cluster.client() as client:
+        refit = client.trigger(cluster.job)
+        assert refit.version > held, (refit.version, held)
+        final = client.wait(refit.refit_id, timeout_s=60)
+    assert final.state is RefitState.COMMITTED, (final.reason, final.message)
+    world.version = refit.version
+    world.check_holds(refit.version, weights=version)
+    note(
+        "test_wiped_store_is_detected_and_reseeded_from_the_members",
+        replicas_held=held,
+        next_version=refit.version,
+        not_ready_seen_after_s=detected_s,
+    )
+
+
+def _wait(what: str, predicate: object, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():  # type: ignore[operator]
+                return
+        except (RefitError, httpx.HTTPError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _failures(world: World) -> dict[str, float]:
+    """refit_failures_total by reason, from the coordinator's /metrics."""
+    text = httpx.get(f"{world.cluster.coordinator.http_url}/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("refit_failures_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('reason="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
+def test_a_terminal_reason_never_changes(world: World) -> None:
+    cluster = world.cluster
+    assert cluster.redis is not None
+    failures_before = _failures(world)
+    version = world.next_version()
+    world.step(version)
+    cluster.trainers[0].arm(stall_after_bytes=0, stall_until="abort")
+    refit = world.trigger(version)
+    cluster.wait_state(refit.refit_id, RefitState.TRANSFERRING)
+    seen: list[Refit] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        """What a client polling GetRefit sees, through the outage."""
+        with cluster.client(timeout_s=2) as client:
+            while not stop.is_set():
+                try:
+                    record = client.get(refit.refit_id)
+                except RefitError:
+                    time.sleep(0.05)
+                    continue
+                seen.append(record)
+                if record.state.terminal:
+                    return
+                time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    cluster.redis.kill()
+    time.sleep(LONG_OUTAGE_S)
+    cluster.redis.start()
+    final = cluster.wait(refit.refit_id, timeout_s=90)
+    stop.set()
+    watcher.join(timeout=10)
+    terminal = [r for r in seen if r.state.terminal]
+    assert final.state is RefitState.FAILED, final
+    assert {(r.state, r.reason) for r in terminal} <= {(final.state, final.reason)}, (
+        [(r.state, r.reason) for r in terminal],
+        final.reason,
+    )
+    failures = _failures(world)
+    counted = {
+        reason: n - failures_before.get(reason, 0.0)
+        for reason, n in failures.items()
+        if n != failures_before.get(reason, 0.0)
+    }
+    assert counted == {final.reason: 1.0}, counted
+    # Across a coordinator restart too.
+    cluster.coordinator.kill()
+    cluster.coordinator.start()
+    with cluster.client() as client:
+        again = client.get(refit.refit_id)
+    assert (again.state, again.reason) == (final.state, final.reason)
+    world.check_released(final)
+    world.commit()
+    note("test_a_terminal_reason_never_changes", reason=final.reason, polls=len(seen))
