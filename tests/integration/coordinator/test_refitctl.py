@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from refitplane.agent.simulated import Behaviour
-from refitplane.cli.exits import EXIT_NOT_FOUND, EXIT_REJECTED
+from refitplane.cli.exits import EXIT_NOT_FOUND, EXIT_REJECTED, EXIT_UNAUTHENTICATED
 from refitplane.cli.refit_cmds import progress_line, table
 from refitplane.cli.refitctl import main
 from refitplane.protocol import RefitState
@@ -121,3 +121,16 @@ def test_progress_line_and_table():
         "1    2",
         "333  4",
     ]
+
+
+def test_a_missing_or_wrong_token_exits_unauthenticated(coordinator_factory, monkeypatch, capsys):
+    for key in list(os.environ):
+        if key.startswith("REFIT_"):
+            monkeypatch.delenv(key)
+    coord = coordinator_factory(auth_token="right-token")
+    base = ["trigger", "--job", "job", "--coordinator", coord.grpc_target, "--json"]
+    for extra in ([], ["--token", "wrong-token"]):
+        assert main([*base, *extra]) == EXIT_UNAUTHENTICATED
+        doc = json.loads(capsys.readouterr().err)["error"]
+        assert doc["reason"] == "UNAUTHENTICATED"
+        assert doc["exit_code"] == EXIT_UNAUTHENTICATED
