@@ -1,8 +1,8 @@
 """What `pip install` and PyPI see of the four distributions (the core and one per role):
 the Apache-2.0 LICENSE in every sdist and wheel, the license as an SPDX expression, project
-URLs and classifiers, the .proto files in the core's sdist, and a build that prints no
-setuptools deprecation warning (the license table and package data used to print ~90
-lines per build)."""
+URLs and classifiers, the .proto files in the core's sdist, metadata `twine check --strict`
+accepts, and a build that prints no setuptools deprecation warning (the license table and
+package data used to print ~90 lines per build)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,17 @@ def test_the_core_sdist_carries_the_protos(built) -> None:
     with tarfile.open(sdist) as archive:
         shipped = {Path(m.name).name for m in archive.getmembers() if m.name.endswith(".proto")}
     assert shipped == {p.name for p in (REPO / "proto").rglob("*.proto")}
+
+
+@pytest.mark.parametrize("name", list(PROJECTS))
+def test_twine_accepts_what_pypi_would_show(built, name: str) -> None:
+    """`twine check --strict`: the metadata is valid and the README renders on PyPI."""
+    pytest.importorskip("twine", reason="twine (dev extra) is not installed")
+    sdist, wheel, _ = built[name]
+    result = run_to_end(
+        [sys.executable, "-m", "twine", "check", "--strict", str(sdist), str(wheel)]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("name", list(PROJECTS))
