@@ -79,9 +79,10 @@ def test_build_info_failures_and_replica_versions(scraped):
     assert value == 1
     assert build["version"] == __version__
     assert build["store"] == "embedded"
-    assert {labels["reason"]: v for labels, v in scraped["refit_failures_total"]} == {
-        "PEER_FAILED": 1
-    }
+    failures = {(lab["refit_job"], lab["reason"]): v for lab, v in scraped["refit_failures_total"]}
+    assert failures == {("job", "PEER_FAILED"): 1}
+    refits = {(lab["refit_job"], lab["outcome"]): v for lab, v in scraped["refit_refits_total"]}
+    assert refits == {("job", "COMMITTED"): 1, ("job", "FAILED"): 1}
     versions = {
         (lab["refit_job"], lab["replica"]): v for lab, v in scraped["refit_replica_version"]
     }

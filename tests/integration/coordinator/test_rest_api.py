@@ -125,7 +125,7 @@ def test_health_ready_metrics(redis_factory, coordinator_factory, sim_cluster):
         assert http.get("/healthz").json() == {"status": "ok"}
         assert http.get("/readyz").json() == {"status": "ready"}
         metrics = http.get("/metrics").text
-        assert 'refit_refits_total{outcome="COMMITTED"} 1.0' in metrics
+        assert 'refit_refits_total{outcome="COMMITTED",refit_job="job"} 1.0' in metrics
         assert 'refit_phase_duration_seconds_count{phase="TRANSFERRING"} 1.0' in metrics
         assert 'refit_members{state="READY"} 3.0' in metrics
         assert "refit_bytes_total" in metrics

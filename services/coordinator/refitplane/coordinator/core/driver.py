@@ -397,7 +397,7 @@ class JobDriver:
         await self._enter(run, RefitState.COMMITTED, [RefitState.VERIFYING])
         record = run.record
         total = record.updated_unix - record.created_unix
-        self._ctx.metrics.finished(RefitState.COMMITTED, record.timings, total)
+        self._ctx.metrics.finished(RefitState.COMMITTED, record.timings, total, job=record.job)
         self._ctx.metrics.bytes.inc(record.bytes_done)
         self._ctx.metrics.wire_bytes.inc(record.bytes_on_wire)
         deltas = len(record.delta_replicas)

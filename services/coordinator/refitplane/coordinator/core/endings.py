@@ -102,7 +102,7 @@ class RefitEndings:
         run.record = record
         self._ctx.events.publish(record)
         self._ctx.metrics.finished(
-            state, record.timings, now - record.created_unix, reason=record.reason
+            state, record.timings, now - record.created_unix, job=record.job, reason=record.reason
         )
 
     async def orphaned(self, record: RefitRecord) -> None:
@@ -142,5 +142,9 @@ class RefitEndings:
         log.warning("refit %s failed: %s", record.refit_id, message)
         self._ctx.events.publish(failed)
         self._ctx.metrics.finished(
-            RefitState.FAILED, failed.timings, now - record.created_unix, reason=failed.reason
+            RefitState.FAILED,
+            failed.timings,
+            now - record.created_unix,
+            job=record.job,
+            reason=failed.reason,
         )

@@ -63,7 +63,14 @@ class Metrics:
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.refits = Counter("refit_refits", "Finished refits by outcome", ["outcome"], registry=r)
+        # Per job where it pays and stays bounded (one series per job and outcome or reason):
+        # "refit_job", as Prometheus' own "job" label names the scrape target.
+        self.refits = Counter(
+            "refit_refits",
+            "Finished refits by job and outcome",
+            ["refit_job", "outcome"],
+            registry=r,
+        )
         self.triggers = Counter(
             "refit_triggers", "Trigger requests by outcome", ["outcome"], registry=r
         )
@@ -76,8 +83,8 @@ class Metrics:
         )
         self.refit_seconds = Histogram(
             "refit_duration_seconds",
-            "Trigger-to-finish time of refits by outcome",
-            ["outcome"],
+            "Trigger-to-finish time of refits by job and outcome",
+            ["refit_job", "outcome"],
             buckets=_PHASE_BUCKETS,
             registry=r,
         )
@@ -103,8 +110,8 @@ class Metrics:
         )
         self.failures = Counter(
             "refit_failures",
-            "Failed refits by reason (PEER_FAILED, CHECKSUM_MISMATCH, TIMEOUT, ...)",
-            ["reason"],
+            "Failed refits by job and reason (PEER_FAILED, CHECKSUM_MISMATCH, TIMEOUT, ...)",
+            ["refit_job", "reason"],
             registry=r,
         )
         self.epochs = Counter("refit_group_epochs", "Group epochs started", registry=r)
@@ -125,11 +132,12 @@ class Metrics:
         timings: Mapping[RefitState, float],
         total_s: float,
         *,
+        job: str,
         reason: str = "",
     ) -> None:
-        self.refits.labels(outcome.value).inc()
+        self.refits.labels(job, outcome.value).inc()
         if outcome is RefitState.FAILED:
-            self.failures.labels(reason.upper() or "UNKNOWN").inc()
-        self.refit_seconds.labels(outcome.value).observe(total_s)
+            self.failures.labels(job, reason.upper() or "UNKNOWN").inc()
+        self.refit_seconds.labels(job, outcome.value).observe(total_s)
         for phase, seconds in timings.items():
             self.phase_seconds.labels(phase.value).observe(seconds)

@@ -353,7 +353,9 @@ class Coordinator:
                     record = await self._record(refit_id)  # the driver picked it up
                     continue
                 self.events.publish(cancelled)
-                self.metrics.finished(RefitState.CANCELLED, {}, now - record.created_unix)
+                self.metrics.finished(
+                    RefitState.CANCELLED, {}, now - record.created_unix, job=record.job
+                )
                 if driver is not None:
                     driver.wake()
                 return cancelled.view()
