@@ -2,11 +2,14 @@
 
 The rank walks its messages in schedule order (see `schedule.py`), batching each
 channel's consecutive messages into one group of sends/receives (posted once it holds a
-few buckets' worth, and always before any wait). A message that is a single chunk whose
-local view is contiguous goes straight from/to parameter memory; anything else is packed
-into (or unpacked from) a slice of the bounded staging ring: a group's chunks with
-contiguous local memory in one `torch._foreach_copy_` per direction, strided ones one copy
-each (`message_io.py`), so hundreds of small tensors cost a few launches, not hundreds.
+few buckets' worth, and always before any wait). A message whose local memory is one
+contiguous span (a single chunk, or a fused run of chunks lying back to back, e.g. 64 MoE
+experts in vLLM's `w13`: `runs.py`, `message_io.py`) goes straight from/to that memory;
+anything else is packed into (or unpacked from) a slice of the bounded staging ring. On
+CUDA, a message whose chunks are all flat is packed or unpacked by one kernel launch over
+a chunk table made when the plan was prepared (`chunk_copy.py`: no per-tensor host work);
+otherwise a group's flat chunks go in one `torch._foreach_copy_` per direction and strided
+ones one copy each, so hundreds of small tensors cost a few launches, not hundreds.
 When the ring is full, everything pending is posted and the oldest group completed first,
 so staging memory never exceeds `max_inflight_bytes`. On GPU, packing, the transfer and unpacking are ordered on
 the channel's CUDA stream without host waits; on CPU (Gloo) unpacking happens when a group
@@ -41,6 +44,10 @@ refit.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import os
 import threading
 import time
 from collections import deque
@@ -57,6 +64,8 @@ from refitplane.errors import (
 )
 from refitplane.reshard.boxes import format_box
 from refitplane.reshard.checksum import LaunchTables, accumulate_sums_many
+from refitplane.reshard.chunk_copy import ChunkTable
+from refitplane.reshard.chunk_copy import launch as launch_copy
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.delta_exchange import DeltaExchange, DeltaLinks, DeltaMessage
 from refitplane.reshard.message_io import (
@@ -64,6 +73,7 @@ from refitplane.reshard.message_io import (
     StridedChunk,
     resolve_message,
     resolve_messages,
+    with_copy_tables,
 )
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.schedule import Message, RankSchedule, rank_schedule
@@ -106,6 +116,14 @@ class TransferReport:
     # transfer posted (the rest of `seconds` is waiting for the devices and verifying).
     prepared_seconds: float = 0.0
     posted_seconds: float = 0.0
+    # Host time by phase (a profile of the posting loop): adding messages to groups,
+    # posting groups (packing launches, NCCL calls), queueing unpacking and checksums,
+    # waiting for groups to complete, and the final exchange of checksum vectors.
+    host_add_seconds: float = 0.0
+    host_post_seconds: float = 0.0
+    host_after_seconds: float = 0.0
+    host_wait_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 @dataclass
@@ -122,6 +140,10 @@ class _Group:
     unpack_dst: list[torch.Tensor] = field(default_factory=list)
     unpack_src: list[torch.Tensor] = field(default_factory=list)
     unpack_strided: list[tuple[torch.Tensor, StridedChunk]] = field(default_factory=list)
+    # Staged messages with a chunk table (`chunk_copy.py`): one launch each, packing into
+    # (`pack_tables`) or unpacking from (`unpack_tables`) the message's staging slice.
+    pack_tables: list[tuple[ChunkTable, torch.Tensor]] = field(default_factory=list)
+    unpack_tables: list[tuple[ChunkTable, torch.Tensor]] = field(default_factory=list)
     # Received deltas, applied in place to (message image, delta) before unpacking.
     delta_apply: list[tuple[torch.Tensor, DeltaMessage]] = field(default_factory=list)
     # After the transfer (and unpacking): one checksum launch for every message buffer of
@@ -192,6 +214,17 @@ class _Prepared:
         return shards.fingerprint() == self.fingerprint
 
 
+# REFIT_PROFILE_DIR: each executor appends its reports (host time by phase) there, one
+# JSON line per transfer, to `executor-<pid>.jsonl`.
+PROFILE_DIR = os.environ.get("REFIT_PROFILE_DIR", "")
+
+
+def _write_profile(rank: int, report: TransferReport) -> None:
+    path = os.path.join(PROFILE_DIR, f"executor-{os.getpid()}.jsonl")
+    with contextlib.suppress(OSError), open(path, "a") as f:
+        f.write(json.dumps({"rank": rank, **dataclasses.asdict(report)}) + "\n")
+
+
 # Post a channel's batched ops once they reach this many bucket sizes (or ops): fewer,
 # larger NCCL groups cost fewer launches; batching never delays a wait (all pending ops
 # are posted before any wait).
@@ -256,6 +289,8 @@ class Executor:
         self.receives_posted = run.receives_posted
         report.seconds = time.monotonic() - started
         report.staging_peak_bytes = self.ring.peak
+        if PROFILE_DIR:
+            _write_profile(plan.rank, report)
         if staged is not None:
             # A staged receiver holds no transfer memory between refits.
             self.ring.free()
@@ -269,7 +304,9 @@ class Executor:
         self._prepared = None  # let go of the old views first
         schedule = rank_schedule(plan, self.config)
         deferred = shards.staged_names if isinstance(shards, StagedShards) else frozenset()
-        steps = resolve_messages(plan, schedule, shards, deferred)
+        steps = with_copy_tables(
+            resolve_messages(plan, schedule, shards, deferred), self.transport.device
+        )
         buckets: list[StagedBucket] = []
         if isinstance(shards, StagedShards):
             buckets = shards.plan(schedule.receive_stages(plan.rank))
@@ -390,7 +427,9 @@ class _Run:
                         f"(first tensor {m.chunks[0].tensor!r}) has no memory: its stage is in "
                         "no staged bucket"
                     )
+                t0 = time.perf_counter()
                 self._add(m, io)
+                self.report.host_add_seconds += time.perf_counter() - t0
                 channels.add(m.channel)
             for channel in sorted(channels):
                 group = self.pending.get(channel)
@@ -403,7 +442,9 @@ class _Run:
             self._retire_completed()
         self._drain()
         if self.verify:
+            t0 = time.perf_counter()
             self._verify()
+            self.report.verify_seconds = time.perf_counter() - t0
         self.t.end()
         return self.report
 
@@ -471,7 +512,12 @@ class _Run:
                 taken = self.ring.try_take(m.nbytes)
             token, buf = taken
         group = self.pending.setdefault(m.channel, _Group())
-        if io.direct is None:
+        if io.direct is None and io.copy is not None and delta is None:
+            # No per-chunk work here: one kernel launch packs or unpacks the message.
+            group.slices.append(token)
+            group.staged += m.nbytes
+            (group.pack_tables if sending else group.unpack_tables).append((io.copy, buf))
+        elif io.direct is None:
             group.slices.append(token)
             group.staged += m.nbytes
             parts = io.parts(buf)
@@ -530,18 +576,31 @@ class _Run:
         group = self.pending.pop(channel, None)
         if group is None or not group.ops:
             return
+        t0 = time.perf_counter()
         # Set before posting: a failure while posting may follow a receive already posted.
         self.receives_posted |= any(not op.send for op in group.ops)
-        if group.pack_dst:
+        if group.pack_dst or group.pack_tables:
             with self.t.channel_context(channel):
-                torch._foreach_copy_(group.pack_dst, group.pack_src)
-            group.pack_dst, group.pack_src = [], []
+                if group.pack_dst:
+                    torch._foreach_copy_(group.pack_dst, group.pack_src)
+                for table, buf in group.pack_tables:
+                    launch_copy(table, buf, scatter=False)
+            group.pack_dst, group.pack_src, group.pack_tables = [], [], []
         handle = self.t.issue(channel, group.ops, self.deadline)
+        t1 = time.perf_counter()
+        self.report.host_post_seconds += t1 - t0
         if self.t.device_ordered:
             with self.t.beside(channel):
                 self._after_transfer(group)
             handle = self.t.fence(handle)
-        elif group.unpack_dst or group.unpack_strided or group.sum_bufs or group.delta_apply:
+            self.report.host_after_seconds += time.perf_counter() - t1
+        elif (
+            group.unpack_dst
+            or group.unpack_strided
+            or group.unpack_tables
+            or group.sum_bufs
+            or group.delta_apply
+        ):
             group.post = lambda: self._after_transfer(group)
         group.handle = handle
         group.ops = []
@@ -557,8 +616,10 @@ class _Run:
             raise TransferError(f"rank {self.rank}: staging exhausted with nothing in flight")
         group = self.in_flight.popleft()
         assert group.handle is not None
+        t0 = time.perf_counter()
         try:
             self.t.wait(group.handle, self.deadline, self.cancel)
+            self.report.host_wait_seconds += time.perf_counter() - t0
         except TransferTimeout as exc:
             raise TransferTimeout(
                 f"{exc}; waiting for {group.describe(self.rank)}; {len(self.in_flight)} later group(s) "
@@ -594,6 +655,8 @@ class _Run:
         DeltaExchange.apply_all(group.delta_apply)
         if group.unpack_dst:
             torch._foreach_copy_(group.unpack_dst, group.unpack_src)
+        for table, buf in group.unpack_tables:
+            launch_copy(table, buf, scatter=True)
         for part, chunk in group.unpack_strided:
             chunk.view.copy_(chunk.typed(part))
         if group.sum_bufs:

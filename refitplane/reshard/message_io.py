@@ -1,7 +1,9 @@
 """Each message's local memory, resolved once and kept while plan and shards stay the same.
 
-A message either goes straight from/to local memory (one chunk whose view is contiguous:
-`MessageIO.direct`, its bytes) or through a staging buffer. For a staged message the
+A message either goes straight from/to local memory (`MessageIO.direct`, its bytes: one
+chunk whose view is contiguous, or chunks whose views lie back to back in one allocation
+exactly as they lie in the message, e.g. a fused run of experts in vLLM's `w13`, see
+`runs.py`) or through a staging buffer. For a staged message the
 chunks' slices of that buffer come from one `split` (chunk, alignment gap, chunk, ...), and
 each chunk is copied to/from local memory either in bulk — contiguous local memory, as
 1-D bytes, gathered with every other such chunk of the group into one `torch._foreach_copy_`
@@ -11,17 +13,23 @@ alone, through a typed strided view (resharded boxes).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import box_shape
+from refitplane.reshard.chunk_copy import ChunkTable, build_tables, eligible
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.schedule import Message, RankSchedule
 from refitplane.reshard.shards import LocalShards, torch_dtype
+
+# REFIT_DIRECT_SPANS=0 stages multi-chunk messages even where local memory is one span (to
+# measure what the spans save; both ends decide this alone, so it needs no agreement).
+DIRECT_SPANS = os.environ.get("REFIT_DIRECT_SPANS", "1") != "0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +58,10 @@ class MessageIO:
     flat: tuple[int, ...] = ()
     flat_views: tuple[torch.Tensor, ...] = ()
     strided: tuple[StridedChunk, ...] = ()
+    # Staged messages on CUDA whose chunks are all flat and 8-byte aligned: their chunk
+    # table, packed/unpacked by one kernel launch (`chunk_copy.py`); set when the plan is
+    # prepared.
+    copy: ChunkTable | None = None
 
     def parts(self, buf: torch.Tensor) -> Sequence[torch.Tensor]:
         """Every chunk's slice of the staging buffer `buf`, in chunk order."""
@@ -64,10 +76,37 @@ def _as_bytes(view: torch.Tensor) -> torch.Tensor:
     return view.as_strided((view.numel(),), (1,)).view(torch.uint8)
 
 
+def _span(m: Message, views: list[torch.Tensor]) -> torch.Tensor | None:
+    """The message's local memory as one byte span, if its chunks' views are contiguous and
+    lie back to back in one allocation at the message's own offsets (no gaps: a gap would be
+    someone else's bytes); else None."""
+    first = views[0]
+    storage = first.untyped_storage()
+    start = first.data_ptr()
+    end = 0
+    for chunk, view in zip(m.chunks, views, strict=True):
+        if (
+            chunk.offset != end
+            or not view.is_contiguous()
+            or view.data_ptr() != start + chunk.offset
+            or view.untyped_storage().data_ptr() != storage.data_ptr()
+        ):
+            return None
+        end = chunk.offset + chunk.nbytes
+    offset = start - storage.data_ptr()
+    if end != m.nbytes or offset + end > storage.nbytes():
+        return None
+    span = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return span.set_(storage, offset, (end,), (1,))
+
+
 def message_io(m: Message, views: list[torch.Tensor], specs: Mapping[str, TensorSpec]) -> MessageIO:
     payload = sum(c.nbytes for c in m.chunks)
     if len(views) == 1 and views[0].is_contiguous():
         return MessageIO(_as_bytes(views[0]), payload)
+    span = _span(m, views) if DIRECT_SPANS else None
+    if span is not None:
+        return MessageIO(span, payload)
     split: list[int] = []
     end = 0
     for chunk in m.chunks:
@@ -129,3 +168,31 @@ def resolve_messages(
 def resolve_message(m: Message, shards: LocalShards, specs: Mapping[str, TensorSpec]) -> MessageIO:
     """One message's local memory, from the views `shards` gives for its chunks now."""
     return message_io(m, [shards.view(c.tensor, c.box) for c in m.chunks], specs)
+
+
+def with_copy_tables(
+    steps: tuple[tuple[tuple[Message, MessageIO | None], ...], ...], device: torch.device
+) -> tuple[tuple[tuple[Message, MessageIO | None], ...], ...]:
+    """`steps` with a chunk table for every staged message the copy kernel can pack and
+    unpack (all chunks flat and aligned, on CUDA); the others unchanged."""
+    if device.type != "cuda":
+        return steps
+    chosen = [
+        (m, io)
+        for step in steps
+        for m, io in step
+        if io is not None and io.direct is None and not io.strided and eligible(io.flat_views)
+    ]
+    if not chosen:
+        return steps
+    tables = build_tables(
+        [(io.flat_views, [m.chunks[i].offset for i in io.flat]) for m, io in chosen], device
+    )
+    table_of = {id(io): table for (_, io), table in zip(chosen, tables, strict=True)}
+    return tuple(
+        tuple(
+            (m, io if io is None or id(io) not in table_of else replace(io, copy=table_of[id(io)]))
+            for m, io in step
+        )
+        for step in steps
+    )

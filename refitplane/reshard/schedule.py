@@ -4,13 +4,21 @@ Both ends of a link derive the same messages from the same link and config, so b
 always match (a mismatch is how NCCL P2P hangs). Cutting rules, per link:
 
 - pieces go in stage order (`stages.py`: the decoder layer of the tensor, from its canonical
-  name), the planner's order within a stage, and no message holds chunks of two stages, so
-  a receiver that stages checkpoint tensors can apply a layer once its messages are in;
+  name), and no message holds chunks of two stages, so a receiver that stages checkpoint
+  tensors can apply a layer once its messages are in;
+- within a stage, the pieces of a *fused run* (`runs.py`: tensors that inference engines
+  keep side by side in one parameter, e.g. every expert's gate and up projection in a MoE
+  layer's `w13` [E, 2I, H]) go in that memory order, after the stage's other pieces (which
+  keep the planner's order); a packed message never mixes two runs (or a run and other
+  tensors), so on a receiver that holds the run contiguously it is one span of memory that
+  NCCL writes straight into (`message_io.py`), with no staging and no unpacking;
 - a piece larger than `bucket_bytes` is cut into row blocks of at most `bucket_bytes`;
 - a chunk of at least half a bucket, or of at least `config.direct_min_bytes`, travels alone, so
   it can go straight from/to parameter memory when that side's view is contiguous (packing
-  costs two extra copies of every byte; NCCL runs near its peak from a few tens of MiB);
-- smaller chunks of one stage are packed together up to `bucket_bytes`.
+  costs two extra copies of every byte; NCCL runs near its peak from a few tens of MiB); the
+  packed message being filled meanwhile stays open;
+- smaller chunks of one stage are packed together up to `bucket_bytes`; a fused run's chunks
+  into messages of even size (as few as fit in buckets).
 
 Message `i` of a link has `round` `i` (its row in the link's checksum vector) and channel
 `i % num_channels`; its `step` is its index among the link's messages of its stage. Every
@@ -30,6 +38,7 @@ from refitplane.reshard.boxes import Box, box_numel, split_rows
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import Link, Piece, RankPlan
+from refitplane.reshard.runs import RunKey, run_key, run_of
 from refitplane.reshard.stages import StageKey, stage_of
 
 # Chunks start at multiples of this inside a message (checksums read 8-byte words).
@@ -65,9 +74,18 @@ class Message:
     step: int = 0
 
 
+def _piece_order(piece: Piece) -> tuple[StageKey, RunKey, tuple[int, int]]:
+    run = run_of(piece.tensor)
+    if run is None:
+        return stage_of(piece.tensor), (), (0, 0)
+    return stage_of(piece.tensor), run[0], run[1]
+
+
 def staged_pieces(link: Link) -> list[Piece]:
-    """The link's pieces in stage order (the planner's order within a stage)."""
-    return sorted(link.pieces, key=lambda piece: stage_of(piece.tensor))
+    """The link's pieces in stage order; within a stage, pieces of no fused run first in the
+    planner's order, then each run's pieces in its memory order (a sort is stable: a
+    tensor's boxes keep their order)."""
+    return sorted(link.pieces, key=_piece_order)
 
 
 def link_chunks(
@@ -81,45 +99,82 @@ def link_chunks(
             yield piece.tensor, box, box_numel(box) * size
 
 
+def _travels_alone(nbytes: int, config: TransferConfig) -> bool:
+    return 2 * nbytes >= config.bucket_bytes or nbytes >= config.direct_min_bytes
+
+
+def _run_targets(chunks: list[tuple[str, Box, int]], config: TransferConfig) -> dict[int, int]:
+    """For the first chunk of each fused run (index into `chunks`), the size its packed
+    messages are filled to: the run's packed bytes spread evenly over as few messages as
+    fit (a 768 MiB run of 3 MiB experts in 256 MiB buckets: 4 x 192 MiB, not 3 x 255 + 3)."""
+    targets: dict[int, int] = {}
+    i = 0
+    while i < len(chunks):
+        key, stage = run_key(chunks[i][0]), stage_of(chunks[i][0])
+        j, total, largest = i, 0, 0
+        while j < len(chunks) and run_key(chunks[j][0]) == key and stage_of(chunks[j][0]) == stage:
+            nbytes = chunks[j][2]
+            if key and not _travels_alone(nbytes, config):
+                total += _align(nbytes)
+                largest = max(largest, nbytes)
+            j += 1
+        if total:
+            count = -(-total // max(1, config.bucket_bytes - largest))
+            targets[i] = -(-total // count)
+        i = j
+    return targets
+
+
 def link_messages(
     link: Link, specs: Mapping[str, TensorSpec], config: TransferConfig
 ) -> list[Message]:
     bucket = config.bucket_bytes
+    chunks = list(link_chunks(link, specs, bucket))
+    targets = _run_targets(chunks, config)
     messages: list[Message] = []
     current: list[Chunk] = []
     filled = 0
+    target = bucket
     stage: StageKey | None = None
     stage_start = 0  # index of the stage's first message
+    run: RunKey = ()  # the fused run of the chunks packed so far (() for none)
+
+    def emit(members: list[Chunk], nbytes: int) -> None:
+        r = len(messages)
+        messages.append(
+            Message(
+                link.src,
+                link.dst,
+                r,
+                r % config.num_channels,
+                tuple(members),
+                nbytes,
+                stage_of(members[0].tensor),
+                r - stage_start,
+            )
+        )
 
     def flush() -> None:
         nonlocal current, filled
         if current:
-            r = len(messages)
-            messages.append(
-                Message(
-                    link.src,
-                    link.dst,
-                    r,
-                    r % config.num_channels,
-                    tuple(current),
-                    filled,
-                    stage_of(current[0].tensor),
-                    r - stage_start,
-                )
-            )
+            emit(current, filled)
             current, filled = [], 0
 
-    for index, (tensor, box, nbytes) in enumerate(link_chunks(link, specs, bucket)):
+    for index, (tensor, box, nbytes) in enumerate(chunks):
         tensor_stage = stage_of(tensor)
         if tensor_stage != stage:
             flush()  # a message never spans two stages
             stage, stage_start = tensor_stage, len(messages)
-        if 2 * nbytes >= bucket or nbytes >= config.direct_min_bytes:
-            flush()
-            current, filled = [Chunk(tensor, box, nbytes, 0, index)], nbytes
-            flush()
+        tensor_run = run_key(tensor)
+        if tensor_run != run:
+            flush()  # nor two fused runs, nor a run and other tensors
+            run = tensor_run
+            target = targets.get(index, bucket)
+        if _travels_alone(nbytes, config):
+            # Alone, and the packed message being filled goes on filling.
+            emit([Chunk(tensor, box, nbytes, 0, index)], nbytes)
             continue
-        if _align(filled) + nbytes > bucket:
+        if current and (_align(filled) + nbytes > bucket or filled >= target):
             flush()
         offset = _align(filled)
         current.append(Chunk(tensor, box, nbytes, offset, index))

@@ -22,6 +22,10 @@ from refitplane.errors import InvalidArgument, PeerFailure, TransferError, Trans
 from refitplane.reshard.transport.base import Handle, P2POp, Transport
 
 UID_BYTES = 128
+# Longest sleep between two polls of a wait. A group of 192 MiB takes ~0.5 ms on NVLink:
+# a host that slept up to 1 ms after it completed left the link idle for as long (the MoE
+# shape's ~500 messages wait on a full staging ring hundreds of times per refit).
+_MAX_POLL_S = 5e-5
 
 
 def _nccl() -> tuple[Any, Any]:
@@ -116,7 +120,7 @@ class NcclTransport(Transport):
             if time.monotonic() > deadline:
                 raise TransferTimeout(f"rank {self.rank}: NCCL timed out while {what}")
             time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            delay = min(delay * 2, _MAX_POLL_S)
 
     def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self._pack[channel])
@@ -200,7 +204,7 @@ class NcclTransport(Transport):
             if cancel is not None and cancel.is_set():
                 raise TransferError(f"rank {self.rank}: transfer cancelled")
             time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            delay = min(delay * 2, _MAX_POLL_S)
 
     def abort(self) -> None:
         comms, self._comms = self._comms, []

@@ -46,6 +46,13 @@ def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
     # cold cache (minutes); the few shapes a test generates with compile on first use.
     os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    level = os.environ.get("REFIT_LOG_LEVEL")
+    if level:
+        # e.g. INFO: the sidecar's line per refit (milliseconds per step of the update).
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("refitplane").setLevel(level)
     if spec.device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpus
     else:

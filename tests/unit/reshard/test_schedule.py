@@ -41,7 +41,9 @@ def test_messages_cover_the_link_within_buckets(
     msgs = link_messages(link, specs, cfg)
     chunks = [c for m in msgs for c in m.chunks]
     assert sum(c.nbytes for c in chunks) == link.nbytes
-    assert [c.index for c in chunks] == list(range(len(chunks)))
+    # Every chunk once (a chunk that travels alone may go before the packed message that
+    # was being filled when it came).
+    assert sorted(c.index for c in chunks) == list(range(len(chunks)))
     for i, m in enumerate(msgs):
         assert m.round == i
         assert m.channel == i % channels
@@ -87,7 +89,8 @@ def test_large_chunks_travel_alone_whatever_the_bucket() -> None:
     msgs = link_messages(
         link, specs, TransferConfig(bucket_bytes=1 << 30, max_inflight_bytes=1 << 31)
     )
-    assert [[c.tensor for c in m.chunks] for m in msgs] == [["n"], ["w"], ["n"]]
+    # The large chunk goes alone; the small ones around it still share one message.
+    assert [[c.tensor for c in m.chunks] for m in msgs] == [["w"], ["n", "n"]]
 
 
 def test_direct_threshold_decides_what_is_packed() -> None:
@@ -98,7 +101,7 @@ def test_direct_threshold_decides_what_is_packed() -> None:
     link = Link(0, 1, pieces, sum(box_numel(p.box) * specs[p.tensor].itemsize for p in pieces))
     big = 1 << 30
     alone = link_messages(link, specs, TransferConfig(bucket_bytes=big, max_inflight_bytes=big))
-    assert [[c.tensor for c in m.chunks] for m in alone] == [["n"], ["w"]]  # 32 MiB >= 16 MiB
+    assert [[c.tensor for c in m.chunks] for m in alone] == [["w"], ["n"]]  # 32 MiB >= 16 MiB
     packed = link_messages(
         link,
         specs,
