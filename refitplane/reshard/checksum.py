@@ -39,6 +39,7 @@ _WORDS_PER_PROGRAM = _BLOCK * _ITERS
 _SEARCH_STEPS = 20
 
 _kernel: Any = None
+_program_row: Any = None
 
 
 def _triton_kernel() -> Any:
@@ -53,28 +54,26 @@ def _triton_kernel() -> Any:
     Exactly one variant is ever compiled: the search runs a fixed number of steps and
     Triton does not specialize the arguments (a new variant means compiling and loading a
     module, which must not happen while a transfer is in flight; see `LaunchTables`)."""
-    global _kernel
+    global _kernel, _program_row
     if _kernel is not None:
         return _kernel or None
     try:
         import triton
         import triton.language as tl
+
+        from refitplane.reshard import triton_rows
     except ImportError:
         _kernel = False
         return None
+
+    # The kernel finds its row with the shared search; Triton resolves it as a global.
+    _program_row = triton_rows.program_row
 
     # Triton reads the signature: no Python annotations inside the kernel.
     @triton.jit(do_not_specialize=["tab", "n"])  # type: ignore[untyped-decorator]
     def _sums_into(tab, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
         pid = tl.program_id(0).to(tl.int64)
-        lo = pid * 0
-        hi = lo + n
-        for _ in tl.static_range(STEPS):  # the last entry whose first program <= pid
-            mid = (lo + hi) // 2
-            right = tl.load(tab + mid * 4 + 3) <= pid
-            lo = tl.where(right, mid, lo)
-            hi = tl.where(right, hi, mid)
-        row = tab + lo * 4
+        row = _program_row(tab, n, pid, STEPS)
         address = tl.load(row)
         x_ptr = address.to(tl.pointer_type(tl.int64))
         n_bytes = tl.load(row + 1)

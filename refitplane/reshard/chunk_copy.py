@@ -9,12 +9,14 @@ a pack or unpack is one Triton launch over that table and the staging slice: no 
 work on the host at all.
 
 Like the checksum kernel (`checksum.py`), it maps each program to its chunk by a binary
-search of fixed depth and specializes on nothing that varies (the table and the row count
-are not specialized; the staging slice always starts 256-byte aligned), so exactly one
-variant per direction exists, compiled and loaded before the first byte moves (loading a
-module while a peer's NCCL kernel waits for this rank can deadlock). Chunks are copied as
-8-byte words, a last partial word bytewise; local addresses must be 8-byte aligned (the
-executor falls back to `_foreach_copy_` for messages with any chunk that is not).
+search of fixed depth and specializes on nothing that varies (no argument is specialized),
+so exactly three variants exist (pack, unpack, and pack adding the message's checksum sums
+as it copies), compiled and loaded before the first byte moves (loading a module while a
+peer's NCCL kernel waits for this rank can deadlock). Chunks are copied as 8-byte words, a
+last partial word bytewise; local addresses must be 8-byte aligned (the executor falls back
+to `_foreach_copy_` for messages with any chunk that is not). A sender whose message is
+whole words back to back (every MoE run message) gets its checksum from the pack itself:
+one read of the bytes instead of two, and no checksum launch after the transfer.
 """
 
 from __future__ import annotations
@@ -38,40 +40,41 @@ _SLICE_ALIGN = 16
 ENABLED = os.environ.get("REFIT_COPY_KERNEL", "1") != "0"
 
 _kernel: Any = None
+_program_row: Any = None
 
 
 def triton_kernel() -> Any:
     """The compiled-on-first-use kernel, or None where Triton cannot run."""
-    global _kernel
+    global _kernel, _program_row
     if _kernel is not None:
         return _kernel or None
     try:
         import triton
         import triton.language as tl
+
+        from refitplane.reshard import triton_rows
     except ImportError:
         _kernel = False
         return None
 
+    # The kernel finds its row with the shared search; Triton resolves it as a global.
+    _program_row = triton_rows.program_row
+
     # Triton reads the signature: no Python annotations inside the kernel.
-    @triton.jit(do_not_specialize=["tab", "n"])  # type: ignore[untyped-decorator]
+    @triton.jit(do_not_specialize=["tab", "n", "buf", "out"])  # type: ignore[untyped-decorator]
     def _copy_chunks(  # type: ignore[no-untyped-def]  # noqa: ANN202
         tab,  # noqa: ANN001
         n,  # noqa: ANN001
         buf,  # noqa: ANN001
+        out,  # noqa: ANN001
         SCATTER: tl.constexpr,
+        SUMS: tl.constexpr,
         BLOCK: tl.constexpr,
         ITERS: tl.constexpr,
         STEPS: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
-        lo = pid * 0
-        hi = lo + n
-        for _ in tl.static_range(STEPS):  # the last row whose first program <= pid
-            mid = (lo + hi) // 2
-            right = tl.load(tab + mid * 4 + 3) <= pid
-            lo = tl.where(right, mid, lo)
-            hi = tl.where(right, hi, mid)
-        row = tab + lo * 4
+        row = _program_row(tab, n, pid, STEPS)
         local = tl.load(row)
         n_bytes = tl.load(row + 1)
         offset = tl.load(row + 2)
@@ -80,13 +83,25 @@ def triton_kernel() -> Any:
         message_bytes = buf + offset
         message_words = message_bytes.to(tl.pointer_type(tl.int64))
         base = (pid - tl.load(row + 3)) * BLOCK * ITERS
+        first_word = offset // 8  # the chunk's first word in the message (SUMS: exact)
+        acc0 = tl.zeros([BLOCK], dtype=tl.int64)
+        acc1 = tl.zeros([BLOCK], dtype=tl.int64)
         for it in range(ITERS):
             offs = base + it * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             mask = offs < n_words
             if SCATTER:
                 tl.store(local_words + offs, tl.load(message_words + offs, mask=mask), mask=mask)
             else:
-                tl.store(message_words + offs, tl.load(local_words + offs, mask=mask), mask=mask)
+                x = tl.load(local_words + offs, mask=mask, other=0)
+                tl.store(message_words + offs, x, mask=mask)
+                if SUMS:
+                    acc0 += x
+                    acc1 += x * (first_word + offs)
+        if SUMS:
+            # The message's (S0, S1) as `checksum.py` defines them: its chunks are whole
+            # words, back to back, so these are all of its words.
+            tl.atomic_add(out, tl.sum(acc0, axis=0))
+            tl.atomic_add(out + 1, tl.sum(acc1, axis=0))
         lane = tl.arange(0, 8).to(tl.int64)
         mine = (n_words >= base) & (n_words < base + BLOCK * ITERS)
         tail_mask = lane < tl.where(mine, n_bytes - n_words * 8, 0)
@@ -108,6 +123,9 @@ class ChunkTable:
     rows: torch.Tensor
     count: int
     programs: int
+    # The chunks are whole 8-byte words lying back to back from the message's start: the
+    # pack launch can add the message's checksum sums as it copies (one read of the bytes).
+    whole_words: bool = False
 
 
 def eligible(views: Sequence[torch.Tensor]) -> bool:
@@ -128,48 +146,69 @@ def build_tables(
     table: all of them in one device allocation (made now, before any transfer), and the
     kernel compiled and loaded in both directions."""
     rows: list[int] = []
-    spans: list[tuple[int, int, int]] = []
+    spans: list[tuple[int, int, int, bool]] = []
     for views, offsets in messages:
-        start, programs = len(rows) // 4, 0
+        start, programs, end, whole = len(rows) // 4, 0, 0, True
         for view, offset in zip(views, offsets, strict=True):
             n = view.numel()
+            whole = whole and offset == end and not n % 8
+            end = offset + n
             if n:
                 rows += [view.data_ptr(), n, offset, programs]
                 programs += -(-n // _BYTES_PER_PROGRAM)
         count = len(rows) // 4 - start
         if count >= 1 << _SEARCH_STEPS:
             raise ValueError(f"one copy launch takes under {1 << _SEARCH_STEPS} chunks")
-        spans.append((start, count, programs))
+        spans.append((start, count, programs, whole))
     table = torch.tensor(rows or [0, 0, 0, 0], dtype=torch.int64).to(device)
     _load(device)
-    return [ChunkTable(table[4 * s : 4 * (s + c)], c, p) for s, c, p in spans]
+    return [ChunkTable(table[4 * s : 4 * (s + c)], c, p, w) for s, c, p, w in spans]
+
+
+# (SCATTER, SUMS): pack, pack adding the checksum sums, unpack.
+_VARIANTS = ((False, False), (False, True), (True, False))
 
 
 def _load(device: torch.device) -> None:
-    """Compile and load both variants now (a zero-byte launch each), outside any transfer."""
+    """Compile and load every variant now (a zero-byte launch each), outside any transfer."""
     kernel = triton_kernel()
     probe = torch.zeros(4 + _SLICE_ALIGN, dtype=torch.int64, device=device)
     buf = probe[4:].view(torch.uint8)
-    for scatter in (False, True):
+    for scatter, sums in _VARIANTS:
         kernel[(1,)](
-            probe, 1, buf, SCATTER=scatter, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=_SEARCH_STEPS
+            probe,
+            1,
+            buf,
+            probe[4:6],
+            SCATTER=scatter,
+            SUMS=sums,
+            BLOCK=_BLOCK,
+            ITERS=_ITERS,
+            STEPS=_SEARCH_STEPS,
         )
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
-def launch(table: ChunkTable, buf: torch.Tensor, *, scatter: bool) -> None:
+def launch(
+    table: ChunkTable, buf: torch.Tensor, *, scatter: bool, sums: torch.Tensor | None = None
+) -> None:
     """Copy the message's chunks from local memory into `buf` (pack), or from `buf` back
-    (`scatter`: unpack), on the current stream, asynchronously."""
+    (`scatter`: unpack), on the current stream, asynchronously. `sums` (pack only, a table
+    whose chunks are `whole_words`): two int64 the message's (S0, S1) are added into."""
     if not table.programs:
         return
     if buf.data_ptr() % _SLICE_ALIGN:
         raise ValueError("a staging slice must start 16-byte aligned")
+    if sums is not None and (scatter or not table.whole_words):
+        raise ValueError("only a pack of whole words adds checksum sums")
     triton_kernel()[(table.programs,)](
         table.rows,
         table.count,
         buf,
+        table.rows if sums is None else sums,
         SCATTER=scatter,
+        SUMS=sums is not None,
         BLOCK=_BLOCK,
         ITERS=_ITERS,
         STEPS=_SEARCH_STEPS,

@@ -142,7 +142,10 @@ class _Group:
     unpack_strided: list[tuple[torch.Tensor, StridedChunk]] = field(default_factory=list)
     # Staged messages with a chunk table (`chunk_copy.py`): one launch each, packing into
     # (`pack_tables`) or unpacking from (`unpack_tables`) the message's staging slice.
-    pack_tables: list[tuple[ChunkTable, torch.Tensor]] = field(default_factory=list)
+    # A pack of whole words may add the message's checksum sums into its row as it copies.
+    pack_tables: list[tuple[ChunkTable, torch.Tensor, torch.Tensor | None]] = field(
+        default_factory=list
+    )
     unpack_tables: list[tuple[ChunkTable, torch.Tensor]] = field(default_factory=list)
     # Received deltas, applied in place to (message image, delta) before unpacking.
     delta_apply: list[tuple[torch.Tensor, DeltaMessage]] = field(default_factory=list)
@@ -402,6 +405,9 @@ class _Run:
 
     def execute(self) -> TransferReport:
         self.t.begin()
+        # Connected before the first op: posting then never waits for a peer (nccl.py).
+        peers = {link.dst for link in self.plan.sends} | {link.src for link in self.plan.recvs}
+        self.t.connect(sorted(peers), self.deadline)
         if self.staged is not None:
             # Before any byte moves: the staging arena, and the ring (freed after each
             # staged transfer), so that nothing allocates while transfers are in flight.
@@ -512,11 +518,20 @@ class _Run:
                 taken = self.ring.try_take(m.nbytes)
             token, buf = taken
         group = self.pending.setdefault(m.channel, _Group())
+        summed = False
         if io.direct is None and io.copy is not None and delta is None:
             # No per-chunk work here: one kernel launch packs or unpacks the message.
             group.slices.append(token)
             group.staged += m.nbytes
-            (group.pack_tables if sending else group.unpack_tables).append((io.copy, buf))
+            if sending:
+                # The pack adds the checksum sums of whole words as it copies them.
+                row = None
+                if self.verify and io.copy.whole_words:
+                    row = self.sums[(m.src, m.dst)][m.round]
+                    summed = True
+                group.pack_tables.append((io.copy, buf, row))
+            else:
+                group.unpack_tables.append((io.copy, buf))
         elif io.direct is None:
             group.slices.append(token)
             group.staged += m.nbytes
@@ -539,7 +554,7 @@ class _Run:
                 group.unpack_dst += io.flat_views
                 group.unpack_src += staged
                 group.unpack_strided += [(parts[c.index], c) for c in io.strided]
-        if self.verify:
+        if self.verify and not summed:
             # Summed with the group, off the transfer's path: the sender reads the packed
             # (or parameter) bytes, which stay untouched until the group completes; the
             # receiver what arrived (for direct messages, the parameters themselves).
@@ -583,14 +598,17 @@ class _Run:
             with self.t.channel_context(channel):
                 if group.pack_dst:
                     torch._foreach_copy_(group.pack_dst, group.pack_src)
-                for table, buf in group.pack_tables:
-                    launch_copy(table, buf, scatter=False)
+                for table, buf, sums in group.pack_tables:
+                    launch_copy(table, buf, scatter=False, sums=sums)
             group.pack_dst, group.pack_src, group.pack_tables = [], [], []
         handle = self.t.issue(channel, group.ops, self.deadline)
         t1 = time.perf_counter()
         self.report.host_post_seconds += t1 - t0
         if self.t.device_ordered:
-            with self.t.beside(channel):
+            # A group that only sends checksums what it packed (or its parameters) while
+            # the transfer runs: its staging slices come back as soon as the sends are done.
+            receives = any(not op.send for op in group.ops)
+            with self.t.beside(channel, after_transfer=receives):
                 self._after_transfer(group)
             handle = self.t.fence(handle)
             self.report.host_after_seconds += time.perf_counter() - t1

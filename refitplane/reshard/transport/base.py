@@ -49,10 +49,20 @@ class Transport(ABC):
         """Context for work that must precede the channel's next posted transfer (packing)."""
         return contextlib.nullcontext()
 
-    def beside(self, channel: int) -> contextlib.AbstractContextManager[Any]:
+    def beside(
+        self, channel: int, *, after_transfer: bool = True
+    ) -> contextlib.AbstractContextManager[Any]:
         """Context for work ordered after everything queued on `channel` so far (unpacking,
-        checksums) that the channel's later transfers need not wait for (a side stream)."""
+        checksums) that the channel's later transfers need not wait for (a side stream).
+        `after_transfer=False`: ordered after the channel's packing only, beside its
+        transfers (a sender's checksums of what it packed: they read what the transfer
+        reads, and so run while it runs instead of after it)."""
         return contextlib.nullcontext()
+
+    def connect(self, peers: Sequence[int], deadline: float) -> None:  # noqa: B027
+        """Before a transfer's first op: make sure every channel is connected to every rank
+        in `peers` (both directions), so that posting never waits for a peer (optional:
+        transports that connect eagerly need nothing)."""
 
     def begin(self) -> None:  # noqa: B027 - optional hook
         """Order the channels after work already queued by the caller (e.g. optimizer step)."""

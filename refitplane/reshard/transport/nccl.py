@@ -103,6 +103,9 @@ class NcclTransport(Transport):
         # overlaps the current transfer; a group waits for its packing just before posting.
         self._side = [_stream(device, 0) for _ in range(num_channels)]
         self._pack = [_stream(device, high) for _ in range(num_channels)]
+        # Peers every channel is connected to (`connect`), and its one-byte buffers.
+        self._connected: set[int] = set()
+        self._handshake: torch.Tensor | None = None
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -122,13 +125,41 @@ class NcclTransport(Transport):
             time.sleep(delay)
             delay = min(delay * 2, _MAX_POLL_S)
 
+    def connect(self, peers: Sequence[int], deadline: float) -> None:
+        """NCCL connects a channel to a peer lazily, on their first op, and posting that op
+        blocks the host until the peer posts on the same channel too. Two ranks whose first
+        posts go to different channels (one packs a run the other receives in place, so they
+        flush their groups in different orders) would each wait for the other. So before a
+        transfer's first op, every channel not yet connected to a peer exchanges one byte
+        with it, channel by channel in the same order on every rank: each step waits only
+        for peers doing the same step. Once per (peer, channel): later transfers skip it."""
+        missing = sorted({p for p in peers if p != self.rank} - self._connected)
+        if not missing:
+            return
+        if self._handshake is None or self._handshake.numel() < 2 * len(missing):
+            # Before any transfer is in flight: allocating here cannot stall a peer.
+            self._handshake = torch.zeros(
+                max(64, 2 * len(missing)), dtype=torch.uint8, device=self.device
+            )
+        buf = self._handshake
+        for channel in range(self.num_channels):
+            ops: list[P2POp] = []
+            for i, peer in enumerate(missing):
+                ops.append(P2POp(True, peer, buf[2 * i : 2 * i + 1]))
+                ops.append(P2POp(False, peer, buf[2 * i + 1 : 2 * i + 2]))
+            with self.channel_context(channel):
+                handle = self.issue(channel, ops, deadline)
+            self.wait(handle, deadline)
+        self._connected.update(missing)
+
     def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self._pack[channel])
 
     @contextlib.contextmanager
-    def beside(self, channel: int) -> Iterator[None]:
+    def beside(self, channel: int, *, after_transfer: bool = True) -> Iterator[None]:
         side = self._side[channel]
-        side.wait_stream(self._streams[channel])
+        if after_transfer:
+            side.wait_stream(self._streams[channel])
         side.wait_stream(self._pack[channel])
         with torch.cuda.stream(side):
             yield

@@ -11,14 +11,31 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from refitplane.errors import TransferError, TransferTimeout
+from refitplane.reshard.boxes import Box, full_box
+from refitplane.reshard.layout import LayoutBuilder, TensorSpec
+from refitplane.reshard.plan import RankPlan
+from refitplane.reshard.planner import build_plan
 from refitplane.reshard.transport.base import Handle, P2POp, Transport
 
 Corrupt = Callable[[int, int, int, int, torch.Tensor], None]
+
+
+def pair_plans(
+    specs: Mapping[str, TensorSpec], needed: Callable[[TensorSpec], Box] | None = None
+) -> tuple[RankPlan, RankPlan]:
+    """The plans of a two-rank refit: rank 0 holds every tensor whole, rank 1 needs
+    `needed(spec)` of each (all of it by default)."""
+    source, target = LayoutBuilder(), LayoutBuilder()
+    for spec in specs.values():
+        source.add(spec, 0, full_box(spec.shape))
+        target.add(spec, 1, needed(spec) if needed is not None else full_box(spec.shape))
+    plan = build_plan(source.build(), target.build())
+    return plan.rank_plan(0), plan.rank_plan(1)
 
 
 class LoopbackHub:

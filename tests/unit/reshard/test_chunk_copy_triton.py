@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.unit.reshard.triton_hopper import compiles_for_hopper
+
 pytestmark = [
     pytest.mark.unit,
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
@@ -36,6 +38,21 @@ gaps = torch.ones(end, dtype=torch.bool)
 for src, off in zip(sources, offsets):
     gaps[off : off + src.numel()] = False
 assert bool((buf[gaps] == 0xA5).all())  # nothing outside the chunks is written
+# Whole words back to back: the pack adds the message's checksum sums as it copies.
+from refitplane.reshard import checksum as cs
+words = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (8, 3 * per_program, 16, 0, 24)]
+at = [0]
+for w in words[:-1]:
+    at.append(at[-1] + w.numel())
+(whole,) = cc.build_tables([(words, at)], torch.device("cpu"))
+assert whole.whole_words and not table.whole_words
+message = torch.zeros(at[-1] + words[-1].numel(), dtype=torch.uint8)
+sums = torch.tensor([5, 7], dtype=torch.int64)
+cc.launch(whole, message, scatter=False, sums=sums)
+assert torch.equal(message, torch.cat(words))
+expected = torch.tensor([5, 7], dtype=torch.int64)
+cs._accumulate_torch(message, expected)
+assert sums.tolist() == expected.tolist(), (sums.tolist(), expected.tolist())
 targets = [torch.zeros(n + 8, dtype=torch.uint8)[8:] for n in sizes]
 (back,) = cc.build_tables([(targets, offsets)], torch.device("cpu"))
 cc.launch(back, buf, scatter=True)
@@ -54,26 +71,18 @@ def test_kernel_packs_and_unpacks_exactly_in_the_interpreter() -> None:
     assert proc.stdout.strip().endswith("ok")
 
 
-@pytest.mark.parametrize("scatter", [False, True])
-def test_kernel_compiles_for_hopper(scatter: bool) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+@pytest.mark.parametrize(("scatter", "sums"), [(False, False), (False, True), (True, False)])
+def test_kernel_compiles_for_hopper(scatter: bool, sums: bool) -> None:
     from refitplane.reshard import chunk_copy as cc
 
-    constexprs = {
-        "SCATTER": scatter,
-        "BLOCK": cc._BLOCK,
-        "ITERS": cc._ITERS,
-        "STEPS": cc._SEARCH_STEPS,
-    }
-    signature = {"tab": "*i64", "n": "i32", "buf": "*u8", **dict.fromkeys(constexprs, "constexpr")}
-    src = ASTSource(fn=cc.triton_kernel(), signature=signature, constexprs=constexprs)
-    try:
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    except RuntimeError as exc:  # no ptxas on this machine: the front end still ran
-        if "ptxas" not in str(exc).lower():
-            raise
-        return
-    assert "ptx" in compiled.asm
+    compiles_for_hopper(
+        cc.triton_kernel(),
+        {"tab": "*i64", "n": "i32", "buf": "*u8", "out": "*i64"},
+        {
+            "SCATTER": scatter,
+            "SUMS": sums,
+            "BLOCK": cc._BLOCK,
+            "ITERS": cc._ITERS,
+            "STEPS": cc._SEARCH_STEPS,
+        },
+    )

@@ -17,13 +17,12 @@ from refitplane.errors import ChecksumMismatch
 from refitplane.reshard.boxes import full_box
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.executor import Executor, TransferReport
-from refitplane.reshard.layout import LayoutBuilder, TensorSpec
+from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import RankPlan
-from refitplane.reshard.planner import build_plan
 from refitplane.reshard.runs import run_key, run_of
 from refitplane.reshard.schedule import link_messages, rank_schedule
 from refitplane.reshard.shards import LocalShards, torch_dtype
-from tests.unit.reshard.loopback import Corrupt, LoopbackHub, LoopbackTransport
+from tests.unit.reshard.loopback import Corrupt, LoopbackHub, LoopbackTransport, pair_plans
 
 pytestmark = pytest.mark.unit
 
@@ -60,12 +59,7 @@ def _value(spec: TensorSpec) -> torch.Tensor:
 
 
 def _plans(specs: dict[str, TensorSpec]) -> tuple[RankPlan, RankPlan]:
-    source, target = LayoutBuilder(), LayoutBuilder()
-    for spec in specs.values():
-        source.add(spec, 0, full_box(spec.shape))
-        target.add(spec, 1, full_box(spec.shape))
-    plan = build_plan(source.build(), target.build())
-    return plan.rank_plan(0), plan.rank_plan(1)
+    return pair_plans(specs)
 
 
 def _sender(specs: dict[str, TensorSpec]) -> LocalShards:
@@ -223,3 +217,43 @@ def test_a_flipped_bit_in_a_run_message_fails_naming_an_expert() -> None:
     error = out.get("error1")
     assert isinstance(error, ChecksumMismatch), out
     assert messages[target].chunks[0].tensor in str(error)
+
+
+class _RecordingTransport(LoopbackTransport):
+    """Records the order of `connect` and `issue` calls."""
+
+    def __init__(self, hub: LoopbackHub, rank: int, world_size: int, num_channels: int) -> None:
+        super().__init__(hub, rank, world_size, num_channels)
+        self.calls: list[tuple[str, Any]] = []
+
+    def connect(self, peers: Any, deadline: float) -> None:
+        self.calls.append(("connect", list(peers)))
+
+    def issue(self, channel: int, ops: Any, deadline: float) -> Any:
+        self.calls.append(("issue", channel))
+        return super().issue(channel, ops, deadline)
+
+
+def test_every_peer_is_connected_before_the_first_op() -> None:
+    """Two ends may first post different channels (the sender packs a run the receiver
+    takes in place, so they fill their groups differently); NCCL connects lazily and blocks
+    the first post until the peer posts there too. So the executor asks the transport to
+    connect every peer of the plan before its first op."""
+    specs = _specs()
+    send_plan, recv_plan = _plans(specs)
+    receiver, _ = _fused_receiver(specs)
+    hub = LoopbackHub()
+    transports = [_RecordingTransport(hub, r, 2, CONFIG.num_channels) for r in (0, 1)]
+    threads = [
+        threading.Thread(
+            target=Executor(transports[0], CONFIG).run, args=(send_plan, _sender(specs))
+        ),
+        threading.Thread(target=Executor(transports[1], CONFIG).run, args=(recv_plan, receiver)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert transports[0].calls[0] == ("connect", [1])
+    assert transports[1].calls[0] == ("connect", [0])
+    assert all(kind == "issue" for kind, _ in transports[0].calls[1:])

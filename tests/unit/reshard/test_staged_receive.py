@@ -18,13 +18,12 @@ from refitplane.errors import ChecksumMismatch, InvalidArgument, LayoutError
 from refitplane.reshard.boxes import Box, full_box, to_slices
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.executor import Executor, TransferReport
-from refitplane.reshard.layout import LayoutBuilder, TensorSpec
+from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import RankPlan
-from refitplane.reshard.planner import build_plan
 from refitplane.reshard.shards import LocalShards, torch_dtype
 from refitplane.reshard.staged import StagedBucket, StagedShards
 from refitplane.reshard.stages import stage_of
-from tests.unit.reshard.loopback import Corrupt, LoopbackHub, LoopbackTransport
+from tests.unit.reshard.loopback import Corrupt, LoopbackHub, LoopbackTransport, pair_plans
 
 pytestmark = pytest.mark.unit
 
@@ -56,12 +55,7 @@ def _value(spec: TensorSpec) -> torch.Tensor:
 
 
 def _plans(specs: Mapping[str, TensorSpec]) -> tuple[RankPlan, RankPlan]:
-    source, target = LayoutBuilder(), LayoutBuilder()
-    for spec in specs.values():
-        source.add(spec, 0, full_box(spec.shape))
-        target.add(spec, 1, _needed_box(spec))
-    plan = build_plan(source.build(), target.build())
-    return plan.rank_plan(0), plan.rank_plan(1)
+    return pair_plans(specs, _needed_box)
 
 
 class Applied:
