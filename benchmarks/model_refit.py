@@ -17,6 +17,12 @@ world, one run:
 - host costs: microseconds per posted op and per checksum launch.
 
 `--profile` also writes a cProfile of one verified refit on a sender and a receiver.
+`--fused-runs` has receivers hold each fused run (MoE `w13`/`w2`, q/k/v) in one allocation
+as vLLM does, so run messages land in place; `--scratch-gib N` bounds the ceiling's and the
+message step's scratch to N GiB reused in turn, so the Qwen3-30B-A3B shape (57 GiB of
+weights per GPU) fits an H100:
+
+    python benchmarks/model_refit.py --model qwen3-30b-a3b --layout tp1 --streams 4 --fused-runs --scratch-gib 4
 `gpu_refit.py` measures the same plus vLLM and the control plane; this one isolates the
 executor so a gap to the ceiling can be attributed.
 """
@@ -41,7 +47,36 @@ from refitplane.testing.model_layouts import GPU_LAYOUTS
 MiB = 1 << 20
 
 
-def _shards(layout: Any, rank: int, device: Any, fill: bool) -> Any:
+def _fused_memory(layout: Any, rank: int, device: Any) -> dict[tuple[str, Any], Any]:
+    """For every box of a fused run (`runs.py`: a MoE layer's expert gate/up projections,
+    its down projections, q/k/v), a view into one allocation per run, in the run's memory
+    order: the receiver as vLLM holds `w13`, `w2` and `qkv_proj`."""
+    import torch
+
+    from refitplane.reshard.boxes import box_numel, box_shape
+    from refitplane.reshard.runs import run_of
+    from refitplane.reshard.shards import torch_dtype
+
+    runs: dict[Any, list[tuple[Any, str, Any, Any]]] = {}
+    for t in layout:
+        run = run_of(t.spec.name)
+        if run is not None:
+            for box in t.boxes.get(rank, ()):
+                runs.setdefault(run[0], []).append((run[1], t.spec.name, box, t.spec))
+    views: dict[tuple[str, Any], Any] = {}
+    for members in runs.values():
+        members.sort(key=lambda member: member[0])
+        sizes = [box_numel(box) * spec.itemsize for _, _, box, spec in members]
+        memory = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        offset = 0
+        for (_, name, box, spec), size in zip(members, sizes, strict=True):
+            part = memory[offset : offset + size].view(torch_dtype(spec.dtype))
+            views[(name, box)] = part.view(box_shape(box))
+            offset += size
+    return views
+
+
+def _shards(layout: Any, rank: int, device: Any, fill: bool, fused: bool = False) -> Any:
     import torch
 
     from refitplane.reshard.boxes import box_shape
@@ -49,9 +84,12 @@ def _shards(layout: Any, rank: int, device: Any, fill: bool) -> Any:
 
     shards = LocalShards()
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
+    fused_views = _fused_memory(layout, rank, device) if fused else {}
     for t in layout:
         for box in t.boxes.get(rank, ()):
-            local = torch.empty(box_shape(box), dtype=torch_dtype(t.spec.dtype), device=device)
+            local = fused_views.get((t.spec.name, box))
+            if local is None:
+                local = torch.empty(box_shape(box), dtype=torch_dtype(t.spec.dtype), device=device)
             if fill:
                 raw = local.view(-1).view(torch.uint8)
                 raw.copy_(
@@ -93,25 +131,48 @@ def _post_all(transport: Any, groups: list[tuple[int, list[Any]]]) -> float:
     return posted
 
 
-def _message_groups(
-    plan: Any, shards: Any, rank: int, cfg: Any, device: Any
-) -> list[tuple[int, list[Any]]]:
-    """The executor's messages for `cfg` as P2P ops (direct views, scratch for packed ones),
-    on the executor's channels, cut into groups the way it cuts them (4 buckets or 64 ops)."""
-    import torch
+class _Scratch:
+    """Memory for the timing-only steps (no checksums: what lands there is never read):
+    one allocation per request, or with `cap` bytes, slices of one arena reused in turn (the
+    MoE shape's plan is as large as the weights; a second copy does not fit one H100)."""
 
+    def __init__(self, device: Any, cap: int) -> None:
+        import torch
+
+        self.device = device
+        self.arena = torch.empty(cap, dtype=torch.uint8, device=device) if cap else None
+        self.at = 0
+
+    def take(self, nbytes: int) -> Any:
+        import torch
+
+        if self.arena is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if nbytes > self.arena.numel():
+            raise ValueError(f"--scratch-gib is smaller than one message ({nbytes} bytes)")
+        if self.at + nbytes > self.arena.numel():
+            self.at = 0
+        buf = self.arena[self.at : self.at + nbytes]
+        self.at = (self.at + nbytes + 255) // 256 * 256
+        return buf
+
+
+def _message_groups(
+    plan: Any, shards: Any, rank: int, cfg: Any, scratch: _Scratch
+) -> list[tuple[int, list[Any]]]:
+    """The executor's messages for `cfg` as P2P ops (direct views and spans, scratch for
+    packed ones), on the executor's channels, cut into groups the way it cuts them (4
+    buckets or 64 ops)."""
     from refitplane.reshard.executor import GROUP_BUCKETS, GROUP_MAX_OPS
+    from refitplane.reshard.message_io import resolve_message
     from refitplane.reshard.schedule import rank_schedule
     from refitplane.reshard.transport.base import P2POp
 
     groups: list[tuple[int, list[Any]]] = []
     open_groups: dict[int, tuple[list[Any], list[int]]] = {}
     for m in rank_schedule(plan, cfg).messages:
-        view = shards.view(m.chunks[0].tensor, m.chunks[0].box) if len(m.chunks) == 1 else None
-        if view is not None and view.is_contiguous():
-            buf = view.reshape(-1).view(torch.uint8)
-        else:
-            buf = torch.empty(m.nbytes, dtype=torch.uint8, device=device)
+        io = resolve_message(m, shards, plan.specs)
+        buf = io.direct if io.direct is not None else scratch.take(m.nbytes)
         ops, size = open_groups.get(m.channel, (None, [0]))
         if ops is None or size[0] >= GROUP_BUCKETS * cfg.bucket_bytes or len(ops) >= GROUP_MAX_OPS:
             ops, size = [], [0]
@@ -158,6 +219,8 @@ def _worker(
     direct_mib: int,
     repeats: int,
     profile: bool,
+    scratch_gib: float = 0.0,
+    fused: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -172,25 +235,27 @@ def _worker(
     source, target = model_layouts(model, GPU_LAYOUTS[layout])
     plan = build_plan(source, target)
     rp = plan.rank_plan(rank)
-    shards = _shards(source if rank < trainers else target, rank, device, fill=rank < trainers)
+    receiver = rank >= trainers
+    shards = _shards(
+        target if receiver else source, rank, device, fill=not receiver, fused=fused and receiver
+    )
     bucket = bucket_mib * MiB
     out: dict[str, Any] = {"rank": rank, "device": torch.cuda.get_device_name(device)}
+    # Whole GiB: every 1 GiB ceiling message then fits the arena from any of its offsets.
+    cap = int(scratch_gib) << 30 if scratch_gib else 0
+    if scratch_gib and cap < 1 << 30:
+        raise ValueError("--scratch-gib must be at least 1")
 
     # 1. ceiling: each link's bytes in 1 GiB messages.
-    scratch = {
-        (link.src, link.dst): torch.empty(link.nbytes, dtype=torch.uint8, device=device)
-        for link in (*rp.sends, *rp.recvs)
-    }
+    scratch = _Scratch(device, cap)
     ceiling_ops = []
-    for (src, dst), buf in sorted(scratch.items()):
-        sending = src == rank
-        ceiling_ops += [
-            P2POp(sending, dst if sending else src, buf[o : o + (1 << 30)])
-            for o in range(0, buf.numel(), 1 << 30)
-        ]
+    for link in sorted((*rp.sends, *rp.recvs), key=lambda link: (link.src, link.dst)):
+        sending = link.src == rank
+        peer = link.dst if sending else link.src
+        for o in range(0, link.nbytes, 1 << 30):
+            ceiling_ops.append(P2POp(sending, peer, scratch.take(min(1 << 30, link.nbytes - o))))
     out["ceiling_s"] = _repeat(barrier, partial(_post_all, transport, [(0, ceiling_ops)]), repeats)
     ceiling_ops.clear()
-    scratch.clear()
     torch.cuda.empty_cache()
 
     # 2. the plan's messages, executor-sized groups on its channels, no checksums.
@@ -206,7 +271,7 @@ def _worker(
 
     out["messages"] = []
     for s in streams:
-        groups = _message_groups(rp, shards, rank, config(s), device)
+        groups = _message_groups(rp, shards, rank, config(s), scratch)
         posted: list[float] = []
 
         def post_groups(groups: list[Any] = groups, posted: list[float] = posted) -> None:
@@ -224,7 +289,9 @@ def _worker(
         )
         groups.clear()
 
-    # 3. the executor.
+    # 3. the executor (the scratch arena goes first: its memory is the executor's now).
+    del scratch
+    torch.cuda.empty_cache()
     rows = []
     for verify in (False, True):
         for s in streams:
@@ -269,6 +336,18 @@ def main() -> int:
     parser.add_argument("--direct", type=int, default=16, help="MiB (REFIT_DIRECT_MIN_BYTES)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--scratch-gib",
+        type=float,
+        default=0.0,
+        help="bound the ceiling's and the message step's scratch to this many GiB, reused "
+        "(0: a copy of the plan's bytes; the Qwen3-30B-A3B shape on an H100 needs a bound, e.g. 4)",
+    )
+    parser.add_argument(
+        "--fused-runs",
+        action="store_true",
+        help="receivers hold each fused run (MoE w13/w2, qkv) in one allocation, as vLLM does",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -286,6 +365,8 @@ def main() -> int:
         direct_mib=args.direct,
         repeats=args.repeats,
         profile=args.profile,
+        scratch_gib=args.scratch_gib,
+        fused=args.fused_runs,
     )
     ranks = ranks_or_report(results, gpus)
     if ranks is None:
