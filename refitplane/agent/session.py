@@ -61,14 +61,19 @@ class AgentSession:
         tls_ca: str | Path | None = None,
         timeout_s: float = 10.0,
         held_version: Callable[[], int] | None = None,
+        serving: Callable[[], bool | None] | None = None,
     ) -> None:
         """`coordinator`: gRPC host:port. `timeout_s` bounds every call (and, in `start`,
         how long to wait for the coordinator to answer at all). `held_version`: generators,
         the version they fully hold now; every registration (a lost lease, a coordinator
         that lost its state) sends it instead of `info.version`, so the coordinator's next
-        version goes above it."""
+        version goes above it. With `serving` (whether those weights are complete; None
+        while an update is under way, when the answer is about to change), every lease
+        renewal reports both (RenewLease.held): after a coordinator restart mid-refit the
+        coordinator takes what the replica's ranks hold."""
         self.info = info
         self._held_version = held_version
+        self._serving = serving
         self._handler = handler
         self._timeout = timeout_s
         self._token = token
@@ -337,8 +342,13 @@ class AgentSession:
     def _lease_loop(self) -> None:
         while not self._stop.wait(self._renew_interval):
             member_id, metadata = self._who
+            request = apb.RenewLeaseRequest(member_id=member_id)
+            serving = self._serving() if self._serving is not None else None
+            if self._held_version is not None and serving is not None:
+                request.held.version = self._held_version()
+                request.held.serving = serving
             try:
-                self._call_unary("RenewLease", apb.RenewLeaseRequest(member_id=member_id), metadata)
+                self._call_unary("RenewLease", request, metadata)
             except NotFound:
                 self._safe(self._reregister, member_id)
             except RefitError as exc:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import httpx
@@ -28,7 +29,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refitplane.errors import RefitError
-from refitplane.protocol import RefitState
+from refitplane.protocol import MemberState, RefitState
 from refitplane.protocol.models import Refit
 from tests.integration.reliability.conftest import LEASE_TTL_S, start_world
 from tests.integration.reliability.support import World, note
@@ -202,3 +203,61 @@ def test_a_terminal_reason_never_changes(world: World) -> None:
     world.check_released(final)
     world.commit()
     note("test_a_terminal_reason_never_changes", reason=final.reason, polls=len(seen))
+
+
+# After the trigger, when the coordinator is SIGKILLed: PENDING/PREPARING through the
+# transfer (held back 0.4 s by the trainer) to after the commit.
+KILL_AFTER_S = (0.0, 0.1, 0.2, 0.3, 0.4, 1.5)
+
+
+def _mismatch(world: World) -> str:
+    """The kill -9 rule, broken ('' when it holds): a replica whose ranks all serve one
+    version V must be shown READY at V, one with a rank that cannot serve DEGRADED; ranks
+    that serve hold exactly V's bytes."""
+    cluster = world.cluster
+    shown = {r.replica_id: r for r in cluster.topology().replicas}
+    ranks: dict[str, list[dict[str, Any]]] = {}
+    for agent in cluster.generators:
+        status = agent.status()
+        if status["ready"] and status["digests"] != world.held(status):
+            return f"{agent.name} is ready at {status['version']} with other bytes"
+        ranks.setdefault(str(status["replica"]), []).append(status)
+    for replica, statuses in ranks.items():
+        versions = {s["version"] for s in statuses}
+        serving = all(s["ready"] for s in statuses) and len(versions) == 1
+        rep = shown[replica]
+        held = [(s["version"], s["ready"]) for s in statuses]
+        if serving and (rep.state is not MemberState.READY or rep.version not in versions):
+            return f"{replica}: ranks hold {held}, shown {rep.state.value} at {rep.version}"
+        if not serving and rep.state is not MemberState.DEGRADED:
+            return f"{replica}: ranks hold {held}, shown {rep.state.value} at {rep.version}"
+    return ""
+
+
+def test_kill_9_mid_refit_shows_what_replicas_hold(world: World) -> None:
+    cluster = world.cluster
+    landed: list[str] = []
+    for offset in KILL_AFTER_S:
+        version = world.next_version()
+        world.step(version)
+        cluster.trainers[0].arm(delay_s=0.4)
+        refit = world.trigger(version)
+        time.sleep(offset)
+        cluster.coordinator.kill()
+        cluster.coordinator.start()
+        final = cluster.wait(refit.refit_id, timeout_s=60)
+        assert final.state is RefitState.COMMITTED or final.reason == "COORDINATOR_RESTARTED", (
+            final.state,
+            final.reason,
+        )
+        landed.append(final.message.rsplit(" ", 1)[-1] if final.reason else final.state.value)
+        if landed[-1] in ("TRANSFERRING", "VERIFYING", "COMMITTED"):
+            for agent in cluster.agents.values():  # their transfers ended
+                cluster.wait_outcome(agent, refit.refit_id, timeout_s=30)
+        deadline = time.monotonic() + 20
+        while (problem := _mismatch(world)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not problem, f"kill {offset} s after the trigger ({landed[-1]}): {problem}"
+        world.commit()
+    note("test_kill_9_mid_refit_shows_what_replicas_hold", kill_after_s=KILL_AFTER_S,
+         landed=landed)  # fmt: skip

@@ -142,19 +142,52 @@ class RenewLeaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MEMBER_ID_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
+    @_builtins.property
+    def held(self) -> Global___HeldWeights:
+        """Generators: what the rank holds now. After a coordinator restart mid-refit, the
+        replicas it could not vouch for take the version their ranks report here
+        (docs/coordinator.md#restart).
+        """
+
     def __init__(
         self,
         *,
         member_id: _builtins.str = ...,
+        held: Global___HeldWeights | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["held", b"held"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["member_id", b"member_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held", "member_id", b"member_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RenewLeaseRequest: _TypeAlias = RenewLeaseRequest  # noqa: Y015
+
+@_typing.final
+class HeldWeights(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    SERVING_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The version the rank fully holds."""
+    serving: _builtins.bool
+    """It serves those weights (false: a failed receive left them incomplete)."""
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        serving: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["serving", b"serving", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldWeights: _TypeAlias = HeldWeights  # noqa: Y015
 
 @_typing.final
 class RenewLeaseResponse(_message.Message):

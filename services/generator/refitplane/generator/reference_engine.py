@@ -125,6 +125,7 @@ class ReferenceEngine:
             token=token,
             tls_ca=tls_ca,
             held_version=lambda: self.version,
+            serving=self._serves_held,
         )
         self.member.attach(self.session)
 
@@ -137,6 +138,10 @@ class ReferenceEngine:
         self.member.close()
 
     # -- serving ------------------------------------------------------------------------------
+
+    def _serves_held(self) -> bool | None:
+        """Whether it serves `version` (None while paused: mid-update, or generating)."""
+        return None if self._serving.locked() else self.ready
 
     def _pause(self) -> None:
         if not self._serving.acquire(timeout=60):

@@ -23,7 +23,7 @@ from refitplane.coordinator.core.membership import Departure
 from refitplane.coordinator.core.plan_delivery import PlanDelivery
 from refitplane.coordinator.core.planning import PlannedRefit, Roster
 from refitplane.coordinator.core.records import MemberRecord, RefitRecord
-from refitplane.coordinator.core.replicas import ReplicaHealth
+from refitplane.coordinator.core.replicas import Held, ReplicaHealth
 from refitplane.coordinator.core.report_check import transfer_done_mismatch
 from refitplane.coordinator.core.run import Cast, RefitRun, phase_seconds
 from refitplane.coordinator.core.topology import DriverView
@@ -71,6 +71,8 @@ class JobDriver:
         self.delivery = PlanDelivery(ctx.settings, ctx.outbox, ctx.metrics)
         self.delta_bases = DeltaBases()
         self._endings = RefitEndings(ctx, self.groups, self.replicas)
+        # Generator member id → (version, serving) it reported, for unverified replicas.
+        self._held: dict[str, Held] = {}
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -110,6 +112,31 @@ class JobDriver:
 
     def wake(self) -> None:
         self._wake.set()
+
+    async def on_held(self, member: MemberRecord, version: int, serving: bool) -> None:
+        """A generator rank reported what it holds (RenewLease.held). Settles a replica a
+        coordinator restart left unverified (the kill -9 rule, `ReplicaHealth.adopt`); a
+        refit targeting the replica decides it instead."""
+        replica = member.replica_id
+        run = self.current
+        if not self.replicas.unverified(replica) or (
+            run is not None and replica in run.cast.replica_ranks
+        ):
+            return
+        self._held[member.member_id] = (version, serving)
+        ranks = [
+            m
+            for m in self._ctx.membership.of_job(self.job)
+            if m.alive and m.role is Role.GENERATOR and m.replica_id == replica
+        ]
+        adopted = await self.replicas.adopt(replica, ranks, self._held)
+        for m in ranks:
+            if adopted and m.version != adopted:
+                await self._ctx.membership.update(m.model_copy(update={"version": adopted}))
+            if not self.replicas.unverified(replica):
+                self._held.pop(m.member_id, None)
+        if adopted:
+            log.info("replica %r adopted version %d, which its ranks hold", replica, adopted)
 
     async def store_lost(self) -> None:
         """The store lost its state (core/lost_state.py): write back what this driver knows

@@ -122,7 +122,9 @@ class RefitEndings:
         if record.state in (RefitState.TRANSFERRING, RefitState.VERIFYING):
             degraded = [r for r in record.target_replicas if r not in record.replicas_done]
         await self._groups.poison()
-        await self._replicas.set_degraded(degraded, degraded=True)
+        # Unverified: their ranks may have finished (the data plane does not need the
+        # coordinator) or not; what they report holding decides (ReplicaHealth.adopt).
+        await self._replicas.set_degraded(degraded, degraded=True, unverified=True)
         now = time.time()
         failed = record.model_copy(
             update={

@@ -181,6 +181,9 @@ class ReplicaRecord(BaseModel):
     replica_id: str
     # Weights incomplete after a failed refit: not serving until a refit commits on it.
     degraded: bool = False
+    # Degraded because a coordinator died while its refit was past StartTransfer: nobody
+    # knows what the ranks hold until they report it (RenewLease.held), which then decides.
+    unverified: bool = False
 
 
 class JobRecord(BaseModel):

@@ -178,9 +178,17 @@ class Coordinator:
         """The member a call names, if the caller proved to be it (see `Membership`)."""
         return self.membership.authenticate(check_member_id(member_id), credential)
 
-    def renew(self, member_id: str, *, credential: str) -> MemberRecord:
+    async def renew(
+        self, member_id: str, *, credential: str, held: tuple[int, bool] | None = None
+    ) -> MemberRecord:
+        """Renew the lease; `held`: a generator's (version it holds, serving), which
+        settles a replica a coordinator restart left unverified."""
         self.authenticate(member_id, credential)
-        return self.membership.renew(member_id)
+        member = self.membership.renew(member_id)
+        driver = self._drivers.get(member.job)
+        if held is not None and member.role is Role.GENERATOR and driver is not None:
+            await driver.on_held(member, *held)
+        return member
 
     def member(self, member_id: str, *, credential: str) -> MemberRecord:
         """A live member (NOT_FOUND when unknown or lost)."""

@@ -47,7 +47,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def RenewLease(
         self, request: apb.RenewLeaseRequest, context: Context
     ) -> apb.RenewLeaseResponse:
-        member = self._core.renew(request.member_id, credential=_credential(context))
+        held = (request.held.version, request.held.serving) if request.HasField("held") else None
+        member = await self._core.renew(
+            request.member_id, credential=_credential(context), held=held
+        )
         return apb.RenewLeaseResponse(
             lease_expires_unix=member.lease_expires_unix,
             state=convert.member_state_to_proto(member.state),
