@@ -103,6 +103,22 @@ _MLA: Final[Mapping[str, Any]] = {
     **_MOE,
 }
 
+# Experts counted as Mixtral's config does: 4, top 2, each expert's MLP 128 wide.
+_LOCAL_EXPERTS: Final[Mapping[str, Any]] = {
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 128,
+}
+# DeepSeek-V3-style MoE without MLA (GLM-4-MoE, dots1): 4 routed + 1 shared expert, the
+# first layer dense, one expert group.
+_GROUPED_MOE: Final[Mapping[str, Any]] = {
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    **_MOE,
+}
 
 # Nemotron-H's Mamba2 mixers: 2 groups (one per rank at TP 2), 4 heads of 64, state 16.
 _NEMOTRON_H: Final[Mapping[str, Any]] = {
@@ -201,9 +217,7 @@ ZOO: Final[Mapping[str, ZooArch]] = {
     ),
     "mixtral": ZooArch(
         "mixtral",
-        _config(
-            _EXPLICIT_HEAD_DIM, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128
-        ),
+        _config(_EXPLICIT_HEAD_DIM, _LOCAL_EXPERTS),
         hub_names=(
             "model.layers.0.block_sparse_moe.gate.weight",
             "model.layers.0.block_sparse_moe.experts.3.w1.weight",
@@ -382,13 +396,50 @@ ZOO: Final[Mapping[str, ZooArch]] = {
             "is supported only for CUDA, XPU and ROCm for now"
         ),
     ),
+    "granitemoehybrid": ZooArch(
+        "granitemoehybrid",
+        _config(
+            _DERIVED_HEAD_DIM,
+            _LOCAL_EXPERTS,
+            shared_intermediate_size=128,
+            layer_types=["linear_attention", "attention"],
+            mamba_n_heads=4,
+            mamba_d_head=64,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            mamba_chunk_size=128,
+        ),
+        hub_names=(
+            "model.layers.0.mamba.conv1d.weight",
+            "model.layers.0.mamba.in_proj.weight",
+            "model.layers.1.self_attn.q_proj.weight",
+            "model.layers.1.block_sparse_moe.router.layer.weight",
+        ),
+        notes=(
+            "Hybrid Granite 4: a Mamba2 layer (the same kernel as Nemotron-H, under "
+            "`mamba.*`) then attention, each with MoE experts and a shared MLP."
+        ),
+    ),
+    "glm4_moe": ZooArch(
+        "glm4_moe",
+        _config(_EXPLICIT_HEAD_DIM, _GROUPED_MOE, num_nextn_predict_layers=0),
+        hub_names=(
+            "model.layers.1.mlp.gate.weight",
+            "model.layers.1.mlp.gate.e_score_correction_bias",
+            "model.layers.1.mlp.experts.3.up_proj.weight",
+        ),
+        notes=(
+            "DeepSeek-style sigmoid routing with e_score_correction_bias; vLLM keeps the "
+            "router (`gate.weight`, the bias) in float32 whatever the model dtype."
+        ),
+    ),
     "gpt_oss": ZooArch(
         "gpt_oss",
         _config(
             _EXPLICIT_HEAD_DIM,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            intermediate_size=128,
+            _LOCAL_EXPERTS,
             sliding_window=128,
             layer_types=["sliding_attention", "full_attention"],
             # YaRN as the real model, with original_max_position_embeddings chosen so the
