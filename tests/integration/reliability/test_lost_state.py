@@ -124,6 +124,43 @@ def test_wiped_store_is_detected_and_reseeded_from_the_members(world: World) -> 
     )
 
 
+def test_coordinator_restarted_on_a_wiped_store_goes_above_held_versions(world: World) -> None:
+    """Redis wiped while the coordinator is down: the new one starts on an empty store (to it,
+    a first boot), its members come back on their own (NOT_FOUND → register again with the
+    version they hold), and the job's next version is still above every held version."""
+    cluster = world.cluster
+    world.commit()
+    held = world.committed
+    registrations = {a.name: a.status()["registrations"] for a in cluster.agents.values()}
+    cluster.coordinator.kill()
+    with _redis(world) as r:
+        r.flushall()
+    cluster.coordinator.start()
+    for agent in cluster.agents.values():
+        _wait(
+            f"{agent.name} to register again",
+            lambda a=agent: a.status()["registrations"] == registrations[a.name] + 1,
+            30,
+        )
+    cluster.wait_ready()
+    for agent in cluster.generators:
+        assert agent.status()["version"] == held, agent.name
+    version = world.next_version()
+    world.step(version)
+    with cluster.client() as client:
+        refit = client.trigger(cluster.job)
+        assert refit.version > held, (refit.version, held)
+        final = client.wait(refit.refit_id, timeout_s=60)
+    assert final.state is RefitState.COMMITTED, (final.reason, final.message)
+    world.version = refit.version
+    world.check_holds(refit.version, weights=version)
+    note(
+        "test_coordinator_restarted_on_a_wiped_store_goes_above_held_versions",
+        replicas_held=held,
+        next_version=refit.version,
+    )
+
+
 def _wait(what: str, predicate: object, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
