@@ -14,6 +14,7 @@ which case `run_transfer` is called from there. Abort cancels a running transfer
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import socket
@@ -173,6 +174,13 @@ class DataPlaneMember(NullHandler):
                 transport.close()
         except RefitError as exc:
             log.warning("closing the transport of epoch %d: %s", self.epoch, exc.message)
+        # A transport's communicators hold OS resources (a Gloo loop thread and sockets per
+        # channel, the rendezvous store on group rank 0) that go only with the last Python
+        # reference; one still caught in a reference cycle (a failed transfer's traceback)
+        # would linger until the cyclic GC happens to run — 23 threads and 100 fds after
+        # 400 rebuilds. Collect now: once per group epoch, not per refit.
+        del transport
+        gc.collect()
 
     # -- refits --------------------------------------------------------------------------------
 

@@ -124,22 +124,38 @@ class GlooTransport(Transport):
         # Wait on a helper thread (see the module docstring); a cancel returns at once and
         # the caller's abort ends the helper's wait.
         done = threading.Event()
+        lock = threading.Lock()
         failure: list[BaseException] = []
+        # Under `lock`: whether the helper finished, whether the caller left without it.
+        state = {"finished": False, "abandoned": False}
 
         def wait_all() -> None:
+            error: BaseException | None = None
             try:
                 self._wait_works(handle, deadline)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                failure.append(exc)
+                error = exc
             finally:
+                with lock:
+                    state["finished"] = True
+                    # Kept only for a caller still waiting: an exception parked in
+                    # `failure` refers, through its traceback, to this frame and so to
+                    # `failure` itself — a cycle that kept this transport's communicators
+                    # (a Gloo loop thread and sockets each) alive until the cyclic GC ran.
+                    if error is not None and not state["abandoned"]:
+                        failure.append(error)
+                error = None
                 done.set()
 
         threading.Thread(target=wait_all, name=f"gloo-wait-r{self.rank}", daemon=True).start()
         while not done.wait(_POLL_S):
             if cancel.is_set():
-                raise TransferError(f"rank {self.rank}: transfer cancelled")
+                with lock:
+                    state["abandoned"] = not state["finished"]
+                if state["abandoned"]:
+                    raise TransferError(f"rank {self.rank}: transfer cancelled")
         if failure:
-            raise failure[0]
+            raise failure.pop()  # popped: the list must not hold it (see above)
 
     def _wait_works(self, handle: Handle, deadline: float) -> None:
         for work in handle.payload:
