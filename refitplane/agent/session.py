@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
 from refitplane.protocol import convert
 from refitplane.protocol import messages as m
 from refitplane.protocol.channel import (
+    LAYOUT_CHUNK_BYTES,
     Metadata,
     auth_metadata,
     from_rpc_error,
@@ -234,11 +236,30 @@ class AgentSession:
 
     def _publish(self, layout: Layout) -> str:
         member_id, metadata = self._who
-        request = apb.PublishLayoutRequest(
-            member_id=member_id, layout=convert.layout_to_proto(layout, self.info.rank)
-        )
+        whole = convert.layout_to_proto(layout, self.info.rank)
         try:
-            resp = self._call_unary("PublishLayout", request, metadata)
+            if whole.ByteSize() <= LAYOUT_CHUNK_BYTES:
+                resp = self._call_unary(
+                    "PublishLayout",
+                    apb.PublishLayoutRequest(member_id=member_id, layout=whole),
+                    metadata,
+                )
+            else:
+                # The coordinator accepts only small messages: publish in chunks.
+                chunks = convert.layout_chunks(whole, LAYOUT_CHUNK_BYTES)
+                upload_id = uuid.uuid4().hex
+                for i, part in enumerate(chunks):
+                    resp = self._call_unary(
+                        "PublishLayout",
+                        apb.PublishLayoutRequest(
+                            member_id=member_id,
+                            layout=part,
+                            upload_id=upload_id,
+                            chunk=i,
+                            more=i < len(chunks) - 1,
+                        ),
+                        metadata,
+                    )
         except NotFound:
             self._reregister(member_id)
             return self._published

@@ -16,8 +16,12 @@ from refitplane import errors
 # coordinator sets them, clients and agents read them back).
 REASON_KEY = "refit-reason"
 FIELD_KEY = "refit-field"
-# The largest message either end sends or accepts (a large model's layout or plan).
+# The largest message either end sends or accepts (a large model's plan, coordinator to
+# agent). The coordinator accepts far less (REFIT_GRPC_MAX_RECEIVE_BYTES, 4 MiB by default).
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+# Agents publish a layout larger than this in chunks of at most this size (well below the
+# smallest receive limit a coordinator may be given, 2 MiB).
+LAYOUT_CHUNK_BYTES = 1024 * 1024
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -7,6 +7,8 @@ A zero-dimensional tensor has the empty box `()`, which holds one element.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections.abc import Iterable, Sequence
 
 Range = tuple[int, int]
@@ -84,12 +86,66 @@ def format_box(box: Box) -> str:
 
 
 def pairwise_disjoint(boxes: Iterable[Box]) -> bool:
-    items = list(boxes)
-    for i, a in enumerate(items):
-        for b in items[i + 1 :]:
-            if intersect(a, b) is not None:
-                return False
-    return True
+    return first_overlap(list(boxes)) is None
+
+
+def first_overlap(boxes: Sequence[Box]) -> tuple[int, int] | None:
+    """Indices `(i, j)`, `i < j`, of two boxes that overlap, or None: a sweep, not the
+    O(n^2) pairwise test (a hostile layout lists 10^4-10^5 boxes for one tensor).
+
+    Boxes are swept in start order along the dimension where their starts differ most (rows
+    for a row split, columns for a column split). The boxes crossing the sweep line at a
+    start are pairwise disjoint in the other dimensions if no overlap was found so far; for
+    one or two dimensions that makes them disjoint intervals of the second dimension, kept
+    sorted, so each box is checked against its two neighbours: O(n log n). With three or
+    more dimensions the crossing boxes whose second-dimension interval meets the new box
+    are compared in full: a 3-D grid of n cells costs O(n^(4/3)), which the cap on boxes per
+    tensor bounds."""
+    n = len(boxes)
+    if n < 2:
+        return None
+    dims = len(boxes[0])
+    if dims == 0:  # a scalar's one element, listed twice
+        return (0, 1)
+    if any(len(b) != dims for b in boxes):
+        raise ValueError("boxes of different ranks")
+    if dims == 1:
+        sweep, other = 0, -1
+    else:
+        spread = sorted(range(dims), key=lambda d: len({b[d][0] for b in boxes}), reverse=True)
+        sweep, other = spread[0], spread[1]
+    order = sorted(range(n), key=lambda i: boxes[i][sweep][0])
+    ending: list[tuple[int, int]] = []  # heap of (sweep stop, index) of the crossing boxes
+    starts: list[int] = []  # crossing boxes' starts in `other`, sorted ...
+    members: list[int] = []  # ... and their indices, in the same order
+    longest = max(b[other][1] - b[other][0] for b in boxes) if other >= 0 else 1
+    for i in order:
+        box = boxes[i]
+        start, _ = box[sweep]
+        while ending and ending[0][0] <= start:
+            _, done = heapq.heappop(ending)
+            at = bisect.bisect_left(starts, boxes[done][other][0] if other >= 0 else 0)
+            while members[at] != done:
+                at += 1
+            del starts[at], members[at]
+        lo, hi = box[other] if other >= 0 else (0, 1)
+        at = bisect.bisect_right(starts, lo)
+        if dims <= 2:
+            # Disjoint intervals: only the one starting at or before `lo` and the one after
+            # can reach into [lo, hi).
+            for k in (at - 1, at):
+                if 0 <= k < len(members) and intersect(boxes[members[k]], box) is not None:
+                    return (min(i, members[k]), max(i, members[k]))
+        else:
+            # Only boxes starting less than the longest interval before `lo` can reach it.
+            first = bisect.bisect_left(starts, lo - longest + 1)
+            for k in range(first, bisect.bisect_left(starts, hi)):
+                if intersect(boxes[members[k]], box) is not None:
+                    return (min(i, members[k]), max(i, members[k]))
+        heapq.heappush(ending, (box[sweep][1], i))
+        starts.insert(at, lo)
+        members.insert(at, i)
+    return None
 
 
 def split_rows(box: Box, max_elems: int) -> list[Box]:

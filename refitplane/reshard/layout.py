@@ -19,8 +19,8 @@ from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import (
     Box,
     box_numel,
+    first_overlap,
     format_box,
-    intersect,
     is_empty,
     within_shape,
 )
@@ -250,15 +250,19 @@ class LayoutBuilder:
     """Accumulates (spec, rank, box) entries from any number of ranks and validates them.
 
     Errors name the tensor, rank and box: specs that disagree between ranks, boxes out of
-    range or of the wrong rank, empty boxes, a rank listing the same element twice.
+    range or of the wrong rank, empty boxes (at `add`), a rank listing the same element twice
+    (at `build`: one sort-and-sweep per tensor and rank, O(n log n), where checking each
+    box against those before it cost O(n^2)).
     """
 
     def __init__(self) -> None:
         self._specs: dict[str, TensorSpec] = {}
         # Per tensor, per rank, the boxes in the order added (sorted by `build`)
         self._boxes: dict[str, dict[int, tuple[Box, ...]]] = {}
-        # Tensors with a rank listing more than one box (only those need their boxes sorted)
+        # Tensors with a rank listing more than one box (only those need their boxes sorted
+        # and checked for overlaps); their boxes per rank, in the order added
         self._several: set[str] = set()
+        self._more: dict[tuple[str, int], list[Box]] = {}
         # Tensors whose boxes are exactly one placement's (shared, valid by construction);
         # a tensor is here or in `_boxes`, never both, and moves to `_boxes` (a copy) when
         # more boxes are added to it.
@@ -370,19 +374,30 @@ class LayoutBuilder:
                 field="boxes",
             )
         per_tensor = self._own_boxes(spec.name)
-        per_rank = per_tensor.get(rank, ())
-        for other in per_rank:
-            if intersect(other, box) is not None:
+        per_rank = per_tensor.get(rank)
+        if per_rank is None:
+            per_tensor[rank] = (box,)
+            return
+        more = self._more.get((spec.name, rank))
+        if more is None:
+            more = self._more[(spec.name, rank)] = list(per_rank)
+        more.append(box)
+        self._several.add(spec.name)
+
+    def _check_overlaps(self) -> None:
+        """Raise LayoutError naming the first box that overlaps an earlier one of the same
+        tensor and rank (earlier: in the order added)."""
+        for (name, rank), boxes in self._more.items():
+            pair = first_overlap(boxes)
+            if pair is not None:
+                first, later = (boxes[i] for i in pair)
                 raise LayoutError(
-                    f"overlaps box {format_box(other)} listed by the same rank",
-                    tensor=spec.name,
+                    f"overlaps box {format_box(first)} listed by the same rank",
+                    tensor=name,
                     rank=rank,
-                    box=format_box(box),
+                    box=format_box(later),
                     field="boxes",
                 )
-        per_tensor[rank] = (*per_rank, box)
-        if per_rank:
-            self._several.add(spec.name)
 
     def add_many(self, spec: TensorSpec, rank_boxes: Mapping[int, Iterable[Box]]) -> None:
         for rank, boxes in rank_boxes.items():
@@ -420,6 +435,7 @@ class LayoutBuilder:
                     self.add(spec, rank, box)
 
     def build(self) -> Layout:
+        self._check_overlaps()
         tensors = {}
         tables = self._tables
         # Tensors with equal boxes share one mapping (experts and layers repeat a handful):
@@ -437,7 +453,11 @@ class LayoutBuilder:
                     continue
                 per_rank = self._boxes[name]
                 if name in self._several:
-                    per_rank = {rank: tuple(sorted(b)) for rank, b in per_rank.items()}
+                    more = self._more
+                    per_rank = {
+                        rank: tuple(sorted(more.get((name, rank), b)))
+                        for rank, b in per_rank.items()
+                    }
                 # Ranks in order, boxes sorted per rank; copies, so the builder may go on.
                 boxes = dict(sorted(per_rank.items())) if len(per_rank) > 1 else dict(per_rank)
                 try:

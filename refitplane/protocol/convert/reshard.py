@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from refitplane._generated.refit.v1 import common_pb2 as cpb
 from refitplane.errors import InvalidArgument, LayoutError
-from refitplane.reshard.boxes import Box
+from refitplane.reshard.boxes import Box, format_box
 from refitplane.reshard.config import DELTA_MAX_CHANGED, DIRECT_MIN_BYTES, TransferConfig
 from refitplane.reshard.layout import Layout, LayoutBuilder, TensorSpec
 from refitplane.reshard.plan import Link, Piece, RankPlan
@@ -70,13 +70,59 @@ def layout_to_proto(layout: Layout, rank: int) -> cpb.RankLayout:
     return out
 
 
-def layout_from_proto(msg: cpb.RankLayout, rank: int, *, field: str = "layout") -> Layout:
-    """Validate and convert what one rank published; every error names the request path."""
+def layout_chunks(layout: cpb.RankLayout, max_bytes: int) -> list[cpb.RankLayout]:
+    """`layout` cut into parts of at most about `max_bytes` serialized, in order; a tensor
+    whose boxes alone are larger is split over several entries (same spec, part of the
+    boxes), which the coordinator puts together again."""
+    chunks: list[cpb.RankLayout] = []
+    current = cpb.RankLayout()
+    size = 0
+
+    def emit() -> None:
+        nonlocal current, size
+        if current.tensors:
+            chunks.append(current)
+        current, size = cpb.RankLayout(), 0
+
+    for entry in layout.tensors:
+        entry_bytes = entry.ByteSize() + 8  # + the field tag and length prefix
+        if size + entry_bytes > max_bytes:
+            emit()
+        if entry_bytes <= max_bytes:
+            current.tensors.append(entry)
+            size += entry_bytes
+            continue
+        part = cpb.TensorBoxes(spec=entry.spec)
+        for box in entry.boxes:
+            if part.boxes and part.ByteSize() + box.ByteSize() + 8 > max_bytes:
+                current.tensors.append(part)
+                emit()
+                part = cpb.TensorBoxes(spec=entry.spec)
+            part.boxes.append(box)
+        current.tensors.append(part)
+        size = part.ByteSize() + 8
+    emit()
+    return chunks or [cpb.RankLayout()]
+
+
+def layout_from_proto(
+    msg: cpb.RankLayout,
+    rank: int,
+    *,
+    field: str = "layout",
+    max_boxes_per_tensor: int | None = None,
+    max_boxes_setting: str = "REFIT_MAX_BOXES_PER_TENSOR",
+) -> Layout:
+    """Validate and convert what one rank published; every error names the request path.
+    `max_boxes_per_tensor`: refuse a tensor listed with more boxes, naming the cap (the
+    setting `max_boxes_setting`) before any of them is checked."""
     if len(msg.tensors) > MAX_LAYOUT_TENSORS:
         raise LayoutError(
             f"{len(msg.tensors)} tensors (at most {MAX_LAYOUT_TENSORS})", field=f"{field}.tensors"
         )
     builder = LayoutBuilder()
+    entry_of: dict[str, int] = {}  # tensor → its (first) entry, to name overlaps by path
+    boxes_of: dict[str, int] = {}
     for i, entry in enumerate(msg.tensors):
         path = f"{field}.tensors[{i}]"
         if not entry.HasField("spec"):
@@ -84,6 +130,16 @@ def layout_from_proto(msg: cpb.RankLayout, rank: int, *, field: str = "layout") 
         spec = spec_from_proto(entry.spec, field=f"{path}.spec")
         if not entry.boxes:
             raise LayoutError("lists no boxes", tensor=spec.name, rank=rank, field=f"{path}.boxes")
+        entry_of.setdefault(spec.name, i)
+        boxes_of[spec.name] = boxes_of.get(spec.name, 0) + len(entry.boxes)
+        if max_boxes_per_tensor is not None and boxes_of[spec.name] > max_boxes_per_tensor:
+            raise LayoutError(
+                f"{boxes_of[spec.name]} boxes for one tensor (at most {max_boxes_per_tensor}: "
+                f"{max_boxes_setting})",
+                tensor=spec.name,
+                rank=rank,
+                field=f"{path}.boxes",
+            )
         try:
             builder.add_spec(spec)
         except LayoutError as exc:
@@ -95,7 +151,17 @@ def layout_from_proto(msg: cpb.RankLayout, rank: int, *, field: str = "layout") 
                 builder.add(spec, rank, box)
             except LayoutError as exc:
                 raise _at(exc, box_path) from None
-    return builder.build()
+    try:
+        return builder.build()
+    except LayoutError as exc:
+        # An overlap, found once all boxes are in: name the later box by its path.
+        at = entry_of.get(exc.tensor or "")
+        if at is None:
+            raise
+        for j, box_msg in enumerate(msg.tensors[at].boxes):
+            if format_box(tuple(zip(box_msg.start, box_msg.stop, strict=True))) == exc.box:
+                raise _at(exc, f"{field}.tensors[{at}].boxes[{j}]") from None
+        raise _at(exc, f"{field}.tensors[{at}].boxes") from None
 
 
 # --- plans, transfer config -----------------------------------------------------------------

@@ -38,6 +38,7 @@ from refitplane.protocol.channel import Metadata, member_metadata
 from refitplane.reshard.layout import LayoutBuilder, TensorSpec
 from tests.integration.reliability.conftest import start_world
 from tests.integration.reliability.support import World
+from tests.support.rest_fuzz import call_and_validate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -392,7 +393,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @schema.parametrize()
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 def test_rest_schema_fuzz_never_errors(case: Any) -> None:
-    response = case.call_and_validate()
+    response = call_and_validate(case)
     assert response.status_code < 500
 
 

@@ -125,9 +125,9 @@ def _outcome(build: Callable[[LayoutBuilder], None]) -> tuple[str, object]:
     builder = LayoutBuilder()
     try:
         build(builder)
+        layout = builder.build()  # overlaps are found here
     except LayoutError as err:
         return "error", str(err)
-    layout = builder.build()
     return layout.digest, dict(layout.tensors)
 
 

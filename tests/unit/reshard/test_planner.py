@@ -174,8 +174,11 @@ def test_builder_rejects_bad_boxes() -> None:
     spec = TensorSpec.create("w", [8, 4], "bfloat16")
     b = LayoutBuilder()
     b.add(spec, 0, ((0, 4), (0, 4)))
-    with pytest.raises(LayoutError, match="overlaps box"):
-        b.add(spec, 0, ((3, 8), (0, 4)))
+    b.add(spec, 0, ((3, 8), (0, 4)))
+    with pytest.raises(LayoutError, match=r"overlaps box \[0:4, 0:4\]") as caught:
+        b.build()  # overlaps are found at build, in one sweep
+    assert (caught.value.tensor, caught.value.rank, caught.value.box) == ("w", 0, "[3:8, 0:4]")
+    b = LayoutBuilder()
     with pytest.raises(LayoutError, match="out of range"):
         b.add(spec, 1, ((0, 9), (0, 4)))
     with pytest.raises(LayoutError, match="out of range"):

@@ -213,11 +213,24 @@ Global___RenewLeaseResponse: _TypeAlias = RenewLeaseResponse  # noqa: Y015
 
 @_typing.final
 class PublishLayoutRequest(_message.Message):
+    """A layout fits one message when it is small. A larger one goes in chunks, each below the
+    coordinator's message limit (REFIT_GRPC_MAX_RECEIVE_BYTES, a few MiB): chunk 0, 1, ... of
+    one `upload_id`, every chunk but the last with `more` set; the layout is the tensor
+    entries of all chunks together (one tensor's boxes may span several entries). A new
+    upload_id, or chunk 0 again, starts over; the layout is checked and stored at the last.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MEMBER_ID_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
+    UPLOAD_ID_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
+    upload_id: _builtins.str
+    chunk: _builtins.int
+    more: _builtins.bool
     @_builtins.property
     def layout(self) -> _common_pb2.RankLayout: ...
     def __init__(
@@ -225,10 +238,13 @@ class PublishLayoutRequest(_message.Message):
         *,
         member_id: _builtins.str = ...,
         layout: _common_pb2.RankLayout | None = ...,
+        upload_id: _builtins.str = ...,
+        chunk: _builtins.int = ...,
+        more: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "member_id", b"member_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "layout", b"layout", "member_id", b"member_id", "more", b"more", "upload_id", b"upload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -236,6 +252,8 @@ Global___PublishLayoutRequest: _TypeAlias = PublishLayoutRequest  # noqa: Y015
 
 @_typing.final
 class PublishLayoutResponse(_message.Message):
+    """For a chunk with `more` set: layout_digest empty, num_tensors the entries received so far."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     LAYOUT_DIGEST_FIELD_NUMBER: _builtins.int

@@ -13,12 +13,14 @@ from collections.abc import Iterator
 import uvicorn
 
 from refitplane.coordinator.auth import TokenCheck
+from refitplane.coordinator.core.admission import Admission
 from refitplane.coordinator.core.service import Coordinator
 from refitplane.coordinator.grpc.server import GrpcServer
 from refitplane.coordinator.observability.grpc_observer import RequestObserver
 from refitplane.coordinator.observability.http_observer import HttpObserver
 from refitplane.coordinator.observability.requests import RequestMetrics
 from refitplane.coordinator.rest.app import create_app
+from refitplane.coordinator.rest.limits import RequestGuard
 from refitplane.coordinator.settings import Settings
 from refitplane.coordinator.store import open_store
 from refitplane.errors import Unavailable
@@ -50,10 +52,16 @@ class CoordinatorServer:
     def __init__(self, settings: Settings, *, redis_prefix: str = "refit:") -> None:
         """Construct inside the event loop that will run it (grpc.aio binds to it)."""
         self.settings = settings
-        self.core = Coordinator(settings, open_store(settings.redis_dsn(), prefix=redis_prefix))
+        store = open_store(
+            settings.redis_dsn(),
+            prefix=redis_prefix,
+            max_connections=settings.redis_max_connections,
+            pool_timeout_s=settings.redis_pool_timeout_s,
+            layout_ttl_s=settings.layout_ttl_s,
+        )
+        self.core = Coordinator(settings, store)
         self._tokens = TokenCheck(settings.token())
-        store = "redis" if settings.redis_url else "embedded"
-        self.requests = RequestMetrics(self.core.metrics.registry, store=store)
+        self.requests = RequestMetrics(self.core.metrics.registry, store=store.kind)
         tls = None
         if settings.tls_cert_file is not None and settings.tls_key_file is not None:
             tls = (settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())
@@ -93,8 +101,18 @@ class CoordinatorServer:
                 bind_failure("HTTP", s.http_host, s.http_port, http_flag, exc)
             ) from None
         self.http_port = sock.getsockname()[1]
+        self.admission = Admission(
+            limit=s.rest_max_concurrent, queued=s.rest_max_queued, wait_s=s.rest_queue_timeout_s
+        )
+        # The observer outermost, so what the guard refuses (401, 413, 429) is counted too.
+        app = RequestGuard(
+            create_app(self.core, self._tokens),
+            tokens=self._tokens,
+            max_body_bytes=s.http_max_body_bytes,
+            admission=self.admission,
+        )
         config = uvicorn.Config(
-            HttpObserver(create_app(self.core, self._tokens), self.requests),
+            HttpObserver(app, self.requests),
             log_config=None,
             access_log=False,
             lifespan="off",

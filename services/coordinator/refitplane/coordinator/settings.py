@@ -69,6 +69,30 @@ class Settings(BaseSettings):
     # Triggers per second per job (token bucket, burst = max(1, rate)); 0: unlimited.
     trigger_rate_per_s: float = Field(0.0, ge=0)
     pause_mode: PauseMode = PauseMode.KEEP
+    # --- limits (docs/coordinator.md#limits): no one request may take the process down ---
+    # The largest REST request body; larger ones get 413 before a byte is parsed.
+    http_max_body_bytes: int = Field(1 * MiB, ge=1024)
+    # The largest gRPC message the coordinator accepts; larger ones are refused before they
+    # are read. Agents publish layouts in chunks below it (`LAYOUT_CHUNK_BYTES`).
+    grpc_max_receive_bytes: int = Field(4 * MiB, ge=2 * MiB)
+    # The most one layout published in chunks may add up to (serialized).
+    max_layout_bytes: int = Field(256 * MiB, ge=1 * MiB)
+    # Boxes one published layout may list for one tensor (the overlap check is O(n log n),
+    # yet a layout must stay a description, not a dump).
+    max_boxes_per_tensor: int = Field(32768, ge=1)
+    # REST admission, per lane (reads; writes): requests served at once, requests queued
+    # behind them, and how long one may wait in the queue before it gets 429 + Retry-After.
+    rest_max_concurrent: int = Field(32, ge=1)
+    rest_max_queued: int = Field(512, ge=0)
+    rest_queue_timeout_s: float = Field(10.0, gt=0)
+    # Redis connections; a caller waits up to redis_pool_timeout_s for one instead of failing.
+    redis_max_connections: int = Field(128, ge=4)
+    redis_pool_timeout_s: float = Field(10.0, gt=0)
+    # A job with no members and no refit running or pending for this long is forgotten: its
+    # driver stops and it leaves the job set (its version counters stay). Layout documents
+    # expire after layout_ttl_s unless a live member still uses them (refreshed meanwhile).
+    job_idle_s: float = Field(3600.0, gt=0)
+    layout_ttl_s: float = Field(7 * 86400.0, gt=0)
     log_level: str = "INFO"
     log_json: bool = False
     # One line per gRPC call and REST request (refitplane.coordinator.access; docs/operations.md).

@@ -146,6 +146,19 @@ class Membership:
     def jobs(self) -> list[str]:
         return sorted(self._by_job)
 
+    def live(self) -> list[MemberRecord]:
+        return [m for m in self._members.values() if m.alive]
+
+    def job_lock(self, job: str) -> asyncio.Lock:
+        """The lock registrations of `job` take (held while an idle job is forgotten)."""
+        return self._locks[job]
+
+    def forget_job(self, job: str) -> None:
+        """Drop what is kept per job once it was forgotten (it has no members)."""
+        lock = self._locks.get(job)
+        if job not in self._by_job and lock is not None and not lock.locked():
+            del self._locks[job]
+
     def count_by_state(self) -> dict[MemberState, int]:
         return dict(collections.Counter(m.state for m in self._members.values()))
 

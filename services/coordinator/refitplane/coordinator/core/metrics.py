@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -121,6 +121,14 @@ class Metrics:
             "only: the member holds it), RESENT (sent whole after the member reported it "
             "missing)",
             ["how"],
+            registry=r,
+        )
+        self.jobs_driven = Gauge(
+            "refit_jobs_driven", "Jobs with a refit driver in this coordinator", registry=r
+        )
+        self.jobs_forgotten = Counter(
+            "refit_jobs_forgotten",
+            "Idle jobs forgotten after REFIT_JOB_IDLE_S (drivers stopped)",
             registry=r,
         )
         r.register(_MemberGauge(count_members))

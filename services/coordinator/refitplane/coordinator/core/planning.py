@@ -181,7 +181,9 @@ class LayoutCache:
 
     async def put(self, layout: Layout) -> None:
         if layout.digest not in self._layouts:
-            await self._store.put_layout(layout.digest, json.dumps(dump_layout(layout)))
+            # Off the event loop: a layout's document runs to megabytes.
+            doc = await asyncio.to_thread(lambda: json.dumps(dump_layout(layout)))
+            await self._store.put_layout(layout.digest, doc)
         self._remember(layout)
 
     async def get(self, digest: str) -> Layout:

@@ -26,3 +26,7 @@ class TriggerRateLimiter:
                 f"job {job!r} is limited to {self._rate:g} triggers per second", field="job"
             )
         self._buckets[job] = (tokens - 1.0, now)
+
+    def forget(self, job: str) -> None:
+        """Drop a forgotten job's bucket (it starts full should the job come back)."""
+        self._buckets.pop(job, None)

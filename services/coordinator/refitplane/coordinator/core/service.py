@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from refitplane.coordinator.core.context import DriverContext
 from refitplane.coordinator.core.driver import JobDriver
 from refitplane.coordinator.core.events import RefitEvents
+from refitplane.coordinator.core.idle_jobs import IdleClock, sweep_interval
 from refitplane.coordinator.core.lost_state import ReadinessListener, StoreWatch, VersionFloors
 from refitplane.coordinator.core.membership import Departure, Membership
 from refitplane.coordinator.core.metrics import Metrics
@@ -79,6 +80,8 @@ class Coordinator:
         self._driver_lock = asyncio.Lock()
         self._limiter = TriggerRateLimiter(settings.trigger_rate_per_s)
         self._reaper: asyncio.Task[None] | None = None
+        self._idle = IdleClock(settings.job_idle_s)
+        self._collector: asyncio.Task[None] | None = None
         self.membership.on_departure(self._on_departure)
         self.floors = VersionFloors()
         self.events.observe(self.floors.seen)
@@ -102,6 +105,7 @@ class Coordinator:
             self.floors.load(await self.store.load_job(job))
             await self._driver(job)
         self._reaper = asyncio.create_task(self._reap(), name="lease-reaper")
+        self._collector = asyncio.create_task(self._collect(), name="idle-job-collector")
 
     def on_readiness(self, listener: ReadinessListener) -> None:
         """`listener(ready)` whenever readiness changes (a store that lost its state)."""
@@ -120,12 +124,13 @@ class Coordinator:
         """Stop driving refits. Graceful: refits in flight fail now and their participants
         get AbortRefit; otherwise they are left for the next coordinator to fail."""
         await self.store_watch.stop()
-        if self._reaper is not None:
-            self._reaper.cancel()
-            try:
-                await self._reaper
-            except asyncio.CancelledError:
-                pass
+        for task in (self._reaper, self._collector):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         await asyncio.gather(*(d.stop(abort_running=graceful) for d in self._drivers.values()))
         self._drivers.clear()
 
@@ -151,7 +156,51 @@ class Coordinator:
                 driver = JobDriver(job, self._ctx)
                 await driver.start()
                 self._drivers[job] = driver
+                self.metrics.jobs_driven.set(len(self._drivers))
         return driver
+
+    # --- idle jobs -----------------------------------------------------------------------
+
+    def _is_idle(self, job: str) -> bool:
+        driver = self._drivers.get(job)
+        return driver is not None and driver.current is None and not self.membership.of_job(job)
+
+    async def _collect(self) -> None:
+        s = self.settings
+        interval = sweep_interval(s.job_idle_s, s.layout_ttl_s)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.collect_idle_jobs()
+                digests = {m.layout_digest for m in self.membership.live() if m.layout_digest}
+                await self.store.touch_layouts(sorted(digests))
+            except Exception:
+                log.exception("idle-job sweep failed")
+
+    async def collect_idle_jobs(self, now: float | None = None) -> list[str]:
+        """Forget jobs idle for REFIT_JOB_IDLE_S: stop their drivers and take them out of
+        the store's job set (atomically refused if a member or a refit appeared meanwhile).
+        A job that comes back (a member registers, a trigger) gets a new driver."""
+        now = time.monotonic() if now is None else now
+        forgotten = []
+        for job in self._idle.due(now, {job: self._is_idle(job) for job in self._drivers}):
+            self._idle.reset(job)
+            # Both locks: no driver is made, and no member of the job registers, while the
+            # job is checked and forgotten.
+            async with self._driver_lock, self.membership.job_lock(job):
+                driver = self._drivers.get(job)
+                if driver is None or not self._is_idle(job) or not await self.store.forget_job(job):
+                    continue
+                del self._drivers[job]
+                self.metrics.jobs_driven.set(len(self._drivers))
+            await driver.stop(abort_running=False)
+            self.membership.forget_job(job)
+            self._limiter.forget(job)
+            forgotten.append(job)
+        if forgotten:
+            self.metrics.jobs_forgotten.inc(len(forgotten))
+            log.info("forgot %d idle job(s), e.g. %s", len(forgotten), forgotten[0])
+        return forgotten
 
     async def _on_departure(self, member: MemberRecord, why: Departure) -> None:
         self.outbox.close(member.member_id)

@@ -10,15 +10,23 @@ import grpc
 
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
+from refitplane._generated.refit.v1 import common_pb2 as cpb
 from refitplane.coordinator.core.service import Coordinator
 from refitplane.coordinator.grpc.encoding import CommandEncoder
+from refitplane.coordinator.grpc.layout_uploads import LayoutUploads
 from refitplane.protocol import convert
 from refitplane.protocol.channel import MEMBER_CREDENTIAL_KEY
+from refitplane.reshard.layout import Layout
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
-# Layouts larger than this are converted off the event loop.
-_INLINE_TENSORS = 2000
+
+def _convert(layout: cpb.RankLayout, rank: int, max_boxes_per_tensor: int) -> Layout:
+    """Validate a published layout and hash it: in a worker thread, so a layout of 10^5
+    boxes never holds up the event loop (leases, `/healthz`)."""
+    converted = convert.layout_from_proto(layout, rank, max_boxes_per_tensor=max_boxes_per_tensor)
+    _ = converted.digest  # memoized on the layout
+    return converted
 
 
 def _credential(context: Context) -> str:
@@ -31,6 +39,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, core: Coordinator) -> None:
         self._core = core
         self._encoder = CommandEncoder()
+        self._uploads = LayoutUploads(max_bytes=core.settings.max_layout_bytes)
 
     async def Register(
         self, request: apb.RegisterRequest, context: Context
@@ -61,10 +70,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     ) -> apb.PublishLayoutResponse:
         credential = _credential(context)
         member = self._core.member(request.member_id, credential=credential)
-        if len(request.layout.tensors) > _INLINE_TENSORS:
-            layout = await asyncio.to_thread(convert.layout_from_proto, request.layout, member.rank)
-        else:
-            layout = convert.layout_from_proto(request.layout, member.rank)
+        whole = self._uploads.add(request)
+        if whole is None:  # a chunk; more to come
+            return apb.PublishLayoutResponse(num_tensors=self._uploads.received(member.member_id))
+        layout = await asyncio.to_thread(
+            _convert, whole, member.rank, self._core.settings.max_boxes_per_tensor
+        )
         await self._core.publish_layout(member.member_id, layout, credential=credential)
         return apb.PublishLayoutResponse(layout_digest=layout.digest, num_tensors=len(layout))
 
@@ -84,4 +95,5 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self, request: apb.DeregisterRequest, context: Context
     ) -> apb.DeregisterResponse:
         await self._core.deregister(request.member_id, credential=_credential(context))
+        self._uploads.forget(request.member_id)
         return apb.DeregisterResponse()

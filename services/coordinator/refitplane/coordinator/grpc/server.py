@@ -27,7 +27,9 @@ SERVICE_NAMES = (
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
 )
 _OPTIONS = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Plans going down to agents may be large; what comes in is capped per server
+    # (REFIT_GRPC_MAX_RECEIVE_BYTES): gRPC refuses a larger message from its length prefix,
+    # before reading it (RESOURCE_EXHAUSTED), authenticated or not.
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Find dead agents' streams without waiting for TCP timeouts.
     ("grpc.keepalive_time_ms", 10_000),
@@ -52,7 +54,11 @@ class GrpcServer:
     ) -> None:
         """`outer` interceptors run around the refit.v1 one (request metrics, access log)."""
         interceptors = [*outer, RefitInterceptor(tokens)]
-        self.server = aio.server(interceptors=interceptors, options=_OPTIONS)
+        options = (
+            *_OPTIONS,
+            ("grpc.max_receive_message_length", core.settings.grpc_max_receive_bytes),
+        )
+        self.server = aio.server(interceptors=interceptors, options=options)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(core), self.server)
         orchestrator_pb2_grpc.add_RefitServiceServicer_to_server(RefitServicer(core), self.server)
         self.health = health.aio.HealthServicer()

@@ -16,13 +16,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from refitplane.coordinator.auth import TokenCheck
 from refitplane.coordinator.core.service import MAX_LIST_LIMIT, Coordinator
 from refitplane.coordinator.error_codes import http_status
+from refitplane.coordinator.rest.limits import retry_after
 from refitplane.coordinator.store.base import MAX_VERSION
 from refitplane.errors import InvalidArgument, RefitError
 from refitplane.protocol.models import Refit, Topology
@@ -56,7 +57,9 @@ class TriggerBody(BaseModel):
     idempotency_key: str = Field(
         "", max_length=256, pattern=r"^[^\x00-\x1f]*$", description="Same key → same refit"
     )
-    version: int = Field(0, ge=0, le=MAX_VERSION, description="0: the next version")
+    # Strict: JSON `true`, `"12"` and `13.0` are not versions (lax pydantic took them as 1,
+    # 12 and 13).
+    version: StrictInt = Field(0, ge=0, le=MAX_VERSION, description="0: the next version")
 
 
 class RefitList(BaseModel):
@@ -67,9 +70,16 @@ class Status(BaseModel):
     status: str
 
 
-def _error(status: int, reason: str, message: str, field: str | None) -> JSONResponse:
+def _error(
+    status: int,
+    reason: str,
+    message: str,
+    field: str | None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     body = ErrorBody(error=ErrorDetail(reason=reason, message=message, field=field))
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
@@ -79,13 +89,15 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "Invalid argument (the field is named)"),
         (404, "Not found"),
         (409, "Conflict or failed precondition"),
+        (429, "Busy: admission queue full (Retry-After says when to retry)"),
         (503, "State store unavailable"),
     )
 }
 _MUTATING_ERRORS: dict[int | str, dict[str, Any]] = {
     **_ERRORS,
     401: {"model": ErrorBody, "description": "Missing or invalid bearer token"},
-    429: {"model": ErrorBody, "description": "Trigger rate limit exceeded"},
+    413: {"model": ErrorBody, "description": "Body larger than REFIT_HTTP_MAX_BODY_BYTES"},
+    429: {"model": ErrorBody, "description": "Trigger rate limit or admission queue full"},
 }
 
 
@@ -105,7 +117,7 @@ def create_app(core: Coordinator, tokens: TokenCheck) -> FastAPI:
 
     @app.exception_handler(RefitError)
     async def refit_error(_: Request, exc: RefitError) -> JSONResponse:
-        return _error(int(http_status(exc)), exc.reason, exc.message, exc.field)
+        return _error(int(http_status(exc)), exc.reason, exc.message, exc.field, retry_after(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -114,7 +114,12 @@ class Store(abc.ABC):
         """Content-addressed: the same digest always names the same document."""
 
     @abc.abstractmethod
-    async def get_layout(self, digest: str) -> str | None: ...
+    async def get_layout(self, digest: str) -> str | None:
+        """A stored layout (reading it, like storing it, restarts its TTL where it has one)."""
+
+    async def touch_layouts(self, digests: Iterable[str]) -> None:
+        """Restart the TTL of layouts still in use (no-op for a store without TTLs)."""
+        del digests
 
     @abc.abstractmethod
     async def put_plan_info(self, info: PlanInfo) -> None: ...
@@ -126,6 +131,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def jobs(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    async def forget_job(self, job: str) -> bool:
+        """Drop `job` from `jobs()` if, atomically, it has no member and no active or
+        pending refit (True); its version counters are kept. False: the job is in use."""
 
     @abc.abstractmethod
     async def load_job(self, job: str) -> JobRecord: ...

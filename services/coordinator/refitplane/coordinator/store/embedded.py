@@ -46,6 +46,8 @@ class _Job:
     idempotency: dict[str, tuple[str, float]] = field(default_factory=dict)  # key → (id, expiry)
     group: GroupRecord | None = None
     replicas: dict[str, ReplicaRecord] = field(default_factory=dict)
+    # False once forgotten (idle): out of `jobs()`, version counters kept.
+    listed: bool = True
 
 
 class EmbeddedStore(Store):
@@ -89,6 +91,7 @@ class EmbeddedStore(Store):
 
     async def register_member(self, member: MemberRecord) -> str | None:
         job = self._job(member.job)
+        job.listed = True
         old = job.members.get(member.key)
         job.members[member.key] = member.member_id
         self._members[member.member_id] = member
@@ -126,7 +129,14 @@ class EmbeddedStore(Store):
         return self._plans.get(key)
 
     async def jobs(self) -> list[str]:
-        return sorted(self._jobs)
+        return sorted(name for name, j in self._jobs.items() if j.listed)
+
+    async def forget_job(self, job: str) -> bool:
+        j = self._jobs.get(job)
+        if j is None or j.members or j.active or j.pending:
+            return j is None
+        j.listed = False
+        return True
 
     async def load_job(self, job: str) -> JobRecord:
         j = self._jobs.get(job) or _Job()
@@ -150,6 +160,7 @@ class EmbeddedStore(Store):
 
     async def trigger(self, request: TriggerRequest) -> TriggerResult:
         job = self._job(request.job)
+        job.listed = True
         key = request.idempotency_key
         if key:
             hit = job.idempotency.get(key)

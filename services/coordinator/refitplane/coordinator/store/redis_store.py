@@ -12,7 +12,8 @@ each is atomic on the server; single-key writes are plain commands. Key schema (
     refit:{id}                   STRING RefitRecord JSON
     idem:{job}:{key}             STRING refit id (expires after the key TTL)
     incarnation                  STRING sentinel written at start (gone: the store lost state)
-    layout:{digest}              STRING layout JSON (content-addressed)
+    layout:{digest}              STRING layout JSON (content-addressed; expires after the
+                                        layout TTL unless live members refresh it)
     plan:{key}                   STRING PlanInfo JSON
 
 Single-node Redis (or a primary with replicas): the scripts derive key names from the prefix,
@@ -65,6 +66,7 @@ _SCRIPTS = (
     "transition",
     "active",
     "raise_versions",
+    "forget",
 )
 
 
@@ -76,10 +78,25 @@ def _lua(name: str) -> str:
 class RedisStore(Store):
     kind = "redis"
 
-    def __init__(self, url: str, *, prefix: str = "refit:", timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "refit:",
+        timeout_s: float = 5.0,
+        max_connections: int = 128,
+        pool_timeout_s: float = 10.0,
+        layout_ttl_s: float = 7 * 86400.0,
+    ) -> None:
         self._prefix = prefix
-        self._redis: aioredis.Redis = aioredis.Redis.from_url(
+        self._layout_ttl_ms = max(1, int(layout_ttl_s * 1000))
+        # A blocking pool: under a burst a caller waits for a connection (up to
+        # pool_timeout_s) instead of failing at once with "Too many connections", which the
+        # API would have reported as a store outage (503) while Redis was healthy.
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=pool_timeout_s,
             decode_responses=True,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
@@ -87,6 +104,7 @@ class RedisStore(Store):
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
             health_check_interval=30,
         )
+        self._redis: aioredis.Redis = aioredis.Redis.from_pool(pool)
         self._scripts = {name: self._redis.register_script(_lua(name)) for name in _SCRIPTS}
         # The sentinel this coordinator claimed (triggers check the store still holds it).
         self._incarnation = ""
@@ -177,12 +195,22 @@ class RedisStore(Store):
 
     async def put_layout(self, digest: str, doc: str) -> None:
         async with self._guard():
-            await self._redis.set(self._k("layout", digest), doc, nx=True)
+            key = self._k("layout", digest)
+            if not await self._redis.set(key, doc, nx=True, px=self._layout_ttl_ms):
+                await self._redis.pexpire(key, self._layout_ttl_ms)
 
     async def get_layout(self, digest: str) -> str | None:
         async with self._guard():
-            doc = await self._redis.get(self._k("layout", digest))
+            doc = await self._redis.getex(self._k("layout", digest), px=self._layout_ttl_ms)
         return None if doc is None else str(doc)
+
+    async def touch_layouts(self, digests: Iterable[str]) -> None:
+        keys = [self._k("layout", d) for d in digests]
+        if keys:
+            async with self._guard(), self._redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.pexpire(key, self._layout_ttl_ms)
+                await pipe.execute()
 
     async def put_plan_info(self, info: PlanInfo) -> None:
         async with self._guard():
@@ -198,6 +226,9 @@ class RedisStore(Store):
     async def jobs(self) -> list[str]:
         async with self._guard():
             return sorted(str(j) for j in await self._redis.smembers(self._k("jobs")))
+
+    async def forget_job(self, job: str) -> bool:
+        return bool(await self._run("forget", job))
 
     async def load_job(self, job: str) -> JobRecord:
         async with self._guard(), self._redis.pipeline(transaction=True) as pipe:
