@@ -161,6 +161,29 @@ def test_coordinator_restarted_on_a_wiped_store_goes_above_held_versions(world: 
     )
 
 
+def test_wipe_mid_refit_fails_it_with_a_record(world: World) -> None:
+    """FLUSHALL while a refit transfers: the refit does not vanish — it is written back and
+    FAILED STORE_STATE_LOST (participants released); the next refit commits above it."""
+    cluster = world.cluster
+    version = world.next_version()
+    world.step(version)
+    cluster.trainers[0].arm(delay_s=2.0)
+    refit = world.trigger(version)
+    cluster.wait_state(refit.refit_id, RefitState.TRANSFERRING)
+    with _redis(world) as r:
+        r.flushall()
+    final = cluster.wait(refit.refit_id, timeout_s=60)
+    assert final.state is RefitState.FAILED, final
+    assert final.reason == "STORE_STATE_LOST", (final.reason, final.message)
+    with httpx.Client(base_url=cluster.coordinator.http_url, timeout=5) as http:
+        _wait("/readyz 200 again", lambda: http.get("/readyz").status_code == 200, 30)
+    world.check_released(final)
+    cluster.wait_ready()
+    committed = world.commit()
+    assert committed.version > final.version
+    note("test_wipe_mid_refit_fails_it_with_a_record", reason=final.reason)
+
+
 def _wait(what: str, predicate: object, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -344,6 +344,12 @@ class Coordinator:
         check_refit_id(refit_id)
         record = await self.store.get_refit(refit_id)
         if record is None:
+            # The refit being driven is known in memory even if the store lost it (it is
+            # written back when the loss is detected, see lost_state).
+            for driver in self._drivers.values():
+                run = driver.current
+                if run is not None and run.refit_id == refit_id:
+                    return run.record
             raise NotFound(f"refit {refit_id!r} not found", field="refit_id")
         return self._live(record)
 
