@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import os
 import socket
 import threading
 import time
@@ -52,10 +51,8 @@ _PROGRESS_EVERY_S = 0.5
 
 
 def local_address() -> str:
-    """An address peers can reach this process at: REFIT_HOST if set, else this host's."""
-    explicit = os.environ.get("REFIT_HOST")
-    if explicit:
-        return explicit
+    """This host's address, for peers to reach this process at when nothing names one
+    (agents ask `AgentSettings.host`, REFIT_HOST, first)."""
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

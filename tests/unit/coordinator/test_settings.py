@@ -7,6 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from refitplane.coordinator.settings import PauseMode, Settings
+from refitplane.reshard.config import TransferConfig
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +47,9 @@ def test_defaults(env):
     assert s.pause_mode is PauseMode.KEEP
     assert s.log_level == "INFO"
     assert s.log_json is False
-    assert s.transfer_config().timeout_s == 300
+    # The data plane's defaults are TransferConfig's own, not restated.
+    assert s.transfer == TransferConfig()
+    assert s.transfer.timeout_s == 300
 
 
 def test_every_contract_variable_is_read(env, tmp_path):
@@ -71,6 +74,9 @@ def test_every_contract_variable_is_read(env, tmp_path):
         "REFIT_NUM_CHANNELS": "4",
         "REFIT_MAX_INFLIGHT_BYTES": "4096",
         "REFIT_VERIFY_CHECKSUMS": "false",
+        "REFIT_DIRECT_MIN_BYTES": "512",
+        "REFIT_DELTA": "auto",
+        "REFIT_DELTA_MAX_CHANGED": "0.25",
         "REFIT_ALLOWED_JOBS": "a, b,,c",
         "REFIT_TRIGGER_RATE_PER_S": "2.5",
         "REFIT_PAUSE_MODE": "abort",
@@ -90,9 +96,11 @@ def test_every_contract_variable_is_read(env, tmp_path):
         5,
         6,
     )
-    config = s.transfer_config()
+    config = s.transfer
     assert (config.bucket_bytes, config.num_channels, config.max_inflight_bytes) == (1024, 4, 4096)
     assert config.verify_checksums is False
+    assert (config.timeout_s, config.direct_min_bytes) == (5, 512)
+    assert (config.delta, config.delta_max_changed) == ("auto", 0.25)
     assert s.allowed_jobs == ["a", "b", "c"]
     assert s.trigger_rate_per_s == 2.5
     assert s.pause_mode is PauseMode.ABORT
@@ -141,7 +149,9 @@ def test_secrets_are_not_shown(env):
     [
         ({"tls_cert_file": "/c"}, "TLS"),
         ({"bucket_bytes": 2048, "max_inflight_bytes": 1024}, "REFIT_MAX_INFLIGHT_BYTES"),
-        ({"num_channels": 0}, "num_channels"),
+        ({"num_channels": 0}, "REFIT_NUM_CHANNELS"),
+        ({"delta_max_changed": 1.5}, "REFIT_DELTA_MAX_CHANGED"),
+        ({"direct_min_bytes": 0}, "REFIT_DIRECT_MIN_BYTES"),
         ({"lease_ttl_s": 0}, "lease_ttl_s"),
         ({"pause_mode": "later"}, "pause_mode"),
         ({"log_level": "loud"}, "log level"),

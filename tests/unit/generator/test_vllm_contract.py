@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from refitplane.agent.settings import AgentSettings
 from refitplane.errors import RefitError
 from refitplane.generator import vllm_contract as c
 
@@ -80,9 +81,10 @@ def _workers(*before: c.EngineStatus, after: list[c.EngineStatus] | None = None)
 
 
 def test_init_info_problems_name_their_fields() -> None:
-    _, problems = c.parse_init_info({**GOOD_INIT, "jbo": "x", "mode": "fast"}, env={})
+    nothing = AgentSettings.model_construct()  # no REFIT_* variables at all
+    _, problems = c.parse_init_info({**GOOD_INIT, "jbo": "x", "mode": "fast"}, env=nothing)
     assert [p.field for p in problems] == ["init_info.jbo", "init_info.mode"]
-    _, problems = c.parse_init_info({"coordinator": 5, "fallback_layers": [1]}, env={})
+    _, problems = c.parse_init_info({"coordinator": 5, "fallback_layers": [1]}, env=nothing)
     assert [p.field for p in problems] == [
         "init_info.coordinator",
         "init_info.fallback_layers",
@@ -91,7 +93,7 @@ def test_init_info_problems_name_their_fields() -> None:
         "init_info.replica_id",
     ]
     # Missing fields may come from the workers' environment, as the engine reads them.
-    env = {"REFIT_COORDINATOR": "c:1", "REFIT_JOB": "j", "REFIT_REPLICA_ID": "r"}
+    env = AgentSettings.model_construct(coordinator="c:1", job="j", replica_id="r")
     assert c.parse_init_info({}, env=env)[1] == []
     assert c.parse_init_info([], env=env)[1][0].field == "init_info"
 

@@ -11,11 +11,14 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from refitplane.errors import InvalidArgument
-from refitplane.reshard.config import MiB, TransferConfig
+from refitplane.reshard.config import TransferConfig
+
+# The data plane's defaults live in one place, `TransferConfig` (refitplane.reshard.config).
+_TRANSFER = TransferConfig()
 
 
 class PauseMode(enum.StrEnum):
@@ -48,20 +51,23 @@ class Settings(BaseSettings):
     tls_key_file: Path | None = None
     lease_ttl_s: float = Field(15.0, gt=0)
     prepare_timeout_s: float = Field(60.0, gt=0)
-    transfer_timeout_s: float = Field(300.0, gt=0)
+    transfer_timeout_s: float = Field(_TRANSFER.timeout_s, gt=0)
     group_timeout_s: float = Field(120.0, gt=0)
     # Sidecars: how long the engine may take to load, post-process and resume after the bytes.
     verify_timeout_s: float = Field(120.0, gt=0)
-    bucket_bytes: int = Field(64 * MiB, ge=1)
-    num_channels: int = Field(2, ge=1, le=64)
-    max_inflight_bytes: int = Field(256 * MiB, ge=1)
-    verify_checksums: bool = True
-    direct_min_bytes: int = Field(16 * MiB, ge=1)
+    # The data plane (`transfer`, one `TransferConfig` handed to every rank): flat variables
+    # (REFIT_BUCKET_BYTES, ...; the chart's contract) whose defaults and checks are
+    # TransferConfig's own, with REFIT_TRANSFER_TIMEOUT_S as its timeout.
+    bucket_bytes: int = _TRANSFER.bucket_bytes
+    num_channels: int = _TRANSFER.num_channels
+    max_inflight_bytes: int = _TRANSFER.max_inflight_bytes
+    verify_checksums: bool = _TRANSFER.verify_checksums
+    direct_min_bytes: int = _TRANSFER.direct_min_bytes
     # Delta refits (docs/coordinator.md): "off", "auto" or "on"; a replica takes one only
     # when it holds, intact, the version every trainer rank keeps as its delta base.
     delta: Literal["off", "auto", "on"] = "off"
     # "auto": a message whose changed fraction is above this goes dense.
-    delta_max_changed: float = Field(0.5, ge=0.0, le=1.0)
+    delta_max_changed: float = _TRANSFER.delta_max_changed
     # Accept trainer tensors that no generator needs (else the refit fails: model mismatch).
     allow_unused_tensors: bool = False
     # Empty: any job that has registered members.
@@ -97,6 +103,7 @@ class Settings(BaseSettings):
     log_json: bool = False
     # One line per gRPC call and REST request (refitplane.coordinator.access; docs/operations.md).
     access_log: bool = True
+    _transfer: TransferConfig = PrivateAttr(default=_TRANSFER)
 
     @field_validator("allowed_jobs", mode="before")
     @classmethod
@@ -119,7 +126,16 @@ class Settings(BaseSettings):
             raise ValueError("set both REFIT_TLS_CERT_FILE and REFIT_TLS_KEY_FILE, or neither")
         # Fail at start-up, not at the first refit.
         try:
-            self.transfer_config()
+            self._transfer = TransferConfig(
+                bucket_bytes=self.bucket_bytes,
+                num_channels=self.num_channels,
+                max_inflight_bytes=self.max_inflight_bytes,
+                timeout_s=self.transfer_timeout_s,
+                verify_checksums=self.verify_checksums,
+                direct_min_bytes=self.direct_min_bytes,
+                delta=self.delta,
+                delta_max_changed=self.delta_max_changed,
+            )
         except InvalidArgument as exc:
             raise ValueError(f"REFIT_{(exc.field or '').upper()}: {exc.message}") from None
         return self
@@ -163,17 +179,10 @@ class Settings(BaseSettings):
         auth = "***@" if parts.password or given else ""
         return urlunsplit((parts.scheme, f"{auth}{host}{port}", parts.path, "", ""))
 
-    def transfer_config(self) -> TransferConfig:
-        return TransferConfig(
-            bucket_bytes=self.bucket_bytes,
-            num_channels=self.num_channels,
-            max_inflight_bytes=self.max_inflight_bytes,
-            timeout_s=self.transfer_timeout_s,
-            verify_checksums=self.verify_checksums,
-            direct_min_bytes=self.direct_min_bytes,
-            delta=self.delta,
-            delta_max_changed=self.delta_max_changed,
-        )
+    @property
+    def transfer(self) -> TransferConfig:
+        """How the data plane runs, the same for every rank of every refit."""
+        return self._transfer
 
     @property
     def tls(self) -> bool:

@@ -14,7 +14,6 @@ later refit succeeds.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ import torch
 
 from refitplane.agent.dataplane import DataPlaneMember, Prepared
 from refitplane.agent.session import AgentSession
+from refitplane.agent.settings import AgentSettings
 from refitplane.errors import FailedPrecondition
 from refitplane.generator.hf_tensor_parallel import tp_boxes
 from refitplane.protocol import Role
@@ -91,6 +91,7 @@ class ReferenceEngine:
         token: str | None = None,
         tls_ca: str | None = None,
         version: int = 0,
+        settings: AgentSettings | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -115,9 +116,11 @@ class ReferenceEngine:
             delta_receive=True,
             labels={"delta_receive": "yes"},
         )
-        token = token if token is not None else os.environ.get("REFIT_AUTH_TOKEN")
-        # Like the trainer agent: a coordinator serving TLS needs its CA (REFIT_TLS_CA_FILE).
-        tls_ca = tls_ca if tls_ca is not None else os.environ.get("REFIT_TLS_CA_FILE")
+        # Like the trainer agent: the token (REFIT_AUTH_TOKEN_FILE wins over REFIT_AUTH_TOKEN)
+        # and a TLS coordinator's CA (REFIT_TLS_CA_FILE) come from the environment if not given.
+        env = settings or AgentSettings()
+        token = token if token is not None else env.token()
+        tls_ca = tls_ca if tls_ca is not None else env.tls_ca()
         self.session = AgentSession(
             coordinator,
             info,

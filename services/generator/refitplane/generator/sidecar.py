@@ -37,10 +37,10 @@ from typing import Any, Literal
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from refitplane.agent.handler import NullHandler
 from refitplane.agent.session import AgentSession
+from refitplane.agent.settings import AgentSettings
 from refitplane.client.sync import RefitClient
 from refitplane.errors import FailedPrecondition, TransferError, Unavailable
 from refitplane.generator.vllm_http_control import EngineControl, VllmControl
@@ -59,11 +59,10 @@ log = logging.getLogger("refitplane.sidecar")
 _TERMINAL = {RefitState.FAILED, RefitState.CANCELLED, RefitState.COMMITTED}
 
 
-class SidecarSettings(BaseSettings):
-    """Environment (prefix REFIT_) or flags."""
+class SidecarSettings(AgentSettings):
+    """Environment (prefix REFIT_, as every agent's: `AgentSettings`) or flags."""
 
-    model_config = SettingsConfigDict(env_prefix="REFIT_", env_file=".env", extra="ignore")
-
+    # Required here: a sidecar cannot guess its coordinator, job or replica.
     coordinator: str = Field(description="coordinator gRPC host:port")
     job: str
     replica_id: str
@@ -72,10 +71,6 @@ class SidecarSettings(BaseSettings):
     pause_mode: Literal["keep", "wait", "abort"] = "keep"
     # The workers' receive mode (init_info.mode): auto, layerwise or staged (vllm_staging).
     receive_mode: Literal["auto", "layerwise", "staged"] = "auto"
-    auth_token: str = ""
-    auth_token_file: str = ""
-    tls_ca_file: str = ""
-    host: str = ""
     sidecar_port: int = 8090
     sidecar_host: str = "0.0.0.0"
     vllm_start_timeout_s: float = 900.0
@@ -84,12 +79,6 @@ class SidecarSettings(BaseSettings):
     log_level: str = "INFO"
     # One JSON object per log line, as the coordinator's REFIT_LOG_JSON.
     log_json: bool = False
-
-    def token(self) -> str | None:
-        if self.auth_token_file:
-            with open(self.auth_token_file) as f:
-                return f.read().strip() or None
-        return self.auth_token or None
 
 
 @dataclass
@@ -423,7 +412,7 @@ class Sidecar:
     def __init__(self, settings: SidecarSettings, control: EngineControl | None = None) -> None:
         self.settings = settings
         token = settings.token()
-        tls = settings.tls_ca_file or None
+        tls = settings.tls_ca()
         self.control: EngineControl = control or VllmControl(
             settings.vllm_url, timeout_s=settings.update_timeout_s
         )

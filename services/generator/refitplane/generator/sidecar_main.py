@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from refitplane import logs
-from refitplane.errors import RefitError
+from refitplane.errors import FailedPrecondition, RefitError
 from refitplane.generator.sidecar import Sidecar, SidecarSettings
 from refitplane.lifecycle import (
     EXIT_BAD_CONFIGURATION,
@@ -59,8 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sidecar = Sidecar(settings)
         sidecar.listen()
-    except (StartupError, OSError) as exc:  # the port, an unreadable token file
+    except (StartupError, OSError) as exc:  # the port
         return fail_startup(prog, str(exc))
+    except FailedPrecondition as exc:  # an unreadable REFIT_AUTH_TOKEN_FILE
+        return fail_startup(prog, exc.message)
     try:
         return _run_until_stopped(prog, sidecar, stop)
     finally:

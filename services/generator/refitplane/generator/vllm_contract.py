@@ -23,11 +23,11 @@ received. Each flow is a generator of the steps it needs (`Rpc`, `GetVersion`,
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypedDict, cast
 
+from refitplane.agent.settings import AgentSettings
 from refitplane.errors import FailedPrecondition, InvalidArgument, RefitError, TransferError
 
 # The worker attribute that holds the engine: `collective_rpc(ENGINE_ATTR, kwargs=...)`
@@ -137,13 +137,14 @@ def _build(cls: type[Any], payload: Any, where: str) -> tuple[Any, list[Problem]
 
 
 def parse_init_info(
-    payload: Any, *, env: Mapping[str, str] | None = None, where: str = "init_info"
+    payload: Any, *, env: AgentSettings | None = None, where: str = "init_info"
 ) -> tuple[RefitInitInfo, list[Problem]]:
-    """The engine's init info and what is wrong with it. `env` (REFIT_COORDINATOR,
-    REFIT_JOB, REFIT_REPLICA_ID) stands in for missing fields, as in the workers."""
+    """The engine's init info and what is wrong with it. `env` (default `AgentSettings()`:
+    REFIT_COORDINATOR, REFIT_JOB, REFIT_REPLICA_ID) stands in for missing fields, as in the
+    workers."""
     info, problems = _build(RefitInitInfo, payload, where)
     init = cast(RefitInitInfo, info)
-    env = os.environ if env is None else env
+    env = AgentSettings() if env is None else env
     if init.mode not in _MODES:
         problems.append(Problem(f"{where}.mode", f"must be one of {_MODES}, got {init.mode!r}"))
     if not all(isinstance(name, str) for name in init.fallback_layers):
@@ -153,7 +154,7 @@ def parse_init_info(
         ("job", "REFIT_JOB"),
         ("replica_id", "REFIT_REPLICA_ID"),
     ):
-        if not getattr(init, name) and not env.get(variable):
+        if not getattr(init, name) and not getattr(env, name):
             problems.append(Problem(f"{where}.{name}", f"is required (or set {variable})"))
     return init, problems
 

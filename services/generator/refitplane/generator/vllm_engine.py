@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from refitplane.agent.dataplane import DataPlaneMember, local_address
 from refitplane.agent.session import AgentSession
+from refitplane.agent.settings import AgentSettings
 from refitplane.errors import RefitError
 from refitplane.generator.checkpoint_index import checkpoint_specs
 from refitplane.generator.vllm_contract import (
@@ -207,20 +207,15 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
     def _init(self, info: RefitInitInfo) -> None:
         if self._parse_problem:
             raise RefitError(f"bad init_info: {self._parse_problem}", field="init_info")
-        coordinator = info.coordinator or os.environ.get("REFIT_COORDINATOR", "")
-        job = info.job or os.environ.get("REFIT_JOB", "")
-        replica = info.replica_id or os.environ.get("REFIT_REPLICA_ID", "")
+        env = AgentSettings()
+        coordinator, job, replica = _registration(info, env)[:3]
         if not (coordinator and job and replica):
             raise RefitError(
                 "init_info needs coordinator, job and replica_id (or REFIT_* env)",
                 field="init_info",
             )
         model_config = self.model_config
-        forced = info.fallback_layers or [
-            name.strip()
-            for name in os.environ.get("REFIT_FALLBACK_LAYERS", "").split(",")
-            if name.strip()
-        ]
+        forced = info.fallback_layers or env.fallback_layer_names()
         layout = describe_vllm_model(
             self.model,
             checkpoint=lambda: checkpoint_specs(model_config),
@@ -240,7 +235,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         ranks = layout.ranks
         if ranks.dp_size > 1:
             replica = f"{replica}-dp{ranks.dp_rank}"
-        host = info.host or local_address()
+        host = info.host or env.host or local_address()
         shards = self.shards
         member = DataPlaneMember(
             lambda: shards, device=self.device, local_host=host, run_on_start=False
@@ -269,8 +264,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             coordinator,
             member_info,
             member,
-            token=_token(),
-            tls_ca=info.tls_ca or os.environ.get("REFIT_TLS_CA_FILE"),
+            token=env.token(),
+            tls_ca=info.tls_ca or env.tls_ca(),
         )
         member.attach(session)
         # Set before start: a failure from here on is cleaned up by `_close_session`.
@@ -476,13 +471,14 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         )
 
 
-def _registration(info: RefitInitInfo) -> tuple[str, ...]:
-    """What an init registers as; a second init with the same is a no-op."""
-    env = os.environ
+def _registration(info: RefitInitInfo, env: AgentSettings | None = None) -> tuple[str, ...]:
+    """What an init registers as (coordinator, job and replica first: the init info's, else
+    the REFIT_* environment's); a second init with the same is a no-op."""
+    env = env or AgentSettings()
     return (
-        info.coordinator or env.get("REFIT_COORDINATOR", ""),
-        info.job or env.get("REFIT_JOB", ""),
-        info.replica_id or env.get("REFIT_REPLICA_ID", ""),
+        info.coordinator or env.coordinator,
+        info.job or env.job,
+        info.replica_id or env.replica_id,
         info.host,
         info.mode,
         ",".join(info.fallback_layers),
@@ -498,14 +494,3 @@ def _log_paths(layout: VllmLayout) -> None:
     for reason, names in sorted(by_reason.items()):
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         log.info("refitplane: fallback for %s: %s", shown, reason)
-
-
-def _token() -> str | None:
-    path = os.environ.get("REFIT_AUTH_TOKEN_FILE")
-    if path:
-        try:
-            with open(path) as f:
-                return f.read().strip() or None
-        except OSError:
-            log.error("refitplane: cannot read REFIT_AUTH_TOKEN_FILE %s", path)
-    return os.environ.get("REFIT_AUTH_TOKEN") or None

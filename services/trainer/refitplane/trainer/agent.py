@@ -19,7 +19,6 @@ stuck refit can never block training forever.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +28,8 @@ import torch
 
 from refitplane.agent.dataplane import DataPlaneMember, Prepared, local_address
 from refitplane.agent.session import AgentSession
-from refitplane.errors import FailedPrecondition, TransferTimeout
+from refitplane.agent.settings import AgentSettings
+from refitplane.errors import TransferTimeout
 from refitplane.protocol import Role
 from refitplane.protocol.messages import MemberInfo, PrepareRefitCmd
 from refitplane.protocol.models import Refit
@@ -139,35 +139,29 @@ class TrainerAgent:
         host: str | None = None,
         token: str | None = None,
         tls_ca: str | None = None,
-        coordinator_http: str | None = None,
         step_timeout_s: float = 600.0,
         labels: dict[str, str] | None = None,
         delta_snapshot: str | None = None,
+        settings: AgentSettings | None = None,
     ) -> None:
-        """`delta_snapshot` ("device" or "host"; default REFIT_DELTA_SNAPSHOT, else
-        "device"): where this rank keeps the bytes of its last send while the coordinator
-        runs delta refits (REFIT_DELTA=auto|on): one copy of the rank's shards."""
-        coordinator = coordinator or os.environ.get("REFIT_COORDINATOR")
-        job = job or os.environ.get("REFIT_JOB")
-        if not coordinator:
-            raise FailedPrecondition(
-                "no coordinator address: pass coordinator= or set REFIT_COORDINATOR"
-            )
-        if not job:
-            raise FailedPrecondition("no job name: pass job= or set REFIT_JOB")
+        """Arguments left out come from `settings` (default: `AgentSettings()`, the REFIT_*
+        environment): the coordinator, job, token (REFIT_AUTH_TOKEN_FILE wins over
+        REFIT_AUTH_TOKEN), CA bundle and host. `delta_snapshot` ("device" or "host";
+        default REFIT_DELTA_SNAPSHOT, else "device"): where this rank keeps the bytes of its
+        last send while the coordinator runs delta refits (REFIT_DELTA=auto|on): one copy of
+        the rank's shards."""
+        env = settings or AgentSettings()
+        coordinator, job = env.require(coordinator=coordinator, job=job)
         self.job = job
         self.rank = rank
-        self._token = token if token is not None else os.environ.get("REFIT_AUTH_TOKEN")
-        self._http = coordinator_http or os.environ.get("REFIT_COORDINATOR_HTTP")
+        self._token = token if token is not None else env.token()
         self._coordinator = coordinator
-        self._tls_ca = tls_ca if tls_ca is not None else os.environ.get("REFIT_TLS_CA_FILE")
+        self._tls_ca = tls_ca if tls_ca is not None else env.tls_ca()
         self.device = torch.device(device)
         self._shards_fn = shards if callable(shards) else (lambda: shards)
         self.guard = WeightsGuard()
-        host = host or local_address()
-        snapshot = DeltaSnapshot(
-            delta_snapshot or os.environ.get("REFIT_DELTA_SNAPSHOT") or "device"
-        )
+        host = host or env.host or local_address()
+        snapshot = DeltaSnapshot(delta_snapshot or env.delta_snapshot)
         self.member = _TrainerMember(
             self.guard,
             self._shards_fn,

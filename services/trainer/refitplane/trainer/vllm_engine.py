@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -55,6 +54,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from refitplane.agent.dataplane import local_address
 from refitplane.agent.session import AgentSession
+from refitplane.agent.settings import AgentSettings
 from refitplane.client.sync import RefitClient
 from refitplane.errors import FailedPrecondition, InvalidArgument, TransferError
 from refitplane.generator.offline_control import call_verb
@@ -202,19 +202,18 @@ class _Settings:
     labels: dict[str, str] = field(default_factory=dict)
 
 
-def _settings(info: Any, client: object) -> _Settings:
+def _settings(info: Any, client: object, env: AgentSettings | None = None) -> _Settings:
     """Read any init info whose backend is "refitplane" (fields missing from it, e.g. when
     a team swapped only the backend name of another backend's init info, come from the
-    environment)."""
+    agents' settings: `AgentSettings`, the REFIT_* environment)."""
+    env = env or AgentSettings()
 
-    def pick(name: str, variable: str = "", default: Any = "") -> Any:
+    def pick(name: str, default: Any = "") -> Any:
         value = getattr(info, name, None)
-        if value not in (None, "", 0):
-            return value
-        return os.environ.get(variable, default) if variable else default
+        return value if value not in (None, "", 0) else default
 
-    coordinator = pick("coordinator", "REFIT_COORDINATOR")
-    job = pick("job", "REFIT_JOB")
+    coordinator = pick("coordinator") or env.coordinator
+    job = pick("job") or env.job
     if not coordinator:
         raise InvalidArgument(
             "init_info.coordinator is required (or set REFIT_COORDINATOR)", field="coordinator"
@@ -224,24 +223,19 @@ def _settings(info: Any, client: object) -> _Settings:
     world = int(pick("world_size", default=0))
     if world <= 0:
         world = _dist_world_size()
-    token_file = os.environ.get("REFIT_AUTH_TOKEN_FILE")
-    token = os.environ.get("REFIT_AUTH_TOKEN") or None
-    if token_file:
-        with open(token_file) as f:
-            token = f.read().strip() or None
     return _Settings(
         coordinator=coordinator,
         job=job,
-        replica_id=pick("replica_id", "REFIT_REPLICA_ID") or _default_replica(client),
+        replica_id=pick("replica_id") or env.replica_id or _default_replica(client),
         world_size=world,
         run_id=pick("run_id"),
         generator_coordinator=pick("generator_coordinator") or coordinator,
         all_replicas=bool(getattr(info, "all_replicas", False)),
-        host=pick("host", "REFIT_HOST") or local_address(),
+        host=pick("host") or env.host or local_address(),
         timeout_s=float(pick("timeout_s", default=600.0)),
         init_timeout_s=float(pick("init_timeout_s", default=300.0)),
-        token=token,
-        tls_ca=os.environ.get("REFIT_TLS_CA_FILE") or None,
+        token=env.token(),
+        tls_ca=env.tls_ca(),
     )
 
 

@@ -67,7 +67,7 @@ class PlanDelivery:
                 version=run.record.version,
                 epoch=self._epoch,
                 plan=None if named_only else plan,
-                config=self._s.transfer_config(),
+                config=self._s.transfer,
                 plan_digest=plan.plan_digest,
                 plan_rank=plan.rank,
                 delta_peers=run.delta.peers.get(member_id, frozenset()),

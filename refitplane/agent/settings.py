@@ -1,0 +1,58 @@
+"""What every agent reads from its environment, in one place: the trainer agent, both vLLM
+engines (trainer and generator side), the reference engine and the sidecar.
+
+`AgentSettings` is `ClientSettings` (REFIT_COORDINATOR, REFIT_AUTH_TOKEN, REFIT_AUTH_TOKEN_FILE,
+REFIT_TLS_CA_FILE, REFIT_JOB; also read from `.env`) plus what an agent says about itself
+(REFIT_REPLICA_ID, REFIT_HOST) and its engine's knobs (REFIT_DELTA_SNAPSHOT,
+REFIT_FALLBACK_LAYERS). Everywhere an explicit argument or init-info field wins over it.
+"""
+
+from __future__ import annotations
+
+from refitplane.errors import FailedPrecondition
+from refitplane.protocol.settings import ClientSettings
+
+
+class AgentSettings(ClientSettings):
+    # No localhost default: an agent that was not told where its coordinator is says so.
+    coordinator: str = ""
+    # Generator ranks and sidecars: the replica they belong to.
+    replica_id: str = ""
+    # The address peers reach this rank at (empty: the host's own address).
+    host: str = ""
+    # Trainer ranks: where the delta base lives, "device" or "host".
+    delta_snapshot: str = "device"
+    # vLLM engines: layer classes sent to the fail-safe path on purpose (comma-separated).
+    fallback_layers: str = ""
+
+    def fallback_layer_names(self) -> list[str]:
+        return [name.strip() for name in self.fallback_layers.split(",") if name.strip()]
+
+    def token(self) -> str | None:
+        """The bearer token: REFIT_AUTH_TOKEN_FILE's content (a mounted Secret) wins over
+        REFIT_AUTH_TOKEN. An unreadable file is an error, never a silent fall-back to
+        running without the token it holds."""
+        try:
+            return super().token()
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"cannot read REFIT_AUTH_TOKEN_FILE {self.auth_token_file}: {exc.strerror or exc}",
+                field="auth_token_file",
+            ) from None
+
+    def tls_ca(self) -> str | None:
+        return str(self.tls_ca_file) if self.tls_ca_file is not None else None
+
+    def require(self, *, coordinator: str | None = None, job: str | None = None) -> tuple[str, str]:
+        """The coordinator and job an agent registers with: the arguments, else the
+        environment; a clear error naming the variable when neither has one."""
+        coordinator = coordinator or self.coordinator
+        job = job or self.job
+        if not coordinator:
+            raise FailedPrecondition(
+                "no coordinator address: pass coordinator= or set REFIT_COORDINATOR",
+                field="coordinator",
+            )
+        if not job:
+            raise FailedPrecondition("no job name: pass job= or set REFIT_JOB", field="job")
+        return coordinator, job
