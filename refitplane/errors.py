@@ -7,11 +7,15 @@ place each; nothing below the boundary knows about status codes.
 
 from __future__ import annotations
 
+from refitplane.reasons import Reason
+
 
 class RefitError(Exception):
-    """Base class. `reason` is stable and machine-readable; the message is for humans."""
+    """Base class. `reason` is stable and machine-readable (a `Reason`; a plain string only
+    when it came from a peer that knows reasons this one does not); the message is for
+    humans."""
 
-    reason = "INTERNAL"
+    reason: str = Reason.INTERNAL
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
@@ -20,13 +24,13 @@ class RefitError(Exception):
 
 
 class InvalidArgument(RefitError):
-    reason = "INVALID_ARGUMENT"
+    reason: str = Reason.INVALID_ARGUMENT
 
 
 class LayoutError(InvalidArgument):
     """A layout is malformed or the two sides disagree. Names the tensor, rank and box."""
 
-    reason = "INVALID_LAYOUT"
+    reason: str = Reason.INVALID_LAYOUT
 
     def __init__(
         self,
@@ -61,52 +65,52 @@ class LayoutError(InvalidArgument):
 class CoverageError(LayoutError):
     """A destination needs elements that no source holds."""
 
-    reason = "UNCOVERED"
+    reason: str = Reason.UNCOVERED
 
 
 class NotFound(RefitError):
-    reason = "NOT_FOUND"
+    reason: str = Reason.NOT_FOUND
 
 
 class Conflict(RefitError):
-    reason = "CONFLICT"
+    reason: str = Reason.CONFLICT
 
 
 class FailedPrecondition(RefitError):
-    reason = "FAILED_PRECONDITION"
+    reason: str = Reason.FAILED_PRECONDITION
 
 
 class Unauthenticated(RefitError):
-    reason = "UNAUTHENTICATED"
+    reason: str = Reason.UNAUTHENTICATED
 
 
 class PermissionDenied(RefitError):
     """Authenticated, but not as the member the call names (a wrong member credential)."""
 
-    reason = "PERMISSION_DENIED"
+    reason: str = Reason.PERMISSION_DENIED
 
 
 class RateLimited(RefitError):
-    reason = "RATE_LIMITED"
+    reason: str = Reason.RATE_LIMITED
 
 
 class Unavailable(RefitError):
-    reason = "UNAVAILABLE"
+    reason: str = Reason.UNAVAILABLE
 
 
 class TransferError(RefitError):
     """The data plane failed; the refit must be aborted and the group rebuilt."""
 
-    reason = "TRANSFER_FAILED"
+    reason: str = Reason.TRANSFER_FAILED
 
 
 class TransferTimeout(TransferError):
-    reason = "TIMEOUT"
+    reason: str = Reason.TIMEOUT
 
 
 class PeerFailure(TransferError):
-    reason = "PEER_FAILED"
+    reason: str = Reason.PEER_FAILED
 
 
 class ChecksumMismatch(TransferError):
-    reason = "CHECKSUM_MISMATCH"
+    reason: str = Reason.CHECKSUM_MISMATCH

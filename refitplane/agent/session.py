@@ -28,7 +28,7 @@ from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.agent.handler import CommandHandler
 from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
-from refitplane.protocol import convert
+from refitplane.protocol import Reason, convert
 from refitplane.protocol import messages as m
 from refitplane.protocol.channel import (
     LAYOUT_CHUNK_BYTES,
@@ -459,7 +459,7 @@ class AgentSession:
                 h.on_abort_refit(body)
 
     def _report_exception(self, body: m.CommandBody, exc: Exception) -> None:
-        reason = exc.reason if isinstance(exc, RefitError) else "AGENT_ERROR"
+        reason = exc.reason if isinstance(exc, RefitError) else Reason.AGENT_ERROR
         message = exc.message if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
         if isinstance(body, m.AbortRefitCmd | m.LeaveGroupCmd):
             return  # nothing to report against: the refit/epoch is already over

@@ -12,6 +12,7 @@ import sys
 from typing import TextIO
 
 from refitplane import errors
+from refitplane.protocol import Reason
 
 EXIT_OK = 0
 # `trigger --watch`, `status --watch`: the refit ended FAILED or CANCELLED; `demo`: a check failed.
@@ -45,7 +46,7 @@ _BY_CLASS: tuple[tuple[type[errors.RefitError], int], ...] = (
 class UsageError(errors.InvalidArgument):
     """A flag or argument argparse refused."""
 
-    reason = "USAGE"
+    reason: str = Reason.USAGE
 
 
 def exit_code(exc: errors.RefitError) -> int:

@@ -7,11 +7,13 @@
 
 `AsyncRefitClient` has the same methods as coroutines. Results are the pydantic models of
 `refitplane.protocol.models` (re-exported here, with `ClientSettings`); failures raise
-`refitplane.errors.RefitError` subclasses.
+`refitplane.errors.RefitError` subclasses. A failed refit's `reason` compares against
+`Reason` (`if final.reason == Reason.TIMEOUT: ...`).
 """
 
 from refitplane.client.aio import AsyncRefitClient
 from refitplane.client.sync import RefitClient
+from refitplane.protocol import Reason
 from refitplane.protocol.models import Member, PhaseTiming, RankProgress, Refit, Replica, Topology
 from refitplane.protocol.settings import ClientSettings
 
@@ -21,6 +23,7 @@ __all__ = [
     "Member",
     "PhaseTiming",
     "RankProgress",
+    "Reason",
     "Refit",
     "RefitClient",
     "Replica",

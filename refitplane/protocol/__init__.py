@@ -8,6 +8,8 @@ coordinator and what it answers, as plain Python.
     convert    the only protobuf ⇄ Python converters (`from refitplane.protocol import convert`)
     channel    gRPC channels to the coordinator; status codes and trailers ⇄ `refitplane.errors`
     settings   where clients and agents find the coordinator (REFIT_*)
+    Reason     the one list of failure reasons (defined in `refitplane.reasons`, beside
+               `refitplane.errors`, whose classes it types; re-exported here)
 
 The coordinator, the agent runtime, the clients and the CLI all import this package and
 none of them imports another's for vocabulary. Below it sit only `refitplane.errors`,
@@ -38,6 +40,7 @@ from refitplane.protocol.messages import (
     TransferDone,
 )
 from refitplane.protocol.models import Member, PhaseTiming, RankProgress, Refit, Replica, Topology
+from refitplane.reasons import Reason
 
 __all__ = [
     "AbortRefitCmd",
@@ -58,6 +61,7 @@ __all__ = [
     "Prepared",
     "Progress",
     "RankProgress",
+    "Reason",
     "Refit",
     "RefitState",
     "RendezvousReady",

@@ -4,9 +4,10 @@
                refitctl (.cli)
     runtimes   refitplane.agent (agent session, data-plane member), refitplane.client
     vocabulary refitplane.protocol (enums, messages, models, the proto converters, channels)
-    core       refitplane.reshard (layouts, plans, executor), refitplane.models, errors, stubs,
-               lifecycle (signals, start-up failures and exit statuses of every command),
-               logs (text or JSON log lines of every command)
+    core       refitplane.reshard (layouts, plans, executor), refitplane.models, errors and the
+               one list of failure reasons they carry (reasons), stubs, lifecycle (signals,
+               start-up failures and exit statuses of every command), logs (text or JSON log
+               lines of every command)
 
 On top, the demo and the harness benchmarks run (`refitplane.demo`, `refitplane.testing`) may
 compose anything; nothing below them imports them (the CLI starts the demo). Every import
@@ -26,18 +27,21 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("coordinator", "trainer", "generator")
-CORE = frozenset({"errors", "version", "lifecycle", "logs", "_generated", "reshard", "models"})
-VOCABULARY = frozenset({"errors", "_generated", "reshard", "protocol"})
+CORE = frozenset(
+    {"reasons", "errors", "version", "lifecycle", "logs", "_generated", "reshard", "models"}
+)
+VOCABULARY = frozenset({"reasons", "errors", "_generated", "reshard", "protocol"})
 
 # Layer → the layers it may import (besides itself).
 ALLOWED: dict[str, frozenset[str]] = {
-    "errors": frozenset(),
+    "reasons": frozenset(),
+    "errors": frozenset({"reasons"}),
     "version": frozenset(),
     "lifecycle": frozenset(),
     "logs": frozenset(),
-    "reshard": frozenset({"errors"}),
-    "models": frozenset({"errors", "reshard"}),
-    "protocol": frozenset({"errors", "_generated", "reshard"}),
+    "reshard": frozenset({"reasons", "errors"}),
+    "models": frozenset({"reasons", "errors", "reshard"}),
+    "protocol": frozenset({"reasons", "errors", "_generated", "reshard"}),
     "agent": VOCABULARY,
     "client": VOCABULARY - {"reshard"},
     "coordinator": VOCABULARY | {"version", "lifecycle", "logs"},
@@ -133,7 +137,7 @@ def test_the_scan_sees_the_roles_and_their_vocabulary(imports):
     assert ("refitplane.coordinator.core.driver", "refitplane.protocol") in seen
     assert ("refitplane.agent.session", "refitplane.protocol") in seen
     assert ("refitplane.client.sync", "refitplane.protocol.convert") in seen
-    leaves = {"errors", "version", "lifecycle", "logs"}  # import nothing of refitplane
+    leaves = {"reasons", "errors", "version", "lifecycle", "logs"}  # import nothing of refitplane
     assert {layer(i.module) for i in imports} >= set(ALLOWED) - leaves | ON_TOP
 
 

@@ -22,6 +22,7 @@ from refitplane.protocol.convert.reshard import (
     rank_plan_from_proto,
     rank_plan_to_proto,
 )
+from refitplane.reasons import Reason
 
 # --- registration ---------------------------------------------------------------------------
 
@@ -279,7 +280,7 @@ def report_from_proto(msg: apb.ReportRequest) -> m.Report:
     elif kind == "failure":
         f = msg.failure
         body = m.Failure(
-            reason=f.reason or "UNKNOWN",
+            reason=f.reason or Reason.UNKNOWN,
             message=f.message,
             weights_modified=f.weights_modified,
             epoch=f.epoch,

@@ -29,6 +29,7 @@ from typing import Any, Final, Literal, TypedDict, cast
 
 from refitplane.agent.settings import AgentSettings
 from refitplane.errors import FailedPrecondition, InvalidArgument, RefitError, TransferError
+from refitplane.protocol import Reason
 
 # The worker attribute that holds the engine: `collective_rpc(ENGINE_ATTR, kwargs=...)`
 # resolves it on every worker (vLLM looks methods up with getattr on the worker) and calls
@@ -273,11 +274,13 @@ class EngineFailed(TransferError):
 class DraftUnsupported(RefitError):
     """Draft (speculative / MTP) weight updates are not implemented (HTTP 501)."""
 
-    reason = "UNIMPLEMENTED"
+    reason: str = Reason.UNIMPLEMENTED
 
 
 # Reasons a rank records that come from the request, not from the system.
-_CALLER_REASONS: Final = frozenset({"FAILED_PRECONDITION", "INVALID_ARGUMENT", "NOT_FOUND"})
+_CALLER_REASONS: Final = frozenset(
+    {Reason.FAILED_PRECONDITION, Reason.INVALID_ARGUMENT, Reason.NOT_FOUND}
+)
 
 
 # --- the flows ------------------------------------------------------------------------------

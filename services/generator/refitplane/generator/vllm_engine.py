@@ -62,7 +62,7 @@ from refitplane.generator.vllm_contract import (
 )
 from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_ranks
 from refitplane.generator.vllm_staging import ReceiveBinding, bind_receive
-from refitplane.protocol import Role
+from refitplane.protocol import Reason, Role
 from refitplane.protocol.messages import MemberInfo
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.staged import StagedShards
@@ -296,7 +296,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         if problems:
             text = "; ".join(str(p) for p in problems)
             log.error("refitplane: bad update_info: %s", text)
-            self._record(info, ok=False, reason="INVALID_ARGUMENT", message=f"bad {text}")
+            self._record(info, ok=False, reason=Reason.INVALID_ARGUMENT, message=f"bad {text}")
             return
         self.receive_weights(EngineUpdateInfo(**dataclasses.asdict(info)))
 
@@ -305,7 +305,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         problem, self._update_problem = self._update_problem, ""
         if problem:
             message = f"bad {problem}"
-            self._record(update_info, ok=False, reason="INVALID_ARGUMENT", message=message)
+            self._record(update_info, ok=False, reason=Reason.INVALID_ARGUMENT, message=message)
             return
         if update_info.action == "discard":
             self._discard(f"refit {refit_id or '?'} discarded by the caller")
@@ -314,7 +314,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         if self.member is None or self.session is None:
             message = f"update_weights before a working init ({self.error or 'not initialised'})"
             log.error("refitplane: %s", message)
-            self._record(update_info, ok=False, reason="FAILED_PRECONDITION", message=message)
+            self._record(update_info, ok=False, reason=Reason.FAILED_PRECONDITION, message=message)
             return
         if self.binding is not None:
             self.binding.reloader.begin()
@@ -348,7 +348,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
                 "verified; refitplane applies only verified updates (checksums off?)"
             )
             self._record(
-                update_info, ok=False, reason="VERIFY_FAILED", message=message, modified=live
+                update_info, ok=False, reason=Reason.VERIFY_FAILED, message=message, modified=live
             )
             return
         self._record(update_info, ok=True, modified=live)
@@ -432,7 +432,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
 
     def _report(self, refit_id: str, exc: Exception, *, weights_modified: bool) -> tuple[str, str]:
         """Tell the coordinator; returns the (reason, message) it was told."""
-        reason = exc.reason if isinstance(exc, RefitError) else "ENGINE_ERROR"
+        reason = exc.reason if isinstance(exc, RefitError) else Reason.ENGINE_ERROR
         message = exc.message if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
         log.error("refitplane: refit %s failed on this worker: %s", refit_id, message)
         if self.session is not None:

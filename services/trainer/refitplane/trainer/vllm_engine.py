@@ -60,7 +60,7 @@ from refitplane.errors import FailedPrecondition, InvalidArgument, TransferError
 from refitplane.generator.offline_control import call_verb
 from refitplane.generator.sidecar import SidecarMember, wait_replica_ranks
 from refitplane.generator.vllm_plugin import register
-from refitplane.protocol import Refit, RefitState, Role
+from refitplane.protocol import Reason, Refit, RefitState, Role
 from refitplane.protocol.messages import MemberInfo
 from refitplane.reshard.boxes import full_box
 from refitplane.reshard.layout import TensorSpec
@@ -108,7 +108,7 @@ class WeightSyncError(TransferError, RuntimeError):
     """A weight sync that did not commit; `reason` is the coordinator's, `refit_id` names it."""
 
     def __init__(
-        self, message: str, *, reason: str = "TRANSFER_FAILED", refit_id: str = ""
+        self, message: str, *, reason: str = Reason.TRANSFER_FAILED, refit_id: str = ""
     ) -> None:
         super().__init__(message)
         self.reason = reason
@@ -482,7 +482,7 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
                 raise WeightSyncError(
                     f"trainer rank(s) {missing} of run {self.run_id} did not publish their "
                     f"layouts within {timeout:g} s; does every rank call trainer_init?",
-                    reason="MEMBERS_MISSING",
+                    reason=Reason.MEMBERS_MISSING,
                 )
             time.sleep(0.05)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from refitplane.coordinator.core.context import DriverContext
 from refitplane.coordinator.core.delta import DeltaBases
 from refitplane.coordinator.core.endings import RefitEndings
-from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
+from refitplane.coordinator.core.failures import RefitFailed, list_some
 from refitplane.coordinator.core.groups import GroupEpochs, is_group_report
 from refitplane.coordinator.core.membership import Departure
 from refitplane.coordinator.core.plan_delivery import PlanDelivery
@@ -29,7 +29,7 @@ from refitplane.coordinator.core.run import Cast, RefitRun, phase_seconds
 from refitplane.coordinator.core.topology import DriverView
 from refitplane.coordinator.core.waits import wait_event
 from refitplane.errors import Conflict, RefitError, Unavailable
-from refitplane.protocol import Backend, RefitState, Role
+from refitplane.protocol import Backend, Reason, RefitState, Role
 from refitplane.protocol import messages as msg
 from refitplane.protocol.models import RankProgress
 

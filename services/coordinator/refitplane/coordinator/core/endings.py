@@ -10,13 +10,13 @@ import logging
 import time
 
 from refitplane.coordinator.core.context import DriverContext
-from refitplane.coordinator.core.failures import Reason, RefitFailed
+from refitplane.coordinator.core.failures import RefitFailed
 from refitplane.coordinator.core.groups import GroupEpochs
 from refitplane.coordinator.core.records import RefitRecord
 from refitplane.coordinator.core.replicas import ReplicaHealth
 from refitplane.coordinator.core.run import RefitRun, phase_seconds
 from refitplane.errors import Conflict, Unavailable
-from refitplane.protocol import RefitState
+from refitplane.protocol import Reason, RefitState
 from refitplane.protocol import messages as msg
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class RefitEndings:
         failed = record.model_copy(
             update={
                 "state": RefitState.FAILED,
-                "reason": Reason.COORDINATOR_RESTARTED.value,
+                "reason": Reason.COORDINATOR_RESTARTED,
                 "message": message,
                 "timings": phase_seconds(record, now),
                 "phase_started_unix": now,

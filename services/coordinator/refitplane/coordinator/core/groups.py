@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from refitplane.coordinator.core.failures import Reason, RefitFailed
+from refitplane.coordinator.core.failures import RefitFailed
 from refitplane.coordinator.core.membership import Membership
 from refitplane.coordinator.core.metrics import Metrics
 from refitplane.coordinator.core.outbox import Outbox
@@ -16,7 +16,7 @@ from refitplane.coordinator.core.records import GroupRecord, GroupState, MemberR
 from refitplane.coordinator.core.run import RefitRun
 from refitplane.coordinator.settings import Settings
 from refitplane.coordinator.store.base import Store
-from refitplane.protocol import Backend
+from refitplane.protocol import Backend, Reason
 from refitplane.protocol import messages as msg
 
 log = logging.getLogger(__name__)

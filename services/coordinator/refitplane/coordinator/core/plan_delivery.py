@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 
-from refitplane.coordinator.core.failures import Reason
 from refitplane.coordinator.core.metrics import Metrics
 from refitplane.coordinator.core.outbox import Outbox
 from refitplane.coordinator.core.planning import PlanHoldings
 from refitplane.coordinator.core.records import MemberRecord
 from refitplane.coordinator.core.run import RefitRun
 from refitplane.coordinator.settings import Settings
+from refitplane.protocol import Reason
 from refitplane.protocol import messages as msg
 from refitplane.reshard.plan import RankPlan
 

@@ -16,11 +16,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
+from refitplane.coordinator.core.failures import RefitFailed, list_some
 from refitplane.coordinator.core.records import MemberRecord, PlanInfo
 from refitplane.coordinator.store.base import Store
 from refitplane.errors import LayoutError
-from refitplane.protocol import Backend, Role
+from refitplane.protocol import Backend, Reason, Role
 from refitplane.reshard.layout import Layout, merge_layouts
 from refitplane.reshard.layout_json import dump_layout, parse_layout
 from refitplane.reshard.plan import Plan, RankPlan

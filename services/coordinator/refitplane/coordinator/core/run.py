@@ -14,12 +14,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from refitplane.coordinator.core.delta import NO_DELTA, DeltaChoice
-from refitplane.coordinator.core.failures import Reason, RefitFailed, list_some
+from refitplane.coordinator.core.failures import RefitFailed, list_some
 from refitplane.coordinator.core.membership import Membership
 from refitplane.coordinator.core.planning import ReplicaMembers
 from refitplane.coordinator.core.records import MemberRecord, RefitRecord
 from refitplane.coordinator.core.waits import wait_event
-from refitplane.protocol import RefitState, Role
+from refitplane.protocol import Reason, RefitState, Role
 from refitplane.protocol import messages as msg
 from refitplane.protocol.models import RankProgress
 

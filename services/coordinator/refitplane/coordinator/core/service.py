@@ -47,7 +47,7 @@ from refitplane.errors import (
     RateLimited,
     Unavailable,
 )
-from refitplane.protocol import RefitState, Role
+from refitplane.protocol import Reason, RefitState, Role
 from refitplane.protocol import messages as msg
 from refitplane.protocol.models import Refit, Topology
 from refitplane.reshard.layout import Layout
@@ -405,7 +405,7 @@ class Coordinator:
                 cancelled = record.model_copy(
                     update={
                         "state": RefitState.CANCELLED,
-                        "reason": "CANCELLED",
+                        "reason": Reason.CANCELLED,
                         "message": "cancelled by request before it started",
                         "updated_unix": now,
                     }

@@ -26,6 +26,7 @@ from refitplane.coordinator.error_codes import http_status
 from refitplane.coordinator.rest.limits import retry_after
 from refitplane.coordinator.store.base import MAX_VERSION
 from refitplane.errors import InvalidArgument, RefitError
+from refitplane.protocol import Reason
 from refitplane.protocol.models import Refit, Topology
 from refitplane.version import __version__
 
@@ -131,7 +132,7 @@ def create_app(core: Coordinator, tokens: TokenCheck) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        reasons = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
+        reasons = {404: Reason.NOT_FOUND, 405: Reason.METHOD_NOT_ALLOWED}
         response = _error(
             exc.status_code, reasons.get(exc.status_code, "HTTP_ERROR"), str(exc.detail), None
         )
