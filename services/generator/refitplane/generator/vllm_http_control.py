@@ -1,12 +1,13 @@
-"""How the sidecar drives a vLLM server: the `EngineControl` verbs (pause, weight update,
-resume, status) over vLLM's dev-mode HTTP API (VLLM_SERVER_DEV_MODE=1). In-process engines
-implement the same protocol (`offline_control.OfflineLLMControl`)."""
+"""How the sidecar drives a vLLM server: the `EngineControl` verbs (`refitplane.replica.
+control`: pause, weight update, resume, status) over vLLM's dev-mode HTTP API
+(VLLM_SERVER_DEV_MODE=1). In-process engines implement the same protocol
+(`offline_control.OfflineLLMControl`)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 
@@ -14,23 +15,6 @@ from refitplane.errors import FailedPrecondition, Unavailable
 from refitplane.generator.vllm_contract import ENGINE_ATTR
 
 log = logging.getLogger("refitplane.sidecar")
-
-
-class EngineControl(Protocol):
-    """The engine verbs a sidecar drives (HTTP for a server, method calls in-process)."""
-
-    def healthy(self) -> bool: ...
-    def wait_healthy(self, timeout_s: float) -> None: ...
-    def init_engine(self, init_info: dict[str, Any]) -> int: ...
-    def pause(self, mode: str) -> int: ...
-    def resume(self) -> int: ...
-    def start_update(self) -> int: ...
-    def update(self, update_info: dict[str, Any]) -> int: ...
-    # None closes the update without naming a version (a discarded or failed one).
-    def finish(self, version: int | None) -> int: ...
-    # Every worker's engine status (the refitplane engine's status channel), or None.
-    def engine_status(self) -> list[dict[str, Any]] | None: ...
-    def close(self) -> None: ...
 
 
 class VllmControl:

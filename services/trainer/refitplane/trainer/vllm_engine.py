@@ -57,11 +57,11 @@ from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
 from refitplane.client.sync import RefitClient
 from refitplane.errors import FailedPrecondition, InvalidArgument, TransferError
-from refitplane.generator.offline_control import call_verb
-from refitplane.generator.sidecar import SidecarMember, wait_replica_ranks
-from refitplane.generator.vllm_plugin import register
 from refitplane.protocol import Reason, Refit, RefitState, Role
 from refitplane.protocol.messages import MemberInfo
+from refitplane.replica import vllm_backend
+from refitplane.replica.control import call_verb, wait_replica_ranks
+from refitplane.replica.controller import SidecarMember
 from refitplane.reshard.boxes import full_box
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.shards import LocalShards, dtype_name, torch_dtype
@@ -69,10 +69,10 @@ from refitplane.trainer.agent import TrainerAgent
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAME = "refitplane"
+BACKEND_NAME = vllm_backend.BACKEND_NAME
 # A trainer process builds no vLLM engine, so vLLM never loads plugins there: make the
 # backend known to `WeightTransferTrainerFactory` as soon as its init info is importable.
-register()
+vllm_backend.register()
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,14 @@
+"""The replica controller: the member that drives one vLLM replica through refits. Neither
+role owns it: the generator's `refit-sidecar` runs it next to a vLLM server (or an in-process
+`LLM`), and the trainer's vLLM-API engine runs it on trainer rank 0 over vLLM's weight-sync
+client (`WeightTransferTrainerFactory`, backend "refitplane").
+
+    control      EngineControl (the verbs a controller drives), call_verb, wait_replica_ranks
+    controller   SidecarMember (the controller's command handler) and its state
+    vllm_backend the backend name "refitplane" and its registration with vLLM's factories
+"""
+
+from refitplane.replica.control import EngineControl, call_verb, wait_replica_ranks
+from refitplane.replica.controller import SidecarMember, SidecarState
+
+__all__ = ["EngineControl", "SidecarMember", "SidecarState", "call_verb", "wait_replica_ranks"]

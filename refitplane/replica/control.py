@@ -1,0 +1,101 @@
+"""The verbs a replica controller drives and the helpers both controllers share: the
+generator's `refit-sidecar` (vLLM's HTTP server, or an in-process `LLM`) and the trainer's
+vLLM-API engine on rank 0 (vLLM's weight-sync client)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from refitplane.client.sync import RefitClient
+from refitplane.errors import Unavailable
+from refitplane.protocol import Role
+
+log = logging.getLogger("refitplane.sidecar")
+
+
+class EngineControl(Protocol):
+    """The engine verbs a sidecar drives (HTTP for a server, method calls in-process)."""
+
+    def healthy(self) -> bool: ...
+    def wait_healthy(self, timeout_s: float) -> None: ...
+    def init_engine(self, init_info: dict[str, Any]) -> int: ...
+    def pause(self, mode: str) -> int: ...
+    def resume(self) -> int: ...
+    def start_update(self) -> int: ...
+    def update(self, update_info: dict[str, Any]) -> int: ...
+    # None closes the update without naming a version (a discarded or failed one).
+    def finish(self, version: int | None) -> int: ...
+    # Every worker's engine status (the refitplane engine's status channel), or None.
+    def engine_status(self) -> list[dict[str, Any]] | None: ...
+    def close(self) -> None: ...
+
+
+class StatusSink(Protocol):
+    """Where a controller hands every worker's engine status after a refit (metrics)."""
+
+    def update(self, statuses: Sequence[dict[str, Any]]) -> None: ...
+
+
+def touches_live_weights(receive_modes: Sequence[str]) -> bool:
+    """Whether a transfer into ranks with these `receive_mode` labels may change the served
+    weights before it verified: every mode but "staged" does (live bytes land as they
+    arrive; layerwise buckets are applied as they complete), as does a rank without the
+    label. The coordinator reads the labels the same way."""
+    return not receive_modes or any(mode != "staged" for mode in receive_modes)
+
+
+def succeeded(status: int) -> bool:
+    """An engine verb's HTTP status (or the one `call_verb` made of an exception) says OK."""
+    return 200 <= status < 300
+
+
+def http_status(exc: BaseException) -> int:
+    """The HTTP status of a failed verb: the response's (an HTTP client's error), else the
+    one vLLM's server would answer for this exception."""
+    response_status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(response_status, int):
+        return response_status
+    status = getattr(exc, "http_status", None)  # vLLM's GracefulHTTPError (409 here)
+    if isinstance(status, int):
+        return status
+    if isinstance(exc, NotImplementedError):
+        return 501
+    if isinstance(exc, ValueError | TypeError):
+        return 400
+    return 500
+
+
+def call_verb(verb: str, fn: Callable[[], object]) -> int:
+    """Run one engine verb; its failure becomes a status (logged), as over HTTP."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported as its status, like HTTP
+        status = http_status(exc)
+        text = getattr(getattr(exc, "response", None), "text", "")
+        log.warning("vLLM %s failed (%d): %s %s", verb, status, exc, str(text)[:300])
+        return status
+    return 200
+
+
+def wait_replica_ranks(client: RefitClient, job: str, replica_id: str, timeout_s: float) -> None:
+    """Wait until every vLLM worker of the replica registered and published its layout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ranks = [
+            m
+            for m in client.topology(job).members
+            if m.role == Role.GENERATOR and m.replica_id == replica_id
+        ]
+        if ranks and all(m.layout_digest for m in ranks) and len(ranks) == ranks[0].world_size:
+            return
+        if time.monotonic() > deadline:
+            raise Unavailable(
+                f"vLLM's workers did not register with the coordinator as replica {replica_id!r} "
+                f"of job {job!r} within {timeout_s:.0f} s (found {len(ranks)}); is vLLM started "
+                """with --weight-transfer-config '{"backend": "refitplane"}' and refit-plane """
+                "installed in its environment? See the vLLM log"
+            )
+        time.sleep(0.2)

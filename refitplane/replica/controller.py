@@ -1,0 +1,268 @@
+"""`SidecarMember`: the command handler of a replica controller, the one member that drives a
+vLLM replica through every refit (pause, start the update, let the workers receive, ask the
+coordinator whether every rank verified, finish, resume, report the version). Success is read
+from the coordinator, never from vLLM's status codes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from refitplane.agent.handler import NullHandler
+from refitplane.agent.session import AgentSession
+from refitplane.client.sync import RefitClient
+from refitplane.errors import FailedPrecondition, TransferError
+from refitplane.protocol import RefitState, Role
+from refitplane.protocol.messages import AbortRefitCmd, PrepareRefitCmd, StartTransferCmd
+from refitplane.protocol.models import Refit
+from refitplane.replica.control import (
+    EngineControl,
+    StatusSink,
+    succeeded,
+    touches_live_weights,
+)
+
+log = logging.getLogger("refitplane.sidecar")
+
+
+@dataclass
+class SidecarState:
+    version: int = 0
+    paused: bool = False
+    degraded: bool = False
+    refit_id: str = ""
+    # This sidecar started a weight update in vLLM that it has not finished yet.
+    update_open: bool = False
+    # The engine may have written live weights of the current refit.
+    weights_touched: bool = False
+    last_error: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class _Steps:
+    """Milliseconds per step of one update, for the log line an operator reads."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._steps: list[tuple[str, float]] = []
+
+    def mark(self, step: str) -> None:
+        now = time.perf_counter()
+        self._steps.append((step, 1e3 * (now - self._last)))
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{step} {ms:.1f} ms" for step, ms in self._steps)
+
+
+class SidecarMember(NullHandler):
+    """The replica controller's command handler."""
+
+    def __init__(
+        self,
+        control: EngineControl,
+        client: RefitClient,
+        *,
+        job: str,
+        replica_id: str,
+        default_pause_mode: str,
+        verify_wait_s: float = 30.0,
+        metrics: StatusSink | None = None,
+    ) -> None:
+        self.control = control
+        self.client = client
+        self.job = job
+        self.replica_id = replica_id
+        self.default_pause_mode = default_pause_mode
+        self.verify_wait_s = verify_wait_s
+        self.state = SidecarState()
+        self.session: AgentSession | None = None
+        self._lock = threading.Lock()
+        # Read from the topology at PrepareRefit (`_read_ranks`), for group epoch
+        # `_ranks_epoch`.
+        self._rank_ids: set[str] = set()
+        self._touches_live = False
+        self._ranks_epoch = -1
+        self.metrics = metrics
+
+    def attach(self, session: AgentSession) -> None:
+        self.session = session
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def on_prepare_refit(self, cmd: PrepareRefitCmd) -> None:
+        mode = cmd.pause_mode or self.default_pause_mode
+        with self._lock:
+            self.state.refit_id = cmd.refit_id
+            self.state.weights_touched = False
+        # Read now (once per group epoch: ranks only change with the group) so that nothing
+        # but the update itself runs between StartTransfer and the ranks' transfer.
+        if self._ranks_epoch != cmd.epoch or not self._rank_ids:
+            self._read_ranks(cmd.epoch)
+        status = self.control.pause(mode)
+        if not succeeded(status):
+            raise FailedPrecondition(
+                f"vLLM refused to pause (mode {mode}, HTTP {status}) for refit {cmd.refit_id}"
+            )
+        self.state.paused = True
+        status = self.control.start_update()
+        if not succeeded(status):
+            # Nothing was started, so the abort that follows must not finish anything.
+            raise FailedPrecondition(
+                f"vLLM refused /start_weight_update (HTTP {status}) for refit {cmd.refit_id}; "
+                "is another update in progress? See the vLLM log"
+            )
+        self.state.update_open = True
+        assert self.session is not None
+        self.session.report_prepared(cmd.refit_id)
+
+    def on_start_transfer(self, cmd: StartTransferCmd) -> None:
+        steps = _Steps()
+        if self.state.refit_id != cmd.refit_id:  # no PrepareRefit seen in this process
+            self._read_ranks(-1)
+        self.state.weights_touched = self._touches_live
+        self.control.update({"refit_id": cmd.refit_id, "version": cmd.version})
+        steps.mark("update")
+        try:
+            self._require_ranks_verified(cmd.refit_id)
+            steps.mark("verified")
+        except TransferError:
+            self._close_update(cmd.refit_id)
+            if not self.state.weights_touched:
+                self.control.resume()
+                self.state.paused = False
+            raise
+        self.state.weights_touched = True  # finish applies staged weights, or post-processes
+        status = self.control.finish(cmd.version)
+        self.state.update_open = False
+        if not succeeded(status):
+            # vLLM did not take the version (its reload failed, or a rank did not apply).
+            raise self._failed(
+                f"vLLM answered HTTP {status} to /finish_weight_update of refit {cmd.refit_id}; "
+                "see the vLLM log",
+                touched=True,
+            )
+        steps.mark("finish")
+        refit = self.client.get(cmd.refit_id)
+        if refit.state in {RefitState.FAILED, RefitState.CANCELLED}:
+            raise self._failed(
+                f"refit {refit.state.value} while finishing: {refit.message}", touched=True
+            )
+        steps.mark("checked")
+        self.control.resume()
+        steps.mark("resume")
+        with self._lock:
+            self.state.paused = False
+            self.state.degraded = False
+            self.state.version = cmd.version
+            self.state.last_error = ""
+        # Before the report: once it commits, the caller may use the engine again.
+        self._export_staging()
+        assert self.session is not None
+        self.session.report_replica_updated(cmd.refit_id, cmd.version)
+        steps.mark("reported")
+        log.info("replica %s serves version %d: %s", self.replica_id, cmd.version, steps)
+
+    def on_abort_refit(self, cmd: AbortRefitCmd) -> None:
+        with self._lock:
+            if cmd.refit_id and cmd.refit_id != self.state.refit_id:
+                return
+            touched = self.state.weights_touched
+        if self.state.update_open:  # else vLLM has no update of ours to close
+            self._close_update(cmd.refit_id)
+        if not self.state.paused:
+            return
+        if touched:
+            self._degrade(f"refit {cmd.refit_id} aborted ({cmd.reason}) after weights were written")
+        elif self.state.degraded:
+            log.warning(
+                "replica %s stays paused: it still holds the weights of an earlier failed refit",
+                self.replica_id,
+            )
+        else:
+            self.control.resume()
+            self.state.paused = False
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _close_update(self, refit_id: str) -> None:
+        """vLLM needs every started update finished: drop what was staged first, so this
+        finish applies nothing of a refit that failed somewhere in the replica (and names no
+        version: the replica keeps the one it fully holds)."""
+        self.control.update({"refit_id": refit_id, "action": "discard"})
+        self.control.finish(None)
+        self._export_staging()
+        # Last: once the update reads closed, this sidecar makes no more vLLM calls for it.
+        self.state.update_open = False
+
+    def _export_staging(self) -> None:
+        """Refresh the staging gauge after a refit (never fails one: metrics only)."""
+        if self.metrics is None:
+            return
+        try:
+            statuses = self.control.engine_status()
+        except Exception:  # a metric must not fail a refit
+            log.debug("reading the engines' status for metrics failed", exc_info=True)
+            return
+        if statuses:
+            self.metrics.update(statuses)
+
+    def _replica_ranks(self) -> list[Any]:
+        topo = self.client.topology(self.job)
+        return [
+            m for m in topo.members if m.role == Role.GENERATOR and m.replica_id == self.replica_id
+        ]
+
+    def _read_ranks(self, epoch: int) -> None:
+        """The replica's rank member ids, and whether they receive into live parameters."""
+        ranks = self._replica_ranks()
+        self._rank_ids = {m.member_id for m in ranks}
+        self._touches_live = touches_live_weights([m.labels.get("receive_mode", "") for m in ranks])
+        self._ranks_epoch = epoch
+
+    def _require_ranks_verified(self, refit_id: str) -> None:
+        ranks = self._rank_ids
+        deadline = time.monotonic() + self.verify_wait_s
+        delay = 0.002  # the ranks' reports usually land first: look again soon, then back off
+        while True:
+            refit: Refit = self.client.get(refit_id)
+            if refit.state in {RefitState.FAILED, RefitState.CANCELLED}:
+                raise self._failed(
+                    f"refit {refit.state.value}: {refit.reason} {refit.message}",
+                    touched=self.state.weights_touched,
+                )
+            done = {
+                r.member_id
+                for r in refit.ranks
+                if r.member_id in ranks
+                and r.tensors_total > 0
+                and r.tensors_verified == r.tensors_total
+            }
+            if ranks and done == ranks:
+                return
+            if time.monotonic() > deadline:
+                missing = sorted(ranks - done)
+                raise self._failed(
+                    f"ranks {missing} of replica {self.replica_id} did not verify the transfer",
+                    touched=self.state.weights_touched,
+                )
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+
+    def _failed(self, message: str, *, touched: bool) -> TransferError:
+        if touched:
+            self._degrade(message)
+        exc = TransferError(message)
+        exc.weights_modified = touched  # type: ignore[attr-defined]
+        return exc
+
+    def _degrade(self, message: str) -> None:
+        log.error("replica %s not ready: %s", self.replica_id, message)
+        with self._lock:
+            self.state.degraded = True
+            self.state.last_error = message
