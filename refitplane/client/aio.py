@@ -11,32 +11,17 @@ import grpc
 import grpc.aio
 
 from refitplane._generated.refit.v1 import orchestrator_pb2 as opb
-from refitplane._generated.refit.v1 import orchestrator_pb2_grpc
+from refitplane.client.base import ClientBase, trigger_request
 from refitplane.errors import TransferTimeout
-from refitplane.protocol.channel import aio_channel, auth_metadata, from_rpc_error
+from refitplane.protocol.channel import aio_channel, from_rpc_error
 from refitplane.protocol.convert import refit_from_proto, topology_from_proto
 from refitplane.protocol.models import Refit, Topology
-from refitplane.protocol.settings import ClientSettings
 
 
-class AsyncRefitClient:
-    def __init__(
-        self,
-        target: str,
-        *,
-        token: str | None = None,
-        tls_ca: str | Path | None = None,
-        timeout_s: float = 10.0,
-    ) -> None:
-        self._channel = aio_channel(target, tls_ca=tls_ca)
-        self._stub = orchestrator_pb2_grpc.RefitServiceStub(self._channel)
-        self._metadata = auth_metadata(token)
-        self._timeout = timeout_s
-
-    @classmethod
-    def from_env(cls, settings: ClientSettings | None = None, **kwargs: Any) -> AsyncRefitClient:
-        s = settings or ClientSettings()
-        return cls(s.coordinator, token=s.token(), tls_ca=s.tls_ca_file, **kwargs)
+class AsyncRefitClient(ClientBase):
+    @staticmethod
+    def _open(target: str, tls_ca: str | Path | None) -> Any:
+        return aio_channel(target, tls_ca=tls_ca)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -63,12 +48,7 @@ class AsyncRefitClient:
         idempotency_key: str = "",
         version: int = 0,
     ) -> Refit:
-        request = opb.TriggerRefitRequest(
-            job=job,
-            target_replicas=list(target_replicas),
-            idempotency_key=idempotency_key,
-            version=version,
-        )
+        request = trigger_request(job, target_replicas, idempotency_key, version)
         return refit_from_proto(await self._call("TriggerRefit", request))
 
     async def get(self, refit_id: str) -> Refit:

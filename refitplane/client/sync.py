@@ -10,36 +10,20 @@ from typing import Any
 import grpc
 
 from refitplane._generated.refit.v1 import orchestrator_pb2 as opb
-from refitplane._generated.refit.v1 import orchestrator_pb2_grpc
+from refitplane.client.base import ClientBase, trigger_request
 from refitplane.errors import TransferTimeout
-from refitplane.protocol.channel import auth_metadata, from_rpc_error, sync_channel
+from refitplane.protocol.channel import from_rpc_error, sync_channel
 from refitplane.protocol.convert import refit_from_proto, topology_from_proto
 from refitplane.protocol.models import Refit, Topology
-from refitplane.protocol.settings import ClientSettings
 
 
-class RefitClient:
+class RefitClient(ClientBase):
     """Trigger, inspect, cancel and watch refits. No protobuf in or out: results are the
     pydantic models of `refitplane.protocol.models`; failures are `refitplane.errors`."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        token: str | None = None,
-        tls_ca: str | Path | None = None,
-        timeout_s: float = 10.0,
-    ) -> None:
-        self._channel = sync_channel(target, tls_ca=tls_ca)
-        self._stub = orchestrator_pb2_grpc.RefitServiceStub(self._channel)
-        self._metadata = auth_metadata(token)
-        self._timeout = timeout_s
-
-    @classmethod
-    def from_env(cls, settings: ClientSettings | None = None, **kwargs: Any) -> RefitClient:
-        """From REFIT_COORDINATOR, REFIT_AUTH_TOKEN(_FILE), REFIT_TLS_CA_FILE."""
-        s = settings or ClientSettings()
-        return cls(s.coordinator, token=s.token(), tls_ca=s.tls_ca_file, **kwargs)
+    @staticmethod
+    def _open(target: str, tls_ca: str | Path | None) -> Any:
+        return sync_channel(target, tls_ca=tls_ca)
 
     def close(self) -> None:
         self._channel.close()
@@ -66,12 +50,7 @@ class RefitClient:
         idempotency_key: str = "",
         version: int = 0,
     ) -> Refit:
-        request = opb.TriggerRefitRequest(
-            job=job,
-            target_replicas=list(target_replicas),
-            idempotency_key=idempotency_key,
-            version=version,
-        )
+        request = trigger_request(job, target_replicas, idempotency_key, version)
         return refit_from_proto(self._call("TriggerRefit", request))
 
     def get(self, refit_id: str) -> Refit:

@@ -33,6 +33,27 @@ class EngineControl(Protocol):
     def close(self) -> None: ...
 
 
+class CallerPausedControl:
+    """The verbs of an engine whose caller pauses it and keeps it alive (an in-process `LLM`,
+    vLLM's weight-sync client): nothing to wait for, pause, resume or close here. Subclasses
+    add the weight-update verbs."""
+
+    def healthy(self) -> bool:
+        return True
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        return None
+
+    def pause(self, mode: str) -> int:
+        return 200
+
+    def resume(self) -> int:
+        return 200
+
+    def close(self) -> None:
+        return None
+
+
 class StatusSink(Protocol):
     """Where a controller hands every worker's engine status after a refit (metrics)."""
 

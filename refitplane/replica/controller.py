@@ -16,7 +16,12 @@ from refitplane.agent.session import AgentSession
 from refitplane.client.sync import RefitClient
 from refitplane.errors import FailedPrecondition, TransferError
 from refitplane.protocol import RefitState, Role
-from refitplane.protocol.messages import AbortRefitCmd, PrepareRefitCmd, StartTransferCmd
+from refitplane.protocol.messages import (
+    AbortRefitCmd,
+    MemberInfo,
+    PrepareRefitCmd,
+    StartTransferCmd,
+)
 from refitplane.protocol.models import Refit
 from refitplane.replica.control import (
     EngineControl,
@@ -92,6 +97,31 @@ class SidecarMember(NullHandler):
 
     def attach(self, session: AgentSession) -> None:
         self.session = session
+
+    def connect(
+        self,
+        coordinator: str,
+        *,
+        host: str,
+        token: str | None,
+        tls_ca: str | None,
+        labels: dict[str, str] | None = None,
+    ) -> AgentSession:
+        """The session this controller registers with (role GENERATOR_SIDECAR, rank 0 of its
+        replica), attached; the caller starts it."""
+        info = MemberInfo(
+            job=self.job,
+            role=Role.GENERATOR_SIDECAR,
+            rank=0,
+            world_size=1,
+            replica_id=self.replica_id,
+            host=host,
+            device="",
+            labels=labels or {},
+        )
+        session = AgentSession(coordinator, info, self, token=token, tls_ca=tls_ca, timeout_s=30.0)
+        self.attach(session)
+        return session
 
     # -- commands -----------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ names are a contract with the Helm chart (docs/coordinator.md has the reference 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from pathlib import Path
 from typing import Annotated, Literal
@@ -19,6 +20,9 @@ from refitplane.reshard.config import TransferConfig
 
 # The data plane's defaults live in one place, `TransferConfig` (refitplane.reshard.config).
 _TRANSFER = TransferConfig()
+_TRANSFER_FIELDS = tuple(
+    f.name for f in dataclasses.fields(TransferConfig) if f.name != "timeout_s"
+)
 
 
 class PauseMode(enum.StrEnum):
@@ -126,16 +130,10 @@ class Settings(BaseSettings):
             raise ValueError("set both REFIT_TLS_CERT_FILE and REFIT_TLS_KEY_FILE, or neither")
         # Fail at start-up, not at the first refit.
         try:
-            self._transfer = TransferConfig(
-                bucket_bytes=self.bucket_bytes,
-                num_channels=self.num_channels,
-                max_inflight_bytes=self.max_inflight_bytes,
-                timeout_s=self.transfer_timeout_s,
-                verify_checksums=self.verify_checksums,
-                direct_min_bytes=self.direct_min_bytes,
-                delta=self.delta,
-                delta_max_changed=self.delta_max_changed,
-            )
+            # Every TransferConfig field is a setting of the same name (its timeout is
+            # REFIT_TRANSFER_TIMEOUT_S): a field added there without one fails here, loudly.
+            knobs = {name: getattr(self, name) for name in _TRANSFER_FIELDS}
+            self._transfer = TransferConfig(timeout_s=self.transfer_timeout_s, **knobs)
         except InvalidArgument as exc:
             raise ValueError(f"REFIT_{(exc.field or '').upper()}: {exc.message}") from None
         return self

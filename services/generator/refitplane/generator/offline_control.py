@@ -15,30 +15,18 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from refitplane.replica.control import call_verb
+from refitplane.replica.control import CallerPausedControl, call_verb
 
 
-class OfflineLLMControl:
+class OfflineLLMControl(CallerPausedControl):
     def __init__(self, llm: Any) -> None:
         self.llm = llm
-
-    def healthy(self) -> bool:
-        return True
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        return None
 
     def init_engine(self, init_info: dict[str, Any]) -> int:
         return call_verb(
             "init_weight_transfer_engine",
             lambda: self.llm.init_weight_transfer_engine({"init_info": init_info}),
         )
-
-    def pause(self, mode: str) -> int:
-        return 200
-
-    def resume(self) -> int:
-        return 200
 
     def start_update(self) -> int:
         return call_verb("start_weight_update", self.llm.start_weight_update)
@@ -62,6 +50,3 @@ class OfflineLLMControl:
     def engine_status(self) -> list[dict[str, Any]] | None:
         statuses = self.llm.collective_rpc("weight_transfer_engine", kwargs={"op": "status"})
         return list(statuses) if isinstance(statuses, list) else None
-
-    def close(self) -> None:
-        return None

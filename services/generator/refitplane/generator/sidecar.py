@@ -36,16 +36,12 @@ from typing import Any, Literal
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import Field
 
-from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
 from refitplane.client.sync import RefitClient
 from refitplane.errors import Unavailable
 from refitplane.generator.vllm_http_control import VllmControl
 from refitplane.lifecycle import StartupError, bind_failure
-from refitplane.protocol import RefitState, Role
-from refitplane.protocol.messages import (
-    MemberInfo,
-)
+from refitplane.protocol import RefitState
 from refitplane.replica.control import EngineControl, succeeded, wait_replica_ranks
 from refitplane.replica.controller import SidecarMember
 
@@ -148,19 +144,9 @@ class Sidecar:
             default_pause_mode=settings.pause_mode,
             metrics=StagingMetrics(self.registry, settings.replica_id),
         )
-        info = MemberInfo(
-            job=settings.job,
-            role=Role.GENERATOR_SIDECAR,
-            rank=0,
-            world_size=1,
-            replica_id=settings.replica_id,
-            host=settings.host,
-            device="",
+        self.session = self.member.connect(
+            settings.coordinator, host=settings.host, token=token, tls_ca=tls
         )
-        self.session = AgentSession(
-            settings.coordinator, info, self.member, token=token, tls_ca=tls, timeout_s=30.0
-        )
-        self.member.attach(self.session)
         self.alive = False
         self._http: ThreadingHTTPServer | None = None
 

@@ -58,9 +58,8 @@ from refitplane.agent.settings import AgentSettings
 from refitplane.client.sync import RefitClient
 from refitplane.errors import FailedPrecondition, InvalidArgument, TransferError
 from refitplane.protocol import Reason, Refit, RefitState, Role
-from refitplane.protocol.messages import MemberInfo
 from refitplane.replica import vllm_backend
-from refitplane.replica.control import call_verb, wait_replica_ranks
+from refitplane.replica.control import CallerPausedControl, call_verb, wait_replica_ranks
 from refitplane.replica.controller import SidecarMember
 from refitplane.reshard.boxes import full_box
 from refitplane.reshard.layout import TensorSpec
@@ -139,7 +138,7 @@ class ShardsSource(WeightSource):
         )
 
 
-class ClientControl:
+class ClientControl(CallerPausedControl):
     """The sidecar's engine verbs over a `VLLMWeightSyncClient` (HTTP or Ray). Pausing is
     the caller's, as for every vLLM backend, so pause/resume do nothing here. A client's
     exception becomes the HTTP status it carries (the sidecar takes outcomes from the
@@ -148,23 +147,11 @@ class ClientControl:
     def __init__(self, client: VLLMWeightSyncClient) -> None:
         self.client = client
 
-    def healthy(self) -> bool:
-        return True
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        return None
-
     def init_engine(self, init_info: dict[str, Any]) -> int:
         return call_verb(
             "init_weight_transfer_engine",
             lambda: self.client.init_weight_transfer_engine(init_info),
         )
-
-    def pause(self, mode: str) -> int:
-        return 200
-
-    def resume(self) -> int:
-        return 200
 
     def start_update(self) -> int:
         return call_verb("start_weight_update", self.client.start_weight_update)
@@ -179,9 +166,6 @@ class ClientControl:
     def engine_status(self) -> list[dict[str, Any]] | None:
         # vLLM's weight-sync clients have no status channel (the controller exports no
         # staging metric; each worker's status has it).
-        return None
-
-    def close(self) -> None:
         return None
 
 
@@ -432,20 +416,13 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         member = SidecarMember(
             control, self._refits, job=s.job, replica_id=s.replica_id, default_pause_mode="keep"
         )
-        info = MemberInfo(
-            job=s.job,
-            role=Role.GENERATOR_SIDECAR,
-            rank=0,
-            world_size=1,
-            replica_id=s.replica_id,
+        self.controller = member.connect(
+            s.coordinator,
             host=s.host,
-            device="",
+            token=s.token,
+            tls_ca=s.tls_ca,
             labels={"engine": "vllm-trainer", "run_id": self.run_id},
         )
-        self.controller = AgentSession(
-            s.coordinator, info, member, token=s.token, tls_ca=s.tls_ca, timeout_s=30.0
-        )
-        member.attach(self.controller)
         self.controller_member = member
         self.controller.start()
         init_info = {

@@ -57,14 +57,7 @@ class JobDriver:
         self._s = ctx.settings
         self._store = ctx.store
         self.current: RefitRun | None = None
-        self.groups = GroupEpochs(
-            job,
-            settings=ctx.settings,
-            store=ctx.store,
-            membership=ctx.membership,
-            outbox=ctx.outbox,
-            metrics=ctx.metrics,
-        )
+        self.groups = GroupEpochs(job, ctx)
         self.replicas = ReplicaHealth(job, ctx.store)
         self.source_digest = ""
         self.target_digest = ""

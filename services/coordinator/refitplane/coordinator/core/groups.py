@@ -8,14 +8,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from refitplane.coordinator.core.context import DriverContext
 from refitplane.coordinator.core.failures import RefitFailed
-from refitplane.coordinator.core.membership import Membership
-from refitplane.coordinator.core.metrics import Metrics
-from refitplane.coordinator.core.outbox import Outbox
 from refitplane.coordinator.core.records import GroupRecord, GroupState, MemberRecord
 from refitplane.coordinator.core.run import RefitRun
-from refitplane.coordinator.settings import Settings
-from refitplane.coordinator.store.base import Store
 from refitplane.protocol import Backend, Reason
 from refitplane.protocol import messages as msg
 
@@ -49,22 +45,10 @@ def is_group_report(report: msg.Report) -> bool:
 class GroupEpochs:
     """The group epoch of one job; the only writer of its `GroupRecord`."""
 
-    def __init__(
-        self,
-        job: str,
-        *,
-        settings: Settings,
-        store: Store,
-        membership: Membership,
-        outbox: Outbox,
-        metrics: Metrics,
-    ) -> None:
+    def __init__(self, job: str, ctx: DriverContext) -> None:
         self.job = job
-        self._s = settings
-        self._store = store
-        self._membership = membership
-        self._outbox = outbox
-        self._metrics = metrics
+        self._ctx = ctx
+        self._s = ctx.settings
         self.record = GroupRecord(job=job)
         # The epoch the refit being driven formed (or is forming), if it formed one
         self._formation: Formation | None = None
@@ -102,22 +86,22 @@ class GroupEpochs:
             members=ids,
             num_channels=self._s.num_channels,
         )
-        await self._store.save_group(new)
+        await self._ctx.store.save_group(new)
         self.record = new
-        self._metrics.epochs.inc()
+        self._ctx.metrics.epochs.inc()
         log.info(
             "job %s: group epoch %d (%s, %d ranks)", self.job, new.epoch, backend.value, new.size
         )
         if old.members and old.state is not GroupState.NONE:
             for member_id in old.members:
-                member = self._membership.find(member_id)
+                member = self._ctx.membership.find(member_id)
                 if member is not None and member.alive:
-                    self._outbox.send(member_id, msg.LeaveGroupCmd(epoch=old.epoch, abort=True))
+                    self._ctx.outbox.send(member_id, msg.LeaveGroupCmd(epoch=old.epoch, abort=True))
         forming = self._formation = Formation(run.refit_id, new.epoch, ids)
         timeout = self._s.group_timeout_s
         try:
-            run.check_alive(self._membership, ids)
-            self._outbox.send(
+            run.check_alive(self._ctx.membership, ids)
+            self._ctx.outbox.send(
                 ids[0],
                 msg.CreateRendezvousCmd(
                     epoch=new.epoch,
@@ -137,7 +121,7 @@ class GroupEpochs:
             )
             rendezvous = forming.rendezvous or b""
             for rank, member_id in enumerate(ids):
-                self._outbox.send(
+                self._ctx.outbox.send(
                     member_id,
                     msg.JoinGroupCmd(
                         epoch=new.epoch,
@@ -165,7 +149,7 @@ class GroupEpochs:
         finally:
             forming.open = False
         ready = new.model_copy(update={"state": GroupState.READY})
-        await self._store.save_group(ready)
+        await self._ctx.store.save_group(ready)
         self.record = ready
         return ready
 
@@ -175,7 +159,7 @@ class GroupEpochs:
         # restarted coordinator reloaded a READY group whose communicators were aborted).
         if self.record.state in (GroupState.READY, GroupState.FORMING):
             poisoned = self.record.model_copy(update={"state": GroupState.POISONED})
-            await self._store.save_group(poisoned)
+            await self._ctx.store.save_group(poisoned)
             self.record = poisoned
 
     async def departed(self, member: MemberRecord) -> None:
