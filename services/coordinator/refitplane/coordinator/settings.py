@@ -16,7 +16,7 @@ from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_valid
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from refitplane.errors import InvalidArgument
-from refitplane.reshard.config import TransferConfig
+from refitplane.reshard.config import MiB, TransferConfig
 
 # The data plane's defaults live in one place, `TransferConfig` (refitplane.reshard.config).
 _TRANSFER = TransferConfig()
