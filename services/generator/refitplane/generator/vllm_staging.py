@@ -34,6 +34,7 @@ from typing import Any, Final
 import torch
 
 from refitplane.errors import InvalidArgument
+from refitplane.generator.vllm_aliases import WeightAlias, find_weight_aliases
 from refitplane.generator.vllm_layout import VllmLayout
 from refitplane.generator.vllm_live import live_storage
 from refitplane.generator.vllm_reload import refresh_attention_layers, reload_layers
@@ -63,6 +64,9 @@ class LayerReloader:
     live: bool
     observers: list[ApplyObserver] = field(default_factory=list)
     applied_roots: set[str] = field(default_factory=set)
+    # Buffers that must keep reading their parameter as loaded (`vllm_aliases`), found once
+    # at engine start so that an ambiguous one refuses the engine there, not mid-refit.
+    aliases: tuple[WeightAlias, ...] = ()
 
     def units(self, names: Iterable[str]) -> list[frozenset[str]]:
         """`names` grouped by the vLLM layer they feed (each group applied together)."""
@@ -81,7 +85,14 @@ class LayerReloader:
                 f"{bucket.describe()} feeds no vLLM layer of this rank",
                 field="staging",
             )
-        reload_layers(self.model, self.vllm_config, tensors.items(), roots, partial=self.live)
+        reload_layers(
+            self.model,
+            self.vllm_config,
+            tensors.items(),
+            roots,
+            partial=self.live,
+            aliases=self.aliases,
+        )
         self.applied_roots.update(roots)
         log.debug("refitplane: applied %s into %d layer(s)", bucket.describe(), len(roots))
 
@@ -135,9 +146,14 @@ def bind_receive(
             f"receive mode {requested!r} is not one of auto, layerwise, staged", field="mode"
         )
     live = live_storage(model, layout)
-    if requested != "auto" or live.blocked:
+    aliases = find_weight_aliases(model)
+    # A write in place would miss the buffer that holds the parameter as loaded.
+    aliased_live = any(a.param_name in live.writable for a in aliases)
+    if requested != "auto" or live.blocked or aliased_live:
         mode = "staged" if requested == "staged" else "layerwise"
-        reloader = LayerReloader(model, vllm_config, layout.tensor_roots(), live=False)
+        reloader = LayerReloader(
+            model, vllm_config, layout.tensor_roots(), live=False, aliases=aliases
+        )
         boxes = layout.hf_boxes()
         staged = StagedShards(
             device, reloader, layerwise=mode == "layerwise", units=reloader.units(boxes)
@@ -146,7 +162,7 @@ def bind_receive(
             for box in needed:
                 staged.add_staged(layout.specs[name], box)
         return ReceiveBinding(mode, staged, reloader)
-    reloader = LayerReloader(model, vllm_config, layout.tensor_roots(), live=True)
+    reloader = LayerReloader(model, vllm_config, layout.tensor_roots(), live=True, aliases=aliases)
     fallback = layout.fallback_tensors
     shards: LocalShards = (
         StagedShards(device, reloader, units=reloader.units(fallback))
