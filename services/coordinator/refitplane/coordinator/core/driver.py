@@ -27,7 +27,7 @@ from refitplane.coordinator.core.replicas import Held, ReplicaHealth
 from refitplane.coordinator.core.report_check import transfer_done_mismatch
 from refitplane.coordinator.core.run import Cast, RefitRun, phase_seconds
 from refitplane.coordinator.core.topology import DriverView
-from refitplane.coordinator.core.waits import wait_event
+from refitplane.coordinator.core.waits import cancel_and_wait, wait_event
 from refitplane.errors import Conflict, RefitError, Unavailable
 from refitplane.protocol import Backend, Reason, RefitState, Role
 from refitplane.protocol import messages as msg
@@ -95,13 +95,8 @@ class JobDriver:
         # Wake the loop too: a cancellation that lands inside a Redis call can be absorbed
         # by the client library, and the loop must still notice it should end.
         self._wake.set()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def wake(self) -> None:
         self._wake.set()

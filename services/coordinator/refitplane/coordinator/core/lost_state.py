@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 
 from refitplane.coordinator.core.membership import Membership
 from refitplane.coordinator.core.records import JobRecord, RefitRecord
+from refitplane.coordinator.core.waits import cancel_and_wait
 from refitplane.coordinator.store.base import Store
 from refitplane.errors import Unavailable
 from refitplane.protocol import RefitState, Role
@@ -107,13 +108,8 @@ class StoreWatch:
         self._task = asyncio.create_task(self._loop(), name="store-watch")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def suspect(self) -> None:
         """A write found the sentinel gone: check now rather than at the next tick."""

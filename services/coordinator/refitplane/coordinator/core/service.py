@@ -36,7 +36,7 @@ from refitplane.coordinator.core.validation import (
     check_targets,
     check_version,
 )
-from refitplane.coordinator.core.waits import get_within, wait_event
+from refitplane.coordinator.core.waits import cancel_and_wait, get_within, wait_event
 from refitplane.coordinator.settings import Settings
 from refitplane.coordinator.store.base import Store, StoreStateLost
 from refitplane.errors import (
@@ -125,12 +125,7 @@ class Coordinator:
         get AbortRefit; otherwise they are left for the next coordinator to fail."""
         await self.store_watch.stop()
         for task in (self._reaper, self._collector):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+            await cancel_and_wait(task)
         await asyncio.gather(*(d.stop(abort_running=graceful) for d in self._drivers.values()))
         self._drivers.clear()
 

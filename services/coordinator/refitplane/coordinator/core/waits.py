@@ -8,9 +8,20 @@ use `asyncio.timeout` instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
+    """Cancel a background task and wait until it has ended (None: nothing to do), so a
+    stopping owner never leaves it running; the CancelledError it ends with stops here."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:

@@ -9,6 +9,7 @@ else is logged and answered INTERNAL without details.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeAlias
@@ -57,6 +58,21 @@ async def abort_internal(context: Context) -> NoReturn:
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 
+@contextlib.asynccontextmanager
+async def _status_from_errors(context: Context, method: str) -> AsyncIterator[None]:
+    """Both call shapes end the same way: a RefitError becomes its status code and reason,
+    an abort already made passes through, anything else is logged and becomes INTERNAL."""
+    try:
+        yield
+    except RefitError as exc:
+        await abort_with(context, exc)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        log.exception("%s: unexpected error", method)
+        await abort_internal(context)
+
+
 class RefitInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: TokenCheck) -> None:
         self._tokens = tokens
@@ -92,16 +108,9 @@ class RefitInterceptor(grpc.aio.ServerInterceptor):
             unary: Any = handler.unary_unary
 
             async def unary_behavior(raw: bytes, context: Context) -> Any:
-                try:
+                async with _status_from_errors(context, method):
                     request = await prologue(raw, context)
                     return await unary(request, context)
-                except RefitError as exc:
-                    await abort_with(context, exc)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception:
-                    log.exception("%s: unexpected error", method)
-                    await abort_internal(context)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_behavior, response_serializer=handler.response_serializer
@@ -111,17 +120,10 @@ class RefitInterceptor(grpc.aio.ServerInterceptor):
             stream: Any = handler.unary_stream
 
             async def stream_behavior(raw: bytes, context: Context) -> AsyncIterator[Any]:
-                try:
+                async with _status_from_errors(context, method):
                     request = await prologue(raw, context)
                     async for item in stream(request, context):
                         yield item
-                except RefitError as exc:
-                    await abort_with(context, exc)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception:
-                    log.exception("%s: unexpected error", method)
-                    await abort_internal(context)
 
             return grpc.unary_stream_rpc_method_handler(
                 stream_behavior, response_serializer=handler.response_serializer
