@@ -27,7 +27,27 @@ PROJECTS = {
     "refit_plane_generator": REPO / "services" / "generator",
 }
 # What a build of the core must not copy (the services build on their own).
-_NOT_CORE = ("services", "tests", "benchmarks", "examples", "deploy", "docs", ".git")
+_NOT_CORE = ("services/", "tests/", "benchmarks/", "examples/", "deploy/", "docs/")
+
+
+def _copy_checkout(project: Path, into: Path) -> None:
+    """The files of `project` a clean clone has (tracked, or untracked and not ignored):
+    never the virtualenv, build trees or caches a working checkout accumulates."""
+    listed = run_to_end(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=project,
+        timeout_s=60,
+    )
+    assert listed.returncode == 0, listed.stderr
+    for relative in listed.stdout.splitlines():
+        if project == REPO and relative.startswith(_NOT_CORE):
+            continue
+        origin = project / relative
+        if not origin.is_file():
+            continue  # deleted in the working tree, not yet in git
+        target = into / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(origin, target)
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +61,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
     )
     for name, project in PROJECTS.items():
         source = tmp_path_factory.mktemp(f"src-{name}") / "project"
-        shutil.copytree(
-            project,
-            source,
-            ignore=shutil.ignore_patterns(
-                "__pycache__", "*.pyc", "*.egg-info", *(_NOT_CORE if project == REPO else ())
-            ),
-        )
+        _copy_checkout(project, source)
         dist = tmp_path_factory.mktemp(f"dist-{name}")
         result = run_to_end([sys.executable, "-c", script, str(dist)], cwd=source, timeout_s=300)
         assert result.returncode == 0, result.stderr[-3000:]
