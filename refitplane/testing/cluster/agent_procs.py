@@ -40,10 +40,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from refitplane.http_json import JsonRequestHandler
 from refitplane.lifecycle import stop_event_on_signals
 
 log = logging.getLogger("refitplane.testing.cluster.agent_procs")
@@ -286,7 +287,9 @@ def _read_token(path: str) -> str | None:
     return Path(path).read_text().strip() or None
 
 
-class _ControlHandler(BaseHTTPRequestHandler):
+class _ControlHandler(JsonRequestHandler):
+    log_name = "control"
+    log = log
     runner: AgentRunner
     stop: threading.Event
 
@@ -329,17 +332,6 @@ class _ControlHandler(BaseHTTPRequestHandler):
             self.stop.set()
         else:
             self._reply(404, {"error": f"no route POST {self.path}"})
-
-    def _reply(self, code: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("control: " + format, *args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,11 +26,10 @@ executor's ring), read from the engines' status after every refit (vLLM's dev-mo
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any, Literal
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
@@ -40,6 +39,7 @@ from refitplane.agent.settings import AgentSettings
 from refitplane.client.sync import RefitClient
 from refitplane.errors import Unavailable
 from refitplane.generator.vllm_http_control import VllmControl
+from refitplane.http_json import JsonRequestHandler
 from refitplane.lifecycle import StartupError, bind_failure
 from refitplane.protocol import RefitState
 from refitplane.replica.control import EngineControl, succeeded, wait_replica_ranks
@@ -92,7 +92,9 @@ class StagingMetrics:
                 self.peak.labels(self.replica_id, str(status.get("rank", -1))).set(peak)
 
 
-class _HealthHandler(BaseHTTPRequestHandler):
+class _HealthHandler(JsonRequestHandler):
+    log_name = "health"
+    log = log
     sidecar: Sidecar
 
     def do_GET(self) -> None:
@@ -105,25 +107,9 @@ class _HealthHandler(BaseHTTPRequestHandler):
         elif self.path == "/status":
             self._reply(200, {"ready": s.ready(), **s.member.state.as_dict()})
         elif self.path == "/metrics":
-            data = generate_latest(s.registry)
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self._reply_bytes(200, generate_latest(s.registry), CONTENT_TYPE_LATEST)
         else:
             self._reply(404, {"error": f"no route {self.path}"})
-
-    def _reply(self, code: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("health: " + format, *args)
 
 
 class Sidecar:
