@@ -30,7 +30,7 @@ def test_the_rl_example_refits_vllm_every_step(tmp_path: Path) -> None:
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
-    versions = re.findall(r"vLLM serves weight_version (\S+)", out)
+    versions = re.findall(r"vLLM serves weight_version (\d+)", out)
     assert versions == [str(v) for v in range(1, steps + 1)], out[-4000:]
     assert out.count("✓") == 3, out[-4000:]  # one per prompt: vLLM's tokens = the trainer's
     assert "PASS" in out, out[-4000:]
