@@ -6,16 +6,7 @@ The coordinator uses the `*_to_proto` half, the client the `*_from_proto` half."
 from __future__ import annotations
 
 from refitplane._generated.refit.v1 import common_pb2 as cpb
-from refitplane.protocol.convert.enums import (
-    backend_from_proto,
-    backend_to_proto,
-    member_state_from_proto,
-    member_state_to_proto,
-    refit_state_from_proto,
-    refit_state_to_proto,
-    role_from_proto,
-    role_to_proto,
-)
+from refitplane.protocol.convert import enums
 from refitplane.protocol.models import Member, PhaseTiming, RankProgress, Refit, Replica, Topology
 
 
@@ -24,7 +15,7 @@ def refit_to_proto(refit: Refit) -> cpb.Refit:
         refit_id=refit.refit_id,
         job=refit.job,
         version=refit.version,
-        state=refit_state_to_proto(refit.state),
+        state=enums.refit_state_to_proto(refit.state),
         target_replicas=refit.target_replicas,
         idempotency_key=refit.idempotency_key,
         reason=refit.reason,
@@ -34,7 +25,7 @@ def refit_to_proto(refit: Refit) -> cpb.Refit:
         bytes_total=refit.bytes_total,
         bytes_done=refit.bytes_done,
         timings=[
-            cpb.PhaseTiming(phase=refit_state_to_proto(t.phase), seconds=t.seconds)
+            cpb.PhaseTiming(phase=enums.refit_state_to_proto(t.phase), seconds=t.seconds)
             for t in refit.timings
         ],
         ranks=[
@@ -63,7 +54,7 @@ def refit_from_proto(msg: cpb.Refit) -> Refit:
         refit_id=msg.refit_id,
         job=msg.job,
         version=msg.version,
-        state=refit_state_from_proto(msg.state),
+        state=enums.refit_state_from_proto(msg.state),
         target_replicas=list(msg.target_replicas),
         idempotency_key=msg.idempotency_key,
         reason=msg.reason,
@@ -74,7 +65,8 @@ def refit_from_proto(msg: cpb.Refit) -> Refit:
         bytes_done=msg.bytes_done,
         timings=[
             PhaseTiming(
-                phase=refit_state_from_proto(t.phase, field="timings.phase"), seconds=t.seconds
+                phase=enums.refit_state_from_proto(t.phase, field="timings.phase"),
+                seconds=t.seconds,
             )
             for t in msg.timings
         ],
@@ -103,13 +95,13 @@ def _member_to_proto(member: Member) -> cpb.Member:
     return cpb.Member(
         member_id=member.member_id,
         job=member.job,
-        role=role_to_proto(member.role),
+        role=enums.role_to_proto(member.role),
         replica_id=member.replica_id,
         rank=member.rank,
         world_size=member.world_size,
         host=member.host,
         device=member.device,
-        state=member_state_to_proto(member.state),
+        state=enums.member_state_to_proto(member.state),
         group_rank=member.group_rank,
         layout_digest=member.layout_digest,
         version=member.version,
@@ -122,13 +114,13 @@ def _member_from_proto(msg: cpb.Member) -> Member:
     return Member(
         member_id=msg.member_id,
         job=msg.job,
-        role=role_from_proto(msg.role, field="members.role"),
+        role=enums.role_from_proto(msg.role, field="members.role"),
         replica_id=msg.replica_id,
         rank=msg.rank,
         world_size=msg.world_size,
         host=msg.host,
         device=msg.device,
-        state=member_state_from_proto(msg.state, field="members.state"),
+        state=enums.member_state_from_proto(msg.state, field="members.state"),
         group_rank=msg.group_rank,
         layout_digest=msg.layout_digest,
         version=msg.version,
@@ -145,7 +137,7 @@ def topology_to_proto(topo: Topology) -> cpb.Topology:
             cpb.Replica(
                 replica_id=r.replica_id,
                 version=r.version,
-                state=member_state_to_proto(r.state),
+                state=enums.member_state_to_proto(r.state),
                 world_size=r.world_size,
                 member_ids=r.member_ids,
             )
@@ -153,7 +145,7 @@ def topology_to_proto(topo: Topology) -> cpb.Topology:
         ],
         group_epoch=topo.group_epoch,
         group_size=topo.group_size,
-        backend=backend_to_proto(topo.backend) if topo.backend else cpb.BACKEND_UNSPECIFIED,
+        backend=enums.backend_to_proto(topo.backend) if topo.backend else cpb.BACKEND_UNSPECIFIED,
         committed_version=topo.committed_version,
         source_layout_digest=topo.source_layout_digest,
         target_layout_digest=topo.target_layout_digest,
@@ -169,7 +161,7 @@ def topology_from_proto(msg: cpb.Topology) -> Topology:
             Replica(
                 replica_id=r.replica_id,
                 version=r.version,
-                state=member_state_from_proto(r.state, field="replicas.state"),
+                state=enums.member_state_from_proto(r.state, field="replicas.state"),
                 world_size=r.world_size,
                 member_ids=list(r.member_ids),
             )
@@ -177,7 +169,7 @@ def topology_from_proto(msg: cpb.Topology) -> Topology:
         ],
         group_epoch=msg.group_epoch,
         group_size=msg.group_size,
-        backend=backend_from_proto(msg.backend) if msg.backend else None,
+        backend=enums.backend_from_proto(msg.backend) if msg.backend else None,
         committed_version=msg.committed_version,
         source_layout_digest=msg.source_layout_digest,
         target_layout_digest=msg.target_layout_digest,
