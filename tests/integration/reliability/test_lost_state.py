@@ -67,6 +67,21 @@ def _not_serving(channel: grpc.Channel) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
+def _commit_above(world: World, held: int) -> int:
+    """Trigger a refit of new weights: the coordinator must pick a version above `held` (what
+    the replicas hold), commit it, and every replica must then hold those weights."""
+    weights = world.next_version()
+    world.step(weights)
+    with world.cluster.client() as client:
+        refit = client.trigger(world.cluster.job)
+        assert refit.version > held, (refit.version, held)
+        final = client.wait(refit.refit_id, timeout_s=60)
+    assert final.state is RefitState.COMMITTED, (final.reason, final.message)
+    world.version = refit.version
+    world.check_holds(refit.version, weights=weights)
+    return refit.version
+
+
 def test_wiped_store_is_detected_and_reseeded_from_the_members(world: World) -> None:
     cluster = world.cluster
     world.commit()
@@ -107,19 +122,11 @@ def test_wiped_store_is_detected_and_reseeded_from_the_members(world: World) -> 
         assert len(r.keys("refit:member:*")) == len(cluster.agents)
         assert int(r.hget(f"refit:job:{cluster.job}", "last_version") or 0) >= held
     # The coordinator picks the next version itself: above what every replica holds.
-    version = world.next_version()
-    world.step(version)
-    with cluster.client() as client:
-        refit = client.trigger(cluster.job)
-        assert refit.version > held, (refit.version, held)
-        final = client.wait(refit.refit_id, timeout_s=60)
-    assert final.state is RefitState.COMMITTED, (final.reason, final.message)
-    world.version = refit.version
-    world.check_holds(refit.version, weights=version)
+    next_version = _commit_above(world, held)
     note(
         "test_wiped_store_is_detected_and_reseeded_from_the_members",
         replicas_held=held,
-        next_version=refit.version,
+        next_version=next_version,
         not_ready_seen_after_s=detected_s,
     )
 
@@ -145,19 +152,11 @@ def test_coordinator_restarted_on_a_wiped_store_goes_above_held_versions(world: 
     cluster.wait_ready()
     for agent in cluster.generators:
         assert agent.status()["version"] == held, agent.name
-    version = world.next_version()
-    world.step(version)
-    with cluster.client() as client:
-        refit = client.trigger(cluster.job)
-        assert refit.version > held, (refit.version, held)
-        final = client.wait(refit.refit_id, timeout_s=60)
-    assert final.state is RefitState.COMMITTED, (final.reason, final.message)
-    world.version = refit.version
-    world.check_holds(refit.version, weights=version)
+    next_version = _commit_above(world, held)
     note(
         "test_coordinator_restarted_on_a_wiped_store_goes_above_held_versions",
         replicas_held=held,
-        next_version=refit.version,
+        next_version=next_version,
     )
 
 
