@@ -160,3 +160,13 @@ def test_secrets_are_not_shown(env):
 def test_inconsistent_settings_fail_at_start(env, kw, message):
     with pytest.raises(ValidationError, match=message):
         _settings(**kw)
+
+
+def test_a_setting_changed_in_place_reaches_the_next_transfer_config(env):
+    """Tests and benchmarks change a running coordinator's settings between refits
+    (`refit_world.World.configure`): the data plane's config follows."""
+    s = _settings()
+    assert s.transfer.delta == "off"
+    s.delta = "auto"
+    s.bucket_bytes = 1 << 20
+    assert (s.transfer.delta, s.transfer.bucket_bytes) == ("auto", 1 << 20)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from refitplane.errors import InvalidArgument
@@ -107,7 +107,6 @@ class Settings(BaseSettings):
     log_json: bool = False
     # One line per gRPC call and REST request (refitplane.coordinator.access; docs/operations.md).
     access_log: bool = True
-    _transfer: TransferConfig = PrivateAttr(default=_TRANSFER)
 
     @field_validator("allowed_jobs", mode="before")
     @classmethod
@@ -132,8 +131,7 @@ class Settings(BaseSettings):
         try:
             # Every TransferConfig field is a setting of the same name (its timeout is
             # REFIT_TRANSFER_TIMEOUT_S): a field added there without one fails here, loudly.
-            knobs = {name: getattr(self, name) for name in _TRANSFER_FIELDS}
-            self._transfer = TransferConfig(timeout_s=self.transfer_timeout_s, **knobs)
+            self._transfer_config()
         except InvalidArgument as exc:
             raise ValueError(f"REFIT_{(exc.field or '').upper()}: {exc.message}") from None
         return self
@@ -179,8 +177,14 @@ class Settings(BaseSettings):
 
     @property
     def transfer(self) -> TransferConfig:
-        """How the data plane runs, the same for every rank of every refit."""
-        return self._transfer
+        """How the data plane runs, the same for every rank of a refit: built from the
+        settings as they are now (a setting changed in place, as tests and benchmarks do
+        between refits, applies to the next refit)."""
+        return self._transfer_config()
+
+    def _transfer_config(self) -> TransferConfig:
+        knobs = {name: getattr(self, name) for name in _TRANSFER_FIELDS}
+        return TransferConfig(timeout_s=self.transfer_timeout_s, **knobs)
 
     @property
     def tls(self) -> bool:
