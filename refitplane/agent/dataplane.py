@@ -50,6 +50,19 @@ log = logging.getLogger(__name__)
 _PROGRESS_EVERY_S = 0.5
 
 
+def placement_of(device: torch.device | str, node: str = "") -> tuple[str, str]:
+    """(node, GPU UUID) a data-plane rank registers: `node` (REFIT_NODE; on Kubernetes the
+    node's name from the downward API), else this host's name; the UUID of a CUDA device
+    (empty on CPU). They decide which links may use CUDA IPC (`refitplane.protocol.links`)."""
+    device = torch.device(device)
+    uuid = ""
+    if device.type == "cuda":
+        from refitplane.reshard.transport.cuda_ipc import device_uuid
+
+        uuid = device_uuid(device if device.index is not None else torch.cuda.current_device())
+    return node or socket.gethostname(), uuid
+
+
 def local_address() -> str:
     """This host's address, for peers to reach this process at when nothing names one
     (agents ask `AgentSettings.host`, REFIT_HOST, first)."""
@@ -112,7 +125,8 @@ class DataPlaneMember(NullHandler):
     # -- group --------------------------------------------------------------------------------
 
     def on_create_rendezvous(self, cmd: CreateRendezvousCmd) -> None:
-        if cmd.backend == Backend.GLOO:
+        if cmd.backend in (Backend.GLOO, Backend.CUDA_IPC):
+            # CUDA IPC's control messages go over Gloo: the same store.
             from refitplane.reshard.transport.gloo import create_gloo_rendezvous
 
             store, blob = create_gloo_rendezvous(self.local_host, cmd.group_size, timeout_s=300.0)
@@ -127,10 +141,10 @@ class DataPlaneMember(NullHandler):
 
     def on_join_group(self, cmd: JoinGroupCmd) -> None:
         self._drop_transport(abort=True)
-        if cmd.backend == Backend.GLOO:
+        if cmd.backend in (Backend.GLOO, Backend.CUDA_IPC):
             from refitplane.reshard.transport.gloo import GlooTransport
 
-            self.transport = GlooTransport(
+            gloo = GlooTransport(
                 cmd.group_rank,
                 cmd.group_size,
                 cmd.rendezvous,
@@ -140,6 +154,12 @@ class DataPlaneMember(NullHandler):
                 store=self._stores.get(cmd.epoch),
                 prefix=f"refit/epoch{cmd.epoch}",
             )
+            self.transport = gloo
+            if cmd.backend == Backend.CUDA_IPC:
+                # Its control messages go over the Gloo group, its bytes through CUDA IPC.
+                from refitplane.reshard.transport.cuda_ipc import CudaIpcTransport
+
+                self.transport = CudaIpcTransport(gloo, device=self.device)
         elif cmd.backend == Backend.NCCL:
             from refitplane.reshard.transport.nccl import NcclTransport
 

@@ -20,6 +20,9 @@ class AgentSettings(ClientSettings):
     replica_id: str = ""
     # The address peers reach this rank at (empty: the host's own address).
     host: str = ""
+    # The physical machine this rank runs on (empty: the host name; in a pod set it from
+    # spec.nodeName): ranks of one node may use CUDA IPC.
+    node: str = ""
     # Trainer ranks: where the delta base lives, "device" or "host".
     delta_snapshot: str = "device"
     # vLLM engines: layer classes sent to the fail-safe path on purpose (comma-separated).

@@ -277,6 +277,8 @@ def topology_text(topo: Topology) -> str:
             "STATE",
             "DEVICE",
             "HOST",
+            "NODE",
+            "GPU",
             "VERSION",
             "RECEIVE",
             "DELTA",
@@ -291,6 +293,9 @@ def topology_text(topo: Topology) -> str:
                 m.state.value,
                 m.device or "-",
                 m.host or "-",
+                m.node or "-",
+                # Enough of the UUID to tell GPUs apart; a shared one means CUDA IPC.
+                m.device_uuid[:12] or "-",
                 m.version if m.role.value != "TRAINER" else "-",
                 _receive_paths(m.labels),
                 _delta_path(m.labels),

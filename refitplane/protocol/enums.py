@@ -96,6 +96,7 @@ _IN_FLIGHT = frozenset({RefitState.PREPARING, RefitState.TRANSFERRING, RefitStat
 class Backend(_ProtoEnum):
     GLOO = "GLOO"
     NCCL = "NCCL"
+    CUDA_IPC = "CUDA_IPC"
 
     @classmethod
     def _prefix(cls) -> str:

@@ -31,6 +31,9 @@ class MemberInfo:
     # Generators: the rank's registered views are its live weights, kept between refits,
     # so a delta can be applied to them in place.
     delta_receive: bool = False
+    # The physical machine (REFIT_NODE) and the GPU's UUID: which links may use CUDA IPC.
+    node: str = ""
+    device_uuid: str = ""
 
 
 # --- commands (coordinator → member) -----------------------------------------------------

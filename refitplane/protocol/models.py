@@ -95,6 +95,9 @@ class Member(BaseModel):
     version: int = 0
     lease_expires_unix: float = 0.0
     labels: dict[str, str] = Field(default_factory=dict)
+    # The physical machine and the GPU's UUID (empty on CPU or when not told).
+    node: str = ""
+    device_uuid: str = ""
 
 
 class Replica(BaseModel):

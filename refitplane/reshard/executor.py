@@ -601,7 +601,11 @@ class _Run:
                 for table, buf, sums in group.pack_tables:
                     launch_copy(table, buf, scatter=False, sums=sums)
             group.pack_dst, group.pack_src, group.pack_tables = [], [], []
-        handle = self.t.issue(channel, group.ops, self.deadline)
+        try:
+            handle = self.t.issue(channel, group.ops, self.deadline)
+        except TransferError as exc:
+            # Posting may read the peer's records (CUDA IPC): name the tensors too.
+            raise type(exc)(f"{exc.message}; posting {group.describe(self.rank)}") from exc
         t1 = time.perf_counter()
         self.report.host_post_seconds += t1 - t0
         if self.t.device_ordered:

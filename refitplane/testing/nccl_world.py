@@ -1,5 +1,6 @@
-"""A real multi-GPU world for tests and benchmarks: one spawned process per GPU, each with
-an `NcclTransport` over a rendezvous the parent mints. GPU machines only."""
+"""A real multi-GPU world for tests and benchmarks: one spawned process per rank, each with
+an `NcclTransport` (one GPU per rank) or a `CudaIpcTransport` (ranks may share a GPU) over a
+rendezvous the parent mints. GPU machines only."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def _entry(
     barrier: Any,
     kwargs: dict[str, Any],
     out: Any,
+    gpus: list[int] | None = None,
 ) -> None:
     os.environ.update(SAFE_ENV)
     # A rank still running when the parent is about to give up prints where it is stuck.
@@ -36,11 +38,19 @@ def _entry(
     from refitplane.reshard.transport.nccl import NcclTransport
 
     try:
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", rank if gpus is None else gpus[rank])
         torch.cuda.set_device(device)
-        transport = NcclTransport(
-            rank, world, blob, device=device, num_channels=channels, timeout_s=timeout_s
-        )
+        transport: Any
+        if gpus is None:
+            transport = NcclTransport(
+                rank, world, blob, device=device, num_channels=channels, timeout_s=timeout_s
+            )
+        else:
+            from refitplane.reshard.transport.cuda_ipc import CudaIpcTransport
+            from refitplane.reshard.transport.gloo import GlooTransport
+
+            control = GlooTransport(rank, world, blob, num_channels=channels, timeout_s=timeout_s)
+            transport = CudaIpcTransport(control, device=device)
         result = worker(rank=rank, world=world, transport=transport, barrier=barrier, **kwargs)
         if not result.pop("_aborted", False):
             transport.close()
@@ -63,6 +73,43 @@ def run_nccl_world(
         world,
         timeout_s + 60,
     )
+
+
+def run_ipc_world(
+    worker: Worker,
+    gpus: list[int],
+    *,
+    channels: int = 2,
+    timeout_s: float = 300.0,
+    **kwargs: Any,
+) -> dict[int, tuple[str, dict[str, Any]]]:
+    """Run `worker(rank=, world=, transport=, barrier=, **kwargs)` with rank r on GPU
+    `gpus[r]` over CUDA IPC ([0, 0]: two ranks on one GPU)."""
+    from refitplane.reshard.transport.gloo import create_gloo_rendezvous
+
+    world = len(gpus)
+    store, blob = create_gloo_rendezvous("127.0.0.1", world, timeout_s)
+    barrier = barrier_for(world, timeout_s)
+    try:
+        return spawn_and_collect(
+            _entry,
+            lambda r, out: (
+                worker,
+                r,
+                world,
+                blob,
+                channels,
+                timeout_s,
+                barrier,
+                kwargs,
+                out,
+                gpus,
+            ),
+            world,
+            timeout_s + 60,
+        )
+    finally:
+        del store
 
 
 def ranks_or_report(

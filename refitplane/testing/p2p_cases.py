@@ -99,6 +99,44 @@ def rank_plan(case: P2PCase, rank: int) -> RankPlan:
     return build_plan(case.source, case.target).rank_plan(rank)
 
 
+def refit_worker(
+    *,
+    rank: int,
+    world: int,
+    transport: Transport,
+    barrier: Any,
+    case_name: str,
+    gib: float,
+    bucket_mib: int = 256,
+    ring_mib: int = 1024,
+    refits: int = 1,
+) -> dict[str, Any]:
+    """A GPU test's rank (`nccl_world`): rank 0 sends case `case_name` to rank 1 `refits`
+    times over `transport`; returns what the last refit moved and, on rank 1, the boxes that
+    differ from the truth."""
+    MiB = 1 << 20
+    case = make_case(case_name, gib)
+    layout = case.source if rank == 0 else case.target
+    shards = make_shards(layout, rank, transport.device, fill=rank == 0)
+    cfg = TransferConfig(
+        bucket_bytes=bucket_mib * MiB,
+        num_channels=2,
+        max_inflight_bytes=ring_mib * MiB,
+        timeout_s=120,
+    )
+    executor = Executor(transport, cfg)
+    for _ in range(refits):
+        report = executor.run(rank_plan(case, rank), shards)
+    return {
+        "bytes": report.bytes_received if rank == 1 else report.bytes_sent,
+        "total": case.total_bytes,
+        "verified": report.tensors_verified,
+        "tensors": report.tensors_total,
+        "peak": report.staging_peak_bytes,
+        "mismatches": mismatches(layout, rank, shards) if rank == 1 else [],
+    }
+
+
 def timed_refit(
     transport: Transport,
     barrier: Any,

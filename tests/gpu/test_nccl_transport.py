@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from refitplane.testing import p2p_cases as pc
 from refitplane.testing.nccl_world import run_nccl_world
 
 pytestmark = [pytest.mark.gpu(count=2)]
@@ -14,34 +15,10 @@ pytestmark = [pytest.mark.gpu(count=2)]
 MiB = 1 << 20
 
 
-def _refit_worker(
-    *, rank: int, world: int, transport: Any, barrier: Any, case_name: str, gib: float
-) -> dict[str, Any]:
-    from refitplane.reshard.config import TransferConfig
-    from refitplane.reshard.executor import Executor
-    from refitplane.testing import p2p_cases as pc
-
-    case = pc.make_case(case_name, gib)
-    layout = case.source if rank == 0 else case.target
-    shards = pc.make_shards(layout, rank, transport.device, fill=rank == 0)
-    cfg = TransferConfig(
-        bucket_bytes=256 * MiB, num_channels=2, max_inflight_bytes=1024 * MiB, timeout_s=120
-    )
-    report = Executor(transport, cfg).run(pc.rank_plan(case, rank), shards)
-    return {
-        "bytes": report.bytes_received if rank == 1 else report.bytes_sent,
-        "total": case.total_bytes,
-        "verified": report.tensors_verified,
-        "tensors": report.tensors_total,
-        "peak": report.staging_peak_bytes,
-        "mismatches": pc.mismatches(layout, rank, shards) if rank == 1 else [],
-    }
-
-
 @pytest.mark.parametrize("case_name", ["whole", "tp2"])
 def test_four_gib_bf16_arrives_bit_exact(case_name: str) -> None:
     results = run_nccl_world(
-        _refit_worker, 2, channels=2, timeout_s=150, case_name=case_name, gib=4.25
+        pc.refit_worker, 2, channels=2, timeout_s=150, case_name=case_name, gib=4.25
     )
     for rank in (0, 1):
         status, detail = results[rank]

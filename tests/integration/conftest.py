@@ -327,6 +327,8 @@ class SimCluster:
         behaviour: Any = None,
         device: str = "cpu",
         version: int = 0,
+        node: str = "",
+        device_uuid: str = "",
     ) -> SimMember:
         from refitplane.agent import AgentSession, MemberInfo
         from refitplane.agent.simulated import SimulatedAgent
@@ -341,6 +343,8 @@ class SimCluster:
             host="127.0.0.1",
             device=device,
             version=version,
+            node=node,
+            device_uuid=device_uuid,
         )
         session = AgentSession(
             self.target, info, agent, token=self.token, tls_ca=self.tls_ca, timeout_s=10

@@ -39,6 +39,8 @@ def register_to_proto(info: m.MemberInfo) -> apb.RegisterRequest:
         labels=dict(info.labels),
         version=info.version,
         delta_receive=info.delta_receive,
+        node=info.node,
+        device_uuid=info.device_uuid,
     )
 
 
@@ -55,6 +57,8 @@ def register_from_proto(msg: apb.RegisterRequest) -> m.MemberInfo:
         labels=dict(msg.labels),
         version=msg.version,
         delta_receive=msg.delta_receive,
+        node=msg.node,
+        device_uuid=msg.device_uuid,
     )
 
 

@@ -107,6 +107,8 @@ def _member_to_proto(member: Member) -> cpb.Member:
         version=member.version,
         lease_expires_unix=member.lease_expires_unix,
         labels=member.labels,
+        node=member.node,
+        device_uuid=member.device_uuid,
     )
 
 
@@ -126,6 +128,8 @@ def _member_from_proto(msg: cpb.Member) -> Member:
         version=msg.version,
         lease_expires_unix=msg.lease_expires_unix,
         labels=dict(msg.labels),
+        node=msg.node,
+        device_uuid=msg.device_uuid,
     )
 
 

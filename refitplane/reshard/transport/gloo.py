@@ -80,6 +80,7 @@ class GlooTransport(Transport):
         self.rank = rank
         self.world_size = world_size
         self.num_channels = num_channels
+        self.timeout_s = timeout_s
         self.device = torch.device("cpu")
         # The stubs lack Gloo's send/recv, hence Any.
         self._groups: list[Any] = []

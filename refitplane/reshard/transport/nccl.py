@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from refitplane.errors import InvalidArgument, PeerFailure, TransferError, TransferTimeout
-from refitplane.reshard.transport.base import Handle, P2POp, Transport
+from refitplane.reshard.transport.base import Handle, P2POp
+from refitplane.reshard.transport.streams import ChannelStreams, StreamedTransport
 
 UID_BYTES = 128
 # Longest sleep between two polls of a wait. A group of 192 MiB takes ~0.5 ms on NVLink:
@@ -46,11 +47,7 @@ def create_nccl_rendezvous(num_channels: int) -> bytes:
     return b"".join(bytes(nc.get_unique_id()) for _ in range(num_channels))
 
 
-def _stream(device: torch.device, priority: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=device, priority=priority)  # type: ignore[no-untyped-call]
-
-
-class NcclTransport(Transport):
+class NcclTransport(StreamedTransport):
     device_ordered = True
 
     def __init__(
@@ -93,16 +90,11 @@ class NcclTransport(Transport):
         except BaseException:
             self.abort()
             raise
-        # Transfer and pack streams run at high priority: when checksums or unpacking (side
-        # streams, default priority) fill the GPU, the SMs that free up go to NCCL first.
-        # (Lower is higher; torch maps values beyond the device's range to its end.)
-        high = -8
-        self._streams = [_stream(device, high) for _ in range(num_channels)]
-        # Side streams: unpacking and checksums run there, so a channel's next group of
-        # transfers starts without waiting for them. Pack streams: packing the next group
-        # overlaps the current transfer; a group waits for its packing just before posting.
-        self._side = [_stream(device, 0) for _ in range(num_channels)]
-        self._pack = [_stream(device, high) for _ in range(num_channels)]
+        # Per channel: the NCCL stream, a pack stream (packing the next group overlaps the
+        # current transfer; a group waits for its packing just before posting) and a side
+        # stream (unpacking and checksums, so the next transfer does not wait for them).
+        self._channels = ChannelStreams(device, num_channels)
+        self._streams = self._channels.transfer
         # Peers every channel is connected to (`connect`), and its one-byte buffers.
         self._connected: set[int] = set()
         self._handshake: torch.Tensor | None = None
@@ -152,28 +144,6 @@ class NcclTransport(Transport):
             self.wait(handle, deadline)
         self._connected.update(missing)
 
-    def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(self._pack[channel])
-
-    @contextlib.contextmanager
-    def beside(self, channel: int, *, after_transfer: bool = True) -> Iterator[None]:
-        side = self._side[channel]
-        if after_transfer:
-            side.wait_stream(self._streams[channel])
-        side.wait_stream(self._pack[channel])
-        with torch.cuda.stream(side):
-            yield
-
-    def begin(self) -> None:
-        current = torch.cuda.current_stream(self.device)
-        for s in (*self._streams, *self._side, *self._pack):
-            s.wait_stream(current)
-
-    def end(self) -> None:
-        current = torch.cuda.current_stream(self.device)
-        for s in (*self._streams, *self._side, *self._pack):
-            current.wait_stream(s)
-
     # -- transfers --------------------------------------------------------------------------
 
     def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
@@ -188,7 +158,7 @@ class NcclTransport(Transport):
                     field="buffer",
                 )
         comm = self._comms[channel]
-        self._streams[channel].wait_stream(self._pack[channel])
+        self._streams[channel].wait_stream(self._channels.pack[channel])
         stream = self._streams[channel].cuda_stream
         # nccl4py's `Communicator.send` resolves the buffer (DLPack, dtype table, device
         # check) on every call, tens of microseconds; a refit posts hundreds of ops, so
@@ -209,8 +179,7 @@ class NcclTransport(Transport):
         return Handle(channel, ([event], [op.buffer for op in ops]))
 
     def fence(self, handle: Handle) -> Handle:
-        side = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        side.record(self._side[handle.channel])
+        side = self._channels.side_event(handle.channel)
         return Handle(handle.channel, ([*handle.payload[0], side], handle.payload[1]))
 
     def poll(self, handle: Handle) -> bool:

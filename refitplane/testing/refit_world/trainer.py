@@ -93,9 +93,35 @@ def trainer_main(rank: int, spec: TrainerSpec, commands: Any, results: Any) -> N
                 results.put(("report", rank, dataclasses.asdict(last) if last else {}))
             elif command[0] == "tokens":
                 results.put(("tokens", rank, _hf_tokens(spec, shards, *command[1])))
+            elif command[0] == "ipc_handles":
+                results.put(("ipc_handles", rank, _ipc_handles(shards, device)))
         agent.close()
     except BaseException as exc:  # noqa: BLE001 - reported to the driver
         results.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _ipc_handles(shards: Any, device: Any) -> dict[str, Any]:
+    """vLLM's `ipc` engine, trainer side, over this rank's tensors (whole at TP 1): the
+    update info its `IPCWeightTransferEngine.trainer_send_weights` builds (names, dtypes,
+    shapes, one `reduce_tensor` handle per tensor keyed by this GPU's UUID), and the
+    seconds it took."""
+    import time
+
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    started = time.perf_counter()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    info: dict[str, Any] = {"names": [], "dtype_names": [], "shapes": [], "ipc_handles": []}
+    for sv in shards:
+        info["names"].append(sv.spec.name)
+        info["dtype_names"].append(str(sv.tensor.dtype).split(".")[-1])
+        info["shapes"].append(list(sv.tensor.shape))
+        info["ipc_handles"].append(
+            {uuid: reduce_tensor(sv.tensor.detach().contiguous())}  # type: ignore[no-untyped-call]
+        )
+    info["seconds"] = time.perf_counter() - started
+    return info
 
 
 def _step(agent: Any, shards: Any, steps: list[Any], device: Any) -> None:

@@ -65,3 +65,48 @@ def transfer_report(worker: Any) -> dict[str, Any]:
     engine = worker.weight_transfer_engine
     report = engine.member.last_report if engine is not None and engine.member else None
     return dataclasses.asdict(report) if report is not None else {}
+
+
+def vllm_ipc_receive(worker: Any, update_info: dict[str, Any]) -> float:
+    """In a vLLM worker: receive one refit through vLLM's own `ipc` engine
+    (`IPCWeightTransferEngine.receive_weights`: rebuild every tensor from its CUDA IPC handle,
+    then the model's `load_weights`), built here because one `LLM` runs one weight-transfer
+    backend and this replica runs refitplane's. `update_info["ipc_handles"]`: per tensor,
+    {GPU UUID: torch's `reduce_tensor` result}. Both engine APIs seen so far are handled
+    (vLLM ≤ 0.2x: engine(config, parallel_config), receive_weights(info, load_weights),
+    handles (rebuild, args); 0.32: engine(config, vllm_config, device, model),
+    receive_weights(info), handles args only). Returns the seconds, synchronized."""
+    import inspect
+    import time
+
+    import torch
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer import ipc_engine
+
+    cls: Any = ipc_engine.IPCWeightTransferEngine
+    model = worker.model_runner.get_model()
+    config = WeightTransferConfig(backend="ipc")
+    if "model" in inspect.signature(cls.__init__).parameters:
+        device = next(model.parameters()).device
+        engine = cls(config, worker.vllm_config, device, model)
+    else:
+        engine = cls(config, worker.vllm_config.parallel_config)
+    old_api = "load_weights" in inspect.signature(engine.receive_weights).parameters
+    handles = [
+        {uuid: (h if old_api else h[1]) for uuid, h in per_gpu.items()}
+        for per_gpu in update_info["ipc_handles"]
+    ]
+    info = ipc_engine.IPCWeightTransferUpdateInfo(
+        names=update_info["names"],
+        dtype_names=update_info["dtype_names"],
+        shapes=update_info["shapes"],
+        ipc_handles=handles,
+    )
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    if old_api:
+        engine.receive_weights(info, load_weights=model.load_weights)
+    else:
+        engine.receive_weights(info)
+    torch.cuda.synchronize()
+    return time.perf_counter() - started

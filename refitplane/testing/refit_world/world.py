@@ -58,6 +58,9 @@ class World:
     quant: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
     gpu_memory_utilization: float = 0.45
+    # CUDA_VISIBLE_DEVICES of each replica (default: the GPUs after the trainers'). "0": on
+    # the trainer's GPU (colocated); "1,0": GPU 1, seeing GPU 0 (a cross-GPU CUDA IPC link).
+    replica_gpus: tuple[str, ...] = ()
     _procs: list[Any] = field(default_factory=list)
     _queues: dict[str, Any] = field(default_factory=dict)
     _results: Any = None
@@ -89,6 +92,8 @@ class World:
             rid = f"replica-{i}"
             gpus = ",".join(str(gpu + k) for k in range(tp))
             gpu += tp
+            if self.replica_gpus:
+                gpus = self.replica_gpus[i]
             spec = ReplicaSpec(
                 str(self.model_dir),
                 rid,

@@ -24,7 +24,17 @@ def _layout(rank, rows):
     return b.build()
 
 
-def _m(role, rank=0, world=1, replica="", digest="d", device="cpu", state=MemberState.READY):
+def _m(
+    role,
+    rank=0,
+    world=1,
+    replica="",
+    digest="d",
+    device="cpu",
+    state=MemberState.READY,
+    node="",
+    gpu="",
+):
     return MemberRecord(
         member_id=uuid.uuid4().hex,
         job="j",
@@ -35,6 +45,8 @@ def _m(role, rank=0, world=1, replica="", digest="d", device="cpu", state=Member
         layout_digest=digest,
         device=device,
         state=state,
+        node=node,
+        device_uuid=gpu,
     )
 
 
@@ -146,3 +158,50 @@ def test_plan_holdings_are_per_member_id_and_epoch():
     assert not held.holds("m1", 1, ("r", 0))
     held.forget("m1")
     assert not held.holds("m1", 2, ("r", 0))
+
+
+def _gpu(role, rank=0, world=1, replica="", node="n1", gpu="GPU-a"):
+    return _m(role, rank, world, replica, device="cuda:0", node=node, gpu=gpu)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "generator", "same_host", "backend"),
+    [
+        # One GPU shared by trainer and vLLM (colocated): CUDA IPC whatever the setting.
+        (("n1", "GPU-a"), ("n1", "GPU-a"), "nccl", Backend.CUDA_IPC),
+        # Two GPUs of one node: the setting decides; auto is NCCL until measured otherwise.
+        (("n1", "GPU-a"), ("n1", "GPU-b"), "ipc", Backend.CUDA_IPC),
+        (("n1", "GPU-a"), ("n1", "GPU-b"), "nccl", Backend.NCCL),
+        (("n1", "GPU-a"), ("n1", "GPU-b"), "auto", Backend.NCCL),
+        # Two nodes: NCCL, even when IPC is asked for same-node links.
+        (("n1", "GPU-a"), ("n2", "GPU-b"), "ipc", Backend.NCCL),
+        # Nobody named a node: never IPC across GPUs.
+        (("", "GPU-a"), ("", "GPU-b"), "ipc", Backend.NCCL),
+    ],
+)
+def test_backend_from_registered_nodes_and_gpus(trainer, generator, same_host, backend):
+    roster = Roster.of(
+        [
+            _gpu(Role.TRAINER, node=trainer[0], gpu=trainer[1]),
+            _gpu(Role.GENERATOR, replica="a", node=generator[0], gpu=generator[1]),
+        ]
+    )
+    assert roster.backend([(0, 1)], same_host) is backend
+
+
+def test_shared_gpu_in_a_group_that_spans_nodes_is_refused_by_name():
+    # Trainer 0 and replica a share GPU-a on n1; trainer 1 sends to replica b on n2.
+    roster = Roster.of(
+        [
+            _gpu(Role.TRAINER, 0, 2, node="n1", gpu="GPU-a"),
+            _gpu(Role.TRAINER, 1, 2, node="n2", gpu="GPU-c"),
+            _gpu(Role.GENERATOR, replica="a", node="n1", gpu="GPU-a"),
+            _gpu(Role.GENERATOR, replica="b", node="n2", gpu="GPU-d"),
+        ]
+    )
+    with pytest.raises(RefitFailed) as err:
+        roster.backend([(0, 2), (1, 3)], "auto")
+    assert err.value.reason == "INVALID_TOPOLOGY"
+    assert "share GPU GPU-a" in err.value.message
+    assert "trainer rank 0" in err.value.message
+    assert "generator replica 'a' rank 0" in err.value.message

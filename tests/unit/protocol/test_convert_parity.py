@@ -69,6 +69,8 @@ MEMBER_INFO = m.MemberInfo(
     labels={"receive_mode": "staged"},
     version=7,
     delta_receive=True,
+    node="node-a",
+    device_uuid="GPU-0f1e2d3c",
 )
 COMMANDS: list[m.CommandBody] = [
     m.CreateRendezvousCmd(epoch=3, backend=Backend.NCCL, group_size=4, num_channels=2),
@@ -165,6 +167,8 @@ TOPOLOGY = Topology(
             version=7,
             lease_expires_unix=9.5,
             labels={"receive_mode": "staged"},
+            node="node-a",
+            device_uuid="GPU-0f1e2d3c",
         )
     ],
     replicas=[

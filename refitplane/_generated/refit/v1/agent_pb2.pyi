@@ -65,6 +65,8 @@ class RegisterRequest(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     DELTA_RECEIVE_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     role: _common_pb2.Role.ValueType
     replica_id: _builtins.str
@@ -81,6 +83,13 @@ class RegisterRequest(_message.Message):
     """Generators: the views this rank registers are its live weights and keep their bytes
     between refits, so it can apply a delta in place (staged receivers cannot).
     """
+    node: _builtins.str
+    """The physical machine this rank runs on (REFIT_NODE; Kubernetes: the node name), and its
+    GPU's UUID: the coordinator picks CUDA IPC for a link whose two ends share a GPU or a
+    node, and NCCL across nodes. `host` is an address and may differ between the pods of
+    one node.
+    """
+    device_uuid: _builtins.str
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -96,10 +105,12 @@ class RegisterRequest(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         version: _builtins.int = ...,
         delta_receive: _builtins.bool = ...,
+        node: _builtins.str = ...,
+        device_uuid: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta_receive", b"delta_receive", "device", b"device", "host", b"host", "job", b"job", "labels", b"labels", "rank", b"rank", "replica_id", b"replica_id", "role", b"role", "version", b"version", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta_receive", b"delta_receive", "device", b"device", "device_uuid", b"device_uuid", "host", b"host", "job", b"job", "labels", b"labels", "node", b"node", "rank", b"rank", "replica_id", b"replica_id", "role", b"role", "version", b"version", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

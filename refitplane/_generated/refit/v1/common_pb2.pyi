@@ -122,6 +122,11 @@ class _BackendEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Backend.Value
     """torch.distributed Gloo on CPU; rendezvous is a TCPStore "host:port"."""
     BACKEND_NCCL: _Backend.ValueType  # 2
     """nccl4py on GPU; rendezvous is one 128-byte NCCL unique id per channel."""
+    BACKEND_CUDA_IPC: _Backend.ValueType  # 3
+    """CUDA IPC on one host (ranks on the same GPU, or GPUs of one host): the receiver maps the
+    sender's buffers and copies its boxes. Rendezvous is a TCPStore "host:port" for the Gloo
+    control messages (buffer handles, completions); no tensor byte crosses it.
+    """
 
 class Backend(_Backend, metaclass=_BackendEnumTypeWrapper): ...
 
@@ -130,6 +135,11 @@ BACKEND_GLOO: Backend.ValueType  # 1
 """torch.distributed Gloo on CPU; rendezvous is a TCPStore "host:port"."""
 BACKEND_NCCL: Backend.ValueType  # 2
 """nccl4py on GPU; rendezvous is one 128-byte NCCL unique id per channel."""
+BACKEND_CUDA_IPC: Backend.ValueType  # 3
+"""CUDA IPC on one host (ranks on the same GPU, or GPUs of one host): the receiver maps the
+sender's buffers and copies its boxes. Rendezvous is a TCPStore "host:port" for the Gloo
+control messages (buffer handles, completions); no tensor byte crosses it.
+"""
 Global___Backend: _TypeAlias = Backend  # noqa: Y015
 
 @_typing.final
@@ -434,6 +444,8 @@ class Member(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRES_UNIX_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     job: _builtins.str
     role: Global___Role.ValueType
@@ -449,6 +461,10 @@ class Member(_message.Message):
     version: _builtins.int
     """For generators and sidecars: the weight version this replica fully holds (0: none)."""
     lease_expires_unix: _builtins.float
+    node: _builtins.str
+    """The physical machine the member runs on (RegisterRequest.node)."""
+    device_uuid: _builtins.str
+    """The GPU's UUID ("GPU-..."), empty on CPU."""
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -468,10 +484,12 @@ class Member(_message.Message):
         version: _builtins.int = ...,
         lease_expires_unix: _builtins.float = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        node: _builtins.str = ...,
+        device_uuid: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "group_rank", b"group_rank", "host", b"host", "job", b"job", "labels", b"labels", "layout_digest", b"layout_digest", "lease_expires_unix", b"lease_expires_unix", "member_id", b"member_id", "rank", b"rank", "replica_id", b"replica_id", "role", b"role", "state", b"state", "version", b"version", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "device_uuid", b"device_uuid", "group_rank", b"group_rank", "host", b"host", "job", b"job", "labels", b"labels", "layout_digest", b"layout_digest", "lease_expires_unix", b"lease_expires_unix", "member_id", b"member_id", "node", b"node", "rank", b"rank", "replica_id", b"replica_id", "role", b"role", "state", b"state", "version", b"version", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

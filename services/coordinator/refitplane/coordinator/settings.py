@@ -72,6 +72,10 @@ class Settings(BaseSettings):
     delta: Literal["off", "auto", "on"] = "off"
     # "auto": a message whose changed fraction is above this goes dense.
     delta_max_changed: float = _TRANSFER.delta_max_changed
+    # Two GPUs of one node: CUDA IPC ("ipc"), NCCL P2P ("nccl") or whichever was measured
+    # faster ("auto"). Ranks on one GPU always use CUDA IPC, different nodes NCCL
+    # (refitplane.protocol.links; docs/deploy.md#colocated-deployments).
+    same_host_transport: Literal["auto", "ipc", "nccl"] = "auto"
     # Accept trainer tensors that no generator needs (else the refit fails: model mismatch).
     allow_unused_tensors: bool = False
     # Empty: any job that has registered members.

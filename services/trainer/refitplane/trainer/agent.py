@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
-from refitplane.agent.dataplane import DataPlaneMember, Prepared, local_address
+from refitplane.agent.dataplane import DataPlaneMember, Prepared, local_address, placement_of
 from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
 from refitplane.errors import TransferTimeout
@@ -170,6 +170,7 @@ class TrainerAgent:
             step_timeout_s=step_timeout_s,
             delta_snapshot=snapshot,
         )
+        node, gpu = placement_of(self.device, env.node)
         info = MemberInfo(
             job=job,
             role=Role.TRAINER,
@@ -177,6 +178,8 @@ class TrainerAgent:
             world_size=world_size,
             host=host,
             device=str(self.device),
+            node=node,
+            device_uuid=gpu,
             labels={
                 # What a delta base costs this rank (shown by `refitctl topology`): one copy
                 # of its shards, kept only while the coordinator runs delta refits.

@@ -275,7 +275,9 @@ class JobDriver:
         target = [(rank_of[m.member_id], m) for rep in targets for m in rep.ordered()]
         # Layouts are checked (and the plan built) before any command goes out.
         planned = await self._ctx.plans.plan(source, target)
-        backend = roster.backend()
+        backend = roster.backend(
+            ((link.src, link.dst) for link in planned.plan.links), self._s.same_host_transport
+        )
         self.source_digest, self.target_digest = planned.source_digest, planned.target_digest
 
         plan = planned.plan

@@ -185,6 +185,8 @@ class Membership:
             world_size=info.world_size,
             host=info.host,
             device=info.device,
+            node=info.node,
+            device_uuid=info.device_uuid,
             labels=dict(info.labels),
             version=info.version if info.role is not Role.TRAINER else 0,
             delta_receive=info.delta_receive and info.role is Role.GENERATOR,

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from refitplane.coordinator.core.failures import RefitFailed, list_some
 from refitplane.coordinator.core.records import MemberRecord, PlanInfo
 from refitplane.coordinator.store.base import Store
-from refitplane.errors import LayoutError
+from refitplane.errors import InvalidArgument, LayoutError
 from refitplane.protocol import Backend, Reason, Role
+from refitplane.protocol.links import Link, Placement, SameHost, group_transports
 from refitplane.reshard.layout import Layout, merge_layouts
 from refitplane.reshard.layout_json import dump_layout, parse_layout
 from refitplane.reshard.plan import Plan, RankPlan
@@ -147,18 +148,27 @@ class Roster:
             out.extend(rep.ordered())
         return out
 
-    def backend(self) -> Backend:
-        devices = {m.device.split(":")[0] for m in self.group_members()}
-        if devices == {"cpu"}:
-            return Backend.GLOO
-        if devices == {"cuda"}:
-            return Backend.NCCL
-        examples = [f"{m.describe()} on {m.device}" for m in self.group_members()]
-        raise RefitFailed(
-            Reason.INVALID_TOPOLOGY,
-            f"members mix cpu and cuda devices ({list_some(examples, 4)}); one group needs "
-            "one backend",
-        )
+    def backend(self, links: Iterable[Link] = (), same_host: SameHost = "auto") -> Backend:
+        """The group's backend for the plan's `links` (group ranks): Gloo on CPUs, CUDA IPC
+        when every link stays on one node and IPC serves it, NCCL otherwise
+        (`refitplane.protocol.links`)."""
+        group = self.group_members()
+        devices = {m.device.split(":")[0] for m in group}
+        if len(devices) > 1:
+            examples = [f"{m.describe()} on {m.device}" for m in group]
+            raise RefitFailed(
+                Reason.INVALID_TOPOLOGY,
+                f"members mix cpu and cuda devices ({list_some(examples, 4)}); one group needs "
+                "one backend",
+            )
+        placements = [Placement(m.device, m.node, m.device_uuid) for m in group]
+        try:
+            chosen = group_transports(
+                placements, links, same_host, names=[m.describe() for m in group]
+            )
+        except InvalidArgument as exc:
+            raise RefitFailed(Reason.INVALID_TOPOLOGY, exc.message) from None
+        return chosen.backend
 
 
 class LayoutCache:

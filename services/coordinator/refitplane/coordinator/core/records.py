@@ -37,6 +37,9 @@ class MemberRecord(BaseModel):
     world_size: int = 1
     host: str = ""
     device: str = ""
+    # The physical machine and the GPU's UUID: which links may use CUDA IPC.
+    node: str = ""
+    device_uuid: str = ""
     labels: dict[str, str] = Field(default_factory=dict)
     # Generators and sidecars: the version this member fully holds.
     version: int = 0

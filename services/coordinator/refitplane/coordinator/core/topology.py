@@ -71,6 +71,8 @@ def job_topology(snap: JobSnapshot) -> Topology:
             version=m.version,
             lease_expires_unix=m.lease_expires_unix,
             labels=dict(m.labels),
+            node=m.node,
+            device_uuid=m.device_uuid,
         )
         for m in sorted(members, key=lambda m: (m.role.value, m.replica_id, m.rank))
     ]

@@ -85,8 +85,14 @@ def check_member(info: MemberInfo) -> MemberInfo:
         )
     if info.role is Role.GENERATOR_SIDECAR and info.rank != 0:
         raise InvalidArgument("a sidecar registers with rank 0 (one per replica)", field="rank")
-    if len(info.host) > 255:
-        raise InvalidArgument("host is longer than 255 characters", field="host")
+    for name, value in (("host", info.host), ("node", info.node)):
+        if len(value) > 255:
+            raise InvalidArgument(f"{name} is longer than 255 characters", field=name)
+    if len(info.device_uuid) > 64 or any(ord(c) < 33 for c in info.device_uuid):
+        raise InvalidArgument(
+            f"device_uuid {_short(info.device_uuid)} must be at most 64 printable characters",
+            field="device_uuid",
+        )
     if info.role.is_data_plane and not _DEVICE.fullmatch(info.device):
         raise InvalidArgument(
             f"device {_short(info.device)} must be 'cpu', 'cuda' or 'cuda:N'", field="device"

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Refits through CUDA IPC into real vLLM: colocated (trainer and vLLM on one GPU) and across
+two GPUs of one node (IPC vs NCCL P2P on the same plan, same run), against the device's copy
+limit measured in the same run.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+      python benchmarks/ipc_refit.py --case colocated --model qwen3-1.7b --out r.json
+
+Cases (`--case`, one or more):
+
+- `colocated`: trainer TP1 process on GPU 0, vLLM TP1 (dummy weights, bf16) on GPU 0 too.
+  The coordinator sees one GPU UUID on both ends and forms a CUDA IPC group (NCCL refuses
+  two ranks on one GPU). Copy limit: a device-to-device copy of the plan's bytes on GPU 0.
+- `cross`: trainer on GPU 0, vLLM on GPU 1 (CUDA_VISIBLE_DEVICES="1,0": it sees GPU 0 to
+  map the trainer's memory). The same world refits with REFIT_SAME_HOST_TRANSPORT=ipc, then
+  =nccl (a new group), alternating. Copy limit: a GPU 0 → GPU 1 peer copy of the plan's bytes.
+
+Per refit: trigger → COMMITTED and the data plane (TRANSFERRING), checksums verified, then
+every live vLLM parameter box compared byte for byte with the trainer's tensor after a
+synthetic optimizer step (`worker_probes.check_replayed_weights`). Writes JSON (`--out`)
+and prints one table row per case and transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from refitplane.testing.model_layouts import GPU_LAYOUTS
+from refitplane.testing.refit_world import refit_world
+from refitplane.testing.refit_world.world import RefitResult, World
+
+MiB = 1 << 20
+
+
+def copy_limit(nbytes: int, src: int, dst: int, repeats: int = 5) -> float:
+    """Seconds for the fastest device copy of `nbytes` from GPU `src` to GPU `dst` (one
+    `copy_`, the copy engine), as the IPC receiver does."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{src}")
+    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst}")
+    best = float("inf")
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize(src)
+        torch.cuda.synchronize(dst)
+        t0 = time.perf_counter()
+        b.copy_(a, non_blocking=True)
+        torch.cuda.synchronize(dst)
+        torch.cuda.synchronize(src)
+        best = min(best, time.perf_counter() - t0)
+    del a, b
+    torch.cuda.empty_cache()
+    return best
+
+
+def plan_bytes(shape: str) -> int:
+    from refitplane.reshard.planner import build_plan
+    from refitplane.testing.model_layouts import model_layouts
+
+    return build_plan(*model_layouts(shape, GPU_LAYOUTS["tp1"])).total_bytes
+
+
+def _check(world: World, steps: list[Any]) -> dict[str, Any]:
+    from refitplane.testing.refit_world.worker_probes import check_replayed_weights
+
+    reports = world.ask("replica-0", ("rpc", (check_replayed_weights, [list(steps)])), "rpc")
+    failures = [f for r in reports for f in r["failures"]]
+    checked = sum(r["checked"] for r in reports)
+    return {"checked": checked, "failures": failures[:5], "exact": checked > 0 and not failures}
+
+
+def _row(label: str, results: list[RefitResult], checks: list[dict[str, Any]]) -> dict[str, Any]:
+    bad = [f"{r.state} {r.reason}" for r in results if r.state != "COMMITTED"]
+    return {
+        "label": label,
+        "total_s": [round(r.seconds, 4) for r in results],
+        "transfer_s": [round(r.transfer_s, 4) for r in results],
+        "total_median_s": statistics.median(r.seconds for r in results),
+        "transfer_median_s": statistics.median(r.transfer_s for r in results),
+        "bytes": results[0].bytes_total,
+        "verified": all(r.tensors_verified == r.tensors_total > 0 for r in results),
+        "exact": all(c["exact"] for c in checks),
+        "checked_boxes": checks[-1]["checked"] if checks else 0,
+        "failed": bad + [f for c in checks for f in c["failures"]][:5],
+    }
+
+
+def _print(case: str, row: dict[str, Any], limit_s: float) -> None:
+    gbs = row["bytes"] / row["transfer_median_s"] / 1e9 if row["transfer_median_s"] else 0.0
+    print(
+        f"[{case}] {row['label']}: trigger->COMMITTED {row['total_median_s']:.3f} s, data plane "
+        f"{row['transfer_median_s']:.3f} s ({gbs:.1f} GB/s, {row['transfer_median_s'] / limit_s:.2f}x "
+        f"the copy limit {limit_s * 1e3:.1f} ms), verified={row['verified']} exact={row['exact']} "
+        f"({row['checked_boxes']} boxes) {row['failed'] or ''}",
+        flush=True,
+    )
+
+
+def _refits(world: World, steps: list[Any], label: str, repeats: int, seed0: int) -> dict[str, Any]:
+    results, checks = [], []
+    for i in range(repeats):
+        step = ("flip", 0.01, seed0 + i)
+        world.ask("trainer-0", ("step", step), "step")
+        steps.append(step)
+        results.append(world.refit())
+        checks.append(_check(world, steps))
+    return _row(label, results, checks)
+
+
+def vllm_ipc_baseline(
+    world: World, steps: list[Any], repeats: int, limit_s: float
+) -> dict[str, Any]:
+    """vLLM's `ipc` engine on the same replica and trainer: the trainer hands out one CUDA IPC
+    handle per (whole) tensor, the worker rebuilds them and runs `load_weights`
+    (`worker_probes.vllm_ipc_receive`). End to end: handles asked → worker done."""
+    from refitplane.testing.refit_world.worker_probes import vllm_ipc_receive
+
+    totals, receives, handles, checks = [], [], [], []
+    try:
+        for i in range(repeats + 1):
+            step = ("flip", 0.01, 900 + i)
+            world.ask("trainer-0", ("step", step), "step")
+            steps.append(step)
+            started = time.monotonic()
+            info = world.ask("trainer-0", ("ipc_handles", None), "ipc_handles")
+            seconds = world.ask("replica-0", ("rpc", (vllm_ipc_receive, [info])), "rpc")
+            total = time.monotonic() - started
+            if i == 0:
+                continue  # first use: imports, first mapping of every allocation
+            totals.append(total)
+            receives.append(max(seconds))
+            handles.append(info["seconds"])
+            checks.append(_check(world, steps))
+    except Exception as exc:  # noqa: BLE001 - vLLM 0.26 may not ship the ipc engine
+        return {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+    out = {
+        "total_s": totals,
+        "receive_s": receives,
+        "handles_s": handles,
+        "total_median_s": statistics.median(totals),
+        "receive_median_s": statistics.median(receives),
+        "exact": all(c["exact"] for c in checks),
+    }
+    print(
+        f"[colocated] vLLM ipc engine: end to end {out['total_median_s']:.3f} s, receive + "
+        f"load_weights {out['receive_median_s']:.3f} s ({out['receive_median_s'] / limit_s:.2f}x "
+        f"the copy limit), exact={out['exact']}",
+        flush=True,
+    )
+    return out
+
+
+def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
+    started = time.monotonic()
+    nbytes = plan_bytes(args.model)
+    src, dst = (0, 0) if case == "colocated" else (0, 1)
+    limit_s = copy_limit(nbytes, src, dst)
+    out: dict[str, Any] = {
+        "case": case,
+        "model": args.model,
+        "plan_bytes": nbytes,
+        "copy_limit_s": limit_s,
+        "copy_limit_gbs": nbytes / limit_s / 1e9,
+    }
+    print(
+        f"[{case}] {args.model}: {nbytes / MiB:.0f} MiB planned; copy limit GPU{src}->GPU{dst} "
+        f"{limit_s * 1e3:.2f} ms ({out['copy_limit_gbs']:.0f} GB/s)",
+        flush=True,
+    )
+    transports = ["ipc"] if case == "colocated" else ["ipc", "nccl"]
+    settings = {
+        "delta": "off",
+        "num_channels": args.streams,
+        "bucket_bytes": args.bucket * MiB,
+        "max_inflight_bytes": args.inflight * MiB,
+        "same_host_transport": transports[0],
+    }
+    with refit_world(
+        shape=args.model,
+        device="cuda",
+        trainer_ranks=1,
+        replica_tps=(1,),
+        replica_gpus=("0",) if case == "colocated" else ("1,0",),
+        workdir=args.workdir / case,
+        settings=settings,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    ) as world:
+        out["startup_s"] = time.monotonic() - started
+        steps: list[Any] = []
+        rows: dict[str, list[dict[str, Any]]] = {t: [] for t in transports}
+        for rnd in range(args.rounds):
+            for t in transports:
+                world.configure(same_host_transport=t)
+                warm = world.refit()  # a new group (backend changed), first touch
+                if warm.state != "COMMITTED":
+                    rows[t].append(_row(f"{t} warm-up", [warm], []))
+                    _print(case, rows[t][-1], limit_s)
+                    continue
+                row = _refits(world, steps, t, args.repeats, seed0=10 * (rnd + 1))
+                rows[t].append(row)
+                _print(case, row, limit_s)
+        out["rows"] = rows
+        out["trainer_extra_mib"] = max(world.trainer_peak_memory()) / MiB
+        if case == "colocated" and not args.no_baseline:
+            out["vllm_ipc"] = vllm_ipc_baseline(world, steps, args.repeats, limit_s)
+    out["wall_s"] = time.monotonic() - started
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", nargs="+", default=["colocated"], choices=["colocated", "cross"])
+    parser.add_argument("--model", default="qwen3-1.7b")
+    parser.add_argument("--streams", type=int, default=2)
+    parser.add_argument("--bucket", type=int, default=256, help="MiB")
+    parser.add_argument("--inflight", type=int, default=1024, help="MiB (trainer staging ring)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="cross: ipc/nccl alternations")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's ipc engine")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/ipc-refit"))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    # `timeout` sends SIGTERM: leave through the worlds' exits, which stop vLLM and the
+    # trainers (their own process groups) instead of leaving them on the GPU.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    import torch
+
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "host": platform.node(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "REFIT_"))},
+        "cases": [],
+    }
+    rc = 0
+    for case in args.case:
+        try:
+            out["cases"].append(run_case(case, args))
+        except Exception as exc:  # noqa: BLE001 - the other cases still run
+            rc = 1
+            out["cases"].append({"case": case, "error": f"{exc}\n{traceback.format_exc()}"})
+            print(f"[{case}] FAILED: {exc}", flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(out, indent=1))
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

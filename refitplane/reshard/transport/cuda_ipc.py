@@ -1,0 +1,324 @@
+"""CUDA IPC transport (GPUs of one node, or ranks sharing one GPU): the receiver maps the
+sender's buffers and copies exactly its message out of them.
+
+Control messages go over Gloo (CPU, TCP; rendezvous = a TCPStore "host:port", as the Gloo
+transport's), the bytes never do: for each send the sender exports its buffer's CUDA
+allocation (`ipc_records.IpcRecord`: torch's `_share_cuda_` of the storage, the offset and
+size of the message, a sequence number) and sends that record; the receiver opens the
+allocation once (kept open for the group's life, as torch's own cache does), copies the
+message into its buffer on the channel's copy stream (the copy engines: same GPU, or the
+peer GPU over NVLink/PCIe), and, once the copy completed, sends an 8-byte acknowledgement
+with the sequence number. The sender's send completes with that acknowledgement, so its
+staging slice (or the parameters a direct message reads) is not reused before the receiver
+has its bytes. Buffers are the executor's: the trainer's bounded staging ring and its
+parameters; nothing else is allocated per refit.
+
+Ordering: a sender synchronizes its packing (on the host) before it hands out a record, so
+the receiver's copy, queued after it reads the record, reads packed bytes. Unpacking and
+checksums on the receiver are queued after the copy on a side stream (`device_ordered`),
+as on NCCL. A receiver posting a group waits for each of its records (bounded by the
+deadline) while it acknowledges every earlier copy that completed, so a sender waiting for
+an acknowledgement to free its ring never waits on a receiver that waits on it.
+
+Failures are `TransferError`s naming the rank, the peer, the channel and the message: a
+record that is not the expected one (order, size), a handle that does not open (a sender
+that exited or freed the memory), a GPU the receiver cannot see (CUDA_VISIBLE_DEVICES must
+include the sender's GPU for a cross-GPU link), a timeout. The executor adds the tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from refitplane.errors import InvalidArgument, PeerFailure, TransferError, TransferTimeout
+from refitplane.reshard.transport.base import Handle, P2POp
+from refitplane.reshard.transport.gloo import GlooTransport
+from refitplane.reshard.transport.ipc_records import ACK, RECORD_BYTES, IpcRecord
+from refitplane.reshard.transport.streams import ChannelStreams, StreamedTransport
+
+_TAG_RECORD = 1
+_TAG_ACK = 2
+_MAX_POLL_S = 5e-5
+
+
+def device_uuid(device: torch.device | int) -> str:
+    """The GPU's UUID as text (the identity members register; stable across processes)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+@dataclass
+class _Incoming:
+    """A receive whose copy is queued: acknowledged once `event` completed."""
+
+    peer: int
+    channel: int
+    seq: int
+    event: torch.cuda.Event
+    acked: bool = False
+
+
+@dataclass
+class _State:
+    """A posted group: its copy/side events, its acknowledgements to wait for (sender),
+    and what must stay referenced until it completes."""
+
+    events: list[torch.cuda.Event] = field(default_factory=list)
+    acks: list[tuple[Any, torch.Tensor, int, int]] = field(default_factory=list)
+    keep: list[Any] = field(default_factory=list)
+
+
+class CudaIpcTransport(StreamedTransport):
+    device_ordered = True
+
+    def __init__(self, control: GlooTransport, *, device: torch.device) -> None:
+        """`control`: the group's Gloo transport (its channels carry the records and
+        acknowledgements); this transport owns it from now on."""
+        if device.type != "cuda":
+            control.abort()
+            raise InvalidArgument(
+                f"rank {control.rank}: CUDA IPC needs a CUDA device, got {device}", field="device"
+            )
+        torch.cuda.set_device(device)
+        self._control = control
+        self._pgs: list[Any] = control._groups
+        self.rank = control.rank
+        self.world_size = control.world_size
+        self.num_channels = control.num_channels
+        self.device = device
+        self.timeout_s = control.timeout_s
+        self._uuid = device_uuid(device)
+        # Per channel: the copy stream (the transfer), a pack and a side stream.
+        self._channels = ChannelStreams(device, self.num_channels)
+        self._copy = self._channels.transfer
+        self._pack = self._channels.pack
+        self._send_seq: dict[tuple[int, int], int] = {}
+        self._recv_seq: dict[tuple[int, int], int] = {}
+        # Receiver: allocations opened, by (handle, storage offset); local index by GPU UUID.
+        self._opened: dict[tuple[bytes, int], torch.UntypedStorage] = {}
+        self._local_index: dict[str, int] = {}
+        self._incoming: deque[_Incoming] = deque()
+        self._ack_sends: list[tuple[Any, torch.Tensor]] = []
+        self._aborted = False
+
+    # -- transfers ----------------------------------------------------------------------------
+
+    def _where(self, channel: int, src: int, dst: int, seq: int) -> str:
+        return f"rank {self.rank}: CUDA IPC message {seq} from rank {src} to rank {dst} on channel {channel}"
+
+    def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
+        if self._aborted:
+            raise TransferError("transport was aborted; a new group is needed")
+        for op in ops:
+            buf = op.buffer
+            if buf.dtype != torch.uint8 or buf.device != self.device or not buf.is_contiguous():
+                raise InvalidArgument(
+                    f"rank {self.rank}: CUDA IPC buffers must be contiguous uint8 on "
+                    f"{self.device}, got {buf.dtype} on {buf.device}",
+                    field="buffer",
+                )
+        pg = self._pgs[channel]
+        state = _State()
+        sends = [op for op in ops if op.send]
+        if sends:
+            # The records hand out packed bytes: packing (and, for direct messages, the
+            # writes ordered before `begin`) must be done before a receiver copies.
+            self._pack[channel].synchronize()
+        try:
+            for op in sends:
+                key = (channel, op.peer)
+                seq = self._send_seq.get(key, 0)
+                self._send_seq[key] = seq + 1
+                record = self._export(op.buffer, seq, channel)
+                out = torch.frombuffer(bytearray(record.encode()), dtype=torch.uint8)
+                ack = torch.zeros(ACK.size, dtype=torch.uint8)
+                state.keep += [out, op.buffer]
+                state.keep.append(pg.send([out], op.peer, _TAG_RECORD))
+                state.acks.append((pg.recv([ack], op.peer, _TAG_ACK), ack, op.peer, seq))
+            recvs = [op for op in ops if not op.send]
+            posted = []
+            for op in recvs:
+                rec = torch.empty(RECORD_BYTES, dtype=torch.uint8)
+                posted.append((op, rec, pg.recv([rec], op.peer, _TAG_RECORD)))
+            for op, rec, work in posted:
+                key = (channel, op.peer)
+                seq = self._recv_seq.get(key, 0)
+                self._recv_seq[key] = seq + 1
+                where = self._where(channel, op.peer, self.rank, seq)
+                self._wait_work(work, deadline, where)
+                record = IpcRecord.decode(rec.numpy().tobytes(), where=where)
+                record.check(seq=seq, nbytes=op.buffer.numel(), where=where)
+                source = self._open(record, where)
+                with torch.cuda.stream(self._copy[channel]):
+                    op.buffer.copy_(source, non_blocking=True)
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record()
+                state.events.append(event)
+                state.keep.append(source)
+                self._incoming.append(_Incoming(op.peer, channel, seq, event))
+        except RuntimeError as exc:
+            raise PeerFailure(
+                f"rank {self.rank}: CUDA IPC on channel {channel} failed: {exc}"
+            ) from exc
+        return Handle(channel, state)
+
+    def _export(self, buf: torch.Tensor, seq: int, channel: int) -> IpcRecord:
+        storage = buf.untyped_storage()
+        with torch.cuda.stream(self._pack[channel]):
+            (
+                _device,
+                handle,
+                size,
+                storage_offset,
+                ref_counter,
+                ref_counter_offset,
+                event,
+                event_sync,
+            ) = storage._share_cuda_()  # type: ignore[no-untyped-call]
+        return IpcRecord(
+            seq=seq,
+            nbytes=buf.numel(),
+            offset=int(buf.storage_offset()) * buf.element_size(),
+            storage_size=int(size),
+            storage_offset=int(storage_offset),
+            ref_counter_offset=int(ref_counter_offset),
+            event_sync_required=bool(event_sync),
+            handle=bytes(handle),
+            ref_counter_handle=bytes(ref_counter),
+            event_handle=bytes(event) if event is not None else None,
+            device_uuid=self._uuid,
+        )
+
+    def _device_index(self, uuid: str, where: str) -> int:
+        index = self._local_index.get(uuid)
+        if index is None:
+            for i in range(torch.cuda.device_count()):
+                self._local_index.setdefault(device_uuid(i), i)
+            index = self._local_index.get(uuid)
+        if index is None:
+            raise TransferError(
+                f"{where}: the sender's GPU {uuid} is not visible here; a cross-GPU CUDA IPC "
+                "link needs the receiver to see the sender's GPU (CUDA_VISIBLE_DEVICES)"
+            )
+        return index
+
+    def _open(self, record: IpcRecord, where: str) -> torch.Tensor:
+        """The message's bytes in the sender's memory, as a uint8 tensor of this process."""
+        index = self._device_index(record.device_uuid, where)
+        key = (record.handle, record.storage_offset)
+        storage = self._opened.get(key)
+        try:
+            if storage is None:
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    index,
+                    record.handle,
+                    record.storage_size,
+                    record.storage_offset,
+                    record.ref_counter_handle,
+                    record.ref_counter_offset,
+                    record.event_handle,
+                    record.event_sync_required,
+                )
+                self._opened[key] = storage
+            else:
+                # Already mapped; the producer counted this share, so give it back now
+                # (as torch's rebuild_cuda_tensor does).
+                torch.UntypedStorage._release_ipc_counter(  # type: ignore[no-untyped-call]
+                    record.ref_counter_handle, record.ref_counter_offset, device=index
+                )
+        except RuntimeError as exc:
+            raise PeerFailure(
+                f"{where}: cannot open the sender's CUDA IPC handle (did it exit or free the "
+                f"memory?): {exc}"
+            ) from exc
+        whole = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
+        whole.set_(storage, 0, (record.storage_size,))  # type: ignore[call-overload]
+        return whole[record.offset : record.offset + record.nbytes]
+
+    def _wait_work(self, work: Any, deadline: float, where: str) -> None:
+        """Wait for one control message, acknowledging completed copies meanwhile."""
+        delay = 1e-5
+        while not work.is_completed():
+            self._progress()
+            if self._aborted:
+                raise TransferError(f"{where}: transport aborted")
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"{where}: the peer did not hand out its buffer in time")
+            time.sleep(delay)
+            delay = min(delay * 2, _MAX_POLL_S)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise PeerFailure(f"{where}: control message failed: {exc}") from exc
+
+    def _progress(self) -> None:
+        """Acknowledge every receive whose copy completed (in any channel)."""
+        while self._incoming and self._incoming[0].event.query():  # type: ignore[no-untyped-call]
+            done = self._incoming.popleft()
+            ack = torch.frombuffer(bytearray(ACK.pack(done.seq)), dtype=torch.uint8)
+            self._ack_sends.append((self._pgs[done.channel].send([ack], done.peer, _TAG_ACK), ack))
+        self._ack_sends = [(w, t) for w, t in self._ack_sends if not w.is_completed()]
+
+    def fence(self, handle: Handle) -> Handle:
+        state: _State = handle.payload
+        state.events.append(self._channels.side_event(handle.channel))
+        return handle
+
+    def poll(self, handle: Handle) -> bool:
+        self._progress()
+        state: _State = handle.payload
+        return all(e.query() for e in state.events) and all(  # type: ignore[no-untyped-call]
+            w.is_completed() for w, _, _, _ in state.acks
+        )
+
+    def wait(self, handle: Handle, deadline: float, cancel: threading.Event | None = None) -> None:
+        delay = 2e-5
+        while not self.poll(handle):
+            if self._aborted:
+                raise TransferError(f"rank {self.rank}: transport aborted")
+            if time.monotonic() > deadline:
+                raise TransferTimeout(
+                    f"rank {self.rank}: a CUDA IPC transfer on channel {handle.channel} did not "
+                    "complete in time"
+                )
+            if cancel is not None and cancel.is_set():
+                raise TransferError(f"rank {self.rank}: transfer cancelled")
+            time.sleep(delay)
+            delay = min(delay * 2, _MAX_POLL_S)
+        state: _State = handle.payload
+        for work, ack, peer, seq in state.acks:
+            where = self._where(handle.channel, self.rank, peer, seq)
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise PeerFailure(f"{where}: no acknowledgement: {exc}") from exc
+            (got,) = ACK.unpack(ack.numpy().tobytes())
+            if got != seq:
+                raise TransferError(f"{where}: acknowledged as message {got}")
+        state.acks.clear()
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def _quiesce(self) -> None:
+        # Copies may still read mapped memory: finish them before the mappings go.
+        for s in self._copy:
+            with contextlib.suppress(RuntimeError):
+                s.synchronize()
+        self._incoming.clear()
+        self._opened.clear()
+
+    def abort(self) -> None:
+        self._aborted = True
+        self._quiesce()
+        self._control.abort()
+
+    def close(self) -> None:
+        self._quiesce()
+        self._control.close()
