@@ -106,15 +106,51 @@ def _print(case: str, row: dict[str, Any], limit_s: float) -> None:
     )
 
 
-def _refits(world: World, steps: list[Any], label: str, repeats: int, seed0: int) -> dict[str, Any]:
-    results, checks = [], []
+def _free_gib() -> float:
+    """Free memory on GPU 0 as the driver sees it (what a trainer could use)."""
+    import torch
+
+    return torch.cuda.mem_get_info(0)[0] / 2**30
+
+
+def _refits(
+    world: World, steps: list[Any], label: str, repeats: int, seed0: int, sleep_level: int = 0
+) -> dict[str, Any]:
+    """`repeats` times: (vLLM to sleep,) an optimizer step, a refit, every live box compared."""
+    from refitplane.testing.refit_world.replica import sleep_engine
+
+    results, checks, freed = [], [], []
     for i in range(repeats):
+        if sleep_level:
+            awake = _free_gib()
+            asleep = world.ask("replica-0", ("call", (sleep_engine, [sleep_level])), "call")
+            freed.append(round(_free_gib() - awake, 2) if asleep else 0.0)
         step = ("flip", 0.01, seed0 + i)
         world.ask("trainer-0", ("step", step), "step")
         steps.append(step)
         results.append(world.refit())
         checks.append(_check(world, steps))
-    return _row(label, results, checks)
+    row = _row(label, results, checks)
+    if sleep_level:
+        row["sleep_level"] = sleep_level
+        row["freed_gib_while_asleep"] = freed
+    return row
+
+
+def _tokens(world: World, min_margin: float = 0.5) -> dict[str, Any]:
+    """vLLM's greedy tokens against transformers' over the trainer's own tensors, compared
+    up to the first step whose two best logits are closer than `min_margin` (bf16 near-ties
+    may go either way in two engines)."""
+    prompt = [11, 22, 33, 44, 55, 66, 77, 88]
+    served = world.ask("replica-0", ("tokens", (prompt, 16)), "tokens")
+    hf = world.ask("trainer-0", ("tokens", (prompt, 16)), "tokens")
+    clear = next((i for i, m in enumerate(hf["margins"]) if m < min_margin), len(served))
+    return {
+        "compared": clear,
+        "equal": served[:clear] == hf["tokens"][:clear],
+        "vllm": served,
+        "trainer": hf["tokens"],
+    }
 
 
 def vllm_ipc_baseline(
@@ -160,6 +196,71 @@ def vllm_ipc_baseline(
     return out
 
 
+def _p2p_worker(
+    *, rank: int, world: int, transport: Any, barrier: Any, shape: str, repeats: int, bucket: int
+) -> dict[str, Any]:
+    """One rank of `cross-p2p`: the model's TP1 plan (trainer rank 0 → vLLM rank 1) over the
+    given transport, timed between barriers, checksums on, bytes compared at the end."""
+    from refitplane.reshard.config import TransferConfig
+    from refitplane.reshard.planner import build_plan
+    from refitplane.testing import p2p_cases as pc
+    from refitplane.testing.model_layouts import model_layouts
+
+    source, target = model_layouts(shape, GPU_LAYOUTS["tp1"])
+    layout = source if rank == 0 else target
+    shards = pc.make_shards(layout, rank, transport.device, fill=rank == 0)
+    plan = build_plan(source, target).rank_plan(rank)
+    config = TransferConfig(
+        bucket_bytes=bucket * MiB, num_channels=2, max_inflight_bytes=4 * bucket * MiB
+    )
+    seconds, executor = pc.timed_refit(transport, barrier, plan, shards, config)
+    times = []
+    for _ in range(repeats):
+        seconds, executor = pc.timed_refit(transport, barrier, plan, shards, config, executor)
+        times.append(seconds)
+    return {
+        "seconds": times,
+        "bytes": plan.recv_bytes if rank == 1 else plan.send_bytes,
+        "mismatches": pc.mismatches(layout, rank, shards)[:5] if rank == 1 else [],
+    }
+
+
+def run_cross_p2p(args: argparse.Namespace) -> dict[str, Any]:
+    """GPU 0 → GPU 1, the model's plan, no vLLM: CUDA IPC and NCCL P2P in the same run, with
+    the peer copy limit."""
+    from refitplane.testing.nccl_world import ranks_or_report, run_ipc_world, run_nccl_world
+
+    nbytes = plan_bytes(args.model)
+    limit_s = copy_limit(nbytes, 0, 1)
+    out: dict[str, Any] = {"case": "cross-p2p", "model": args.model, "plan_bytes": nbytes}
+    out["copy_limit_s"] = limit_s
+    kwargs = {"shape": args.model, "repeats": args.repeats, "bucket": args.bucket}
+    for name in ("ipc", "nccl"):
+        if name == "ipc":
+            results = run_ipc_world(_p2p_worker, [0, 1], timeout_s=120, **kwargs)
+        else:
+            results = run_nccl_world(_p2p_worker, 2, channels=2, timeout_s=120, **kwargs)
+        ranks = ranks_or_report(results, 2)
+        if ranks is None:
+            out[name] = {"error": str(results)[:2000]}
+            continue
+        seconds = [max(a, b) for a, b in zip(ranks[0]["seconds"], ranks[1]["seconds"], strict=True)]
+        best = min(seconds)
+        out[name] = {
+            "seconds": seconds,
+            "gbs": nbytes / best / 1e9,
+            "x_copy_limit": best / limit_s,
+            "exact": not ranks[1]["mismatches"],
+        }
+        print(
+            f"[cross-p2p] {args.model} GPU0->GPU1 {name}: best {best * 1e3:.1f} ms "
+            f"({out[name]['gbs']:.0f} GB/s, {best / limit_s:.2f}x the peer copy limit "
+            f"{limit_s * 1e3:.1f} ms), exact={out[name]['exact']}",
+            flush=True,
+        )
+    return out
+
+
 def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     nbytes = plan_bytes(args.model)
@@ -191,6 +292,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         trainer_ranks=1,
         replica_tps=(1,),
         replica_gpus=("0",) if case == "colocated" else ("1,0",),
+        sleep_level=args.sleep_level if case == "colocated" else 0,
         workdir=args.workdir / case,
         settings=settings,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -206,11 +308,17 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                     rows[t].append(_row(f"{t} warm-up", [warm], []))
                     _print(case, rows[t][-1], limit_s)
                     continue
-                row = _refits(world, steps, t, args.repeats, seed0=10 * (rnd + 1))
+                label = f"{t} sleep={args.sleep_level}" if args.sleep_level else t
+                row = _refits(world, steps, label, args.repeats, 10 * (rnd + 1), args.sleep_level)
                 rows[t].append(row)
                 _print(case, row, limit_s)
         out["rows"] = rows
         out["trainer_extra_mib"] = max(world.trainer_peak_memory()) / MiB
+        try:
+            out["tokens"] = _tokens(world)
+        except Exception as exc:  # noqa: BLE001 - the refit rows still stand
+            out["tokens"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"[{case}] greedy tokens: {out['tokens']}", flush=True)
         if case == "colocated" and not args.no_baseline:
             out["vllm_ipc"] = vllm_ipc_baseline(world, steps, args.repeats, limit_s)
     out["wall_s"] = time.monotonic() - started
@@ -219,7 +327,9 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", nargs="+", default=["colocated"], choices=["colocated", "cross"])
+    parser.add_argument(
+        "--case", nargs="+", default=["colocated"], choices=["colocated", "cross", "cross-p2p"]
+    )
     parser.add_argument("--model", default="qwen3-1.7b")
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--bucket", type=int, default=256, help="MiB")
@@ -228,6 +338,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="cross: ipc/nccl alternations")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's ipc engine")
+    parser.add_argument(
+        "--sleep-level",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="colocated: vLLM sleeps at this level before every refit, which wakes it",
+    )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ipc-refit"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -246,7 +363,10 @@ def main() -> int:
     rc = 0
     for case in args.case:
         try:
-            out["cases"].append(run_case(case, args))
+            if case == "cross-p2p":
+                out["cases"].append(run_cross_p2p(args))
+            else:
+                out["cases"].append(run_case(case, args))
         except Exception as exc:  # noqa: BLE001 - the other cases still run
             rc = 1
             out["cases"].append({"case": case, "error": f"{exc}\n{traceback.format_exc()}"})

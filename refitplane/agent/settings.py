@@ -9,6 +9,8 @@ REFIT_FALLBACK_LAYERS). Everywhere an explicit argument or init-info field wins 
 
 from __future__ import annotations
 
+from pydantic import field_validator
+
 from refitplane.errors import FailedPrecondition
 from refitplane.protocol.settings import ClientSettings
 
@@ -27,6 +29,17 @@ class AgentSettings(ClientSettings):
     delta_snapshot: str = "device"
     # vLLM engines: layer classes sent to the fail-safe path on purpose (comma-separated).
     fallback_layers: str = ""
+    # vLLM replicas put to sleep between refits (colocated with the trainer): the level the
+    # caller uses, 1 (weights kept in host memory) or 2 (weights dropped: a refit after it
+    # always sends them in full); 0: never asleep (docs/generator.md#sleep-mode).
+    sleep_level: int = 0
+
+    @field_validator("sleep_level")
+    @classmethod
+    def _sleep_level(cls, value: int) -> int:
+        if value not in (0, 1, 2):
+            raise ValueError(f"REFIT_SLEEP_LEVEL must be 0, 1 or 2, got {value}")
+        return value
 
     def fallback_layer_names(self) -> list[str]:
         return [name.strip() for name in self.fallback_layers.split(",") if name.strip()]

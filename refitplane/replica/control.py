@@ -30,6 +30,11 @@ class EngineControl(Protocol):
     def finish(self, version: int | None) -> int: ...
     # Every worker's engine status (the refitplane engine's status channel), or None.
     def engine_status(self) -> list[dict[str, Any]] | None: ...
+    # vLLM's sleep mode (an engine started with enable_sleep_mode): whether it sleeps now,
+    # waking parts of it ("weights", "kv_cache") and putting it back to sleep.
+    def is_sleeping(self) -> bool: ...
+    def wake_up(self, tags: list[str]) -> int: ...
+    def sleep(self, level: int) -> int: ...
     def close(self) -> None: ...
 
 
@@ -48,6 +53,16 @@ class CallerPausedControl:
         return 200
 
     def resume(self) -> int:
+        return 200
+
+    # Sleep, too, is the caller's (vLLM's weight-sync clients): never asleep here.
+    def is_sleeping(self) -> bool:
+        return False
+
+    def wake_up(self, tags: list[str]) -> int:
+        return 200
+
+    def sleep(self, level: int) -> int:
         return 200
 
     def close(self) -> None:

@@ -43,6 +43,11 @@ class SidecarState:
     update_open: bool = False
     # The engine may have written live weights of the current refit.
     weights_touched: bool = False
+    # The engine was asleep when the refit began, and this sidecar woke its weights.
+    woke: bool = False
+    # They were woken from sleep level 2: they do not hold the version the replica served,
+    # so from then on the replica counts as modified until a refit commits.
+    weights_lost: bool = False
     last_error: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -78,7 +83,10 @@ class SidecarMember(NullHandler):
         default_pause_mode: str,
         verify_wait_s: float = 30.0,
         metrics: StatusSink | None = None,
+        sleep_level: int = 0,
     ) -> None:
+        """`sleep_level`: the level the caller puts the engine to sleep with between
+        refits (0: never); a refit wakes it (see `_wake_weights`)."""
         self.control = control
         self.client = client
         self.job = job
@@ -94,6 +102,7 @@ class SidecarMember(NullHandler):
         self._touches_live = False
         self._ranks_epoch = -1
         self.metrics = metrics
+        self.sleep_level = sleep_level
 
     def attach(self, session: AgentSession) -> None:
         self.session = session
@@ -140,6 +149,8 @@ class SidecarMember(NullHandler):
                 f"vLLM refused to pause (mode {mode}, HTTP {status}) for refit {cmd.refit_id}"
             )
         self.state.paused = True
+        if self.sleep_level:
+            self._wake_weights(cmd.refit_id)
         status = self.control.start_update()
         if not succeeded(status):
             # Nothing was started, so the abort that follows must not finish anything.
@@ -155,7 +166,7 @@ class SidecarMember(NullHandler):
         steps = _Steps()
         if self.state.refit_id != cmd.refit_id:  # no PrepareRefit seen in this process
             self._read_ranks(-1)
-        self.state.weights_touched = self._touches_live
+        self.state.weights_touched = self._touches_live or self.state.weights_lost
         self.control.update({"refit_id": cmd.refit_id, "version": cmd.version})
         steps.mark("update")
         try:
@@ -164,8 +175,7 @@ class SidecarMember(NullHandler):
         except TransferError:
             self._close_update(cmd.refit_id)
             if not self.state.weights_touched:
-                self.control.resume()
-                self.state.paused = False
+                self._release()
             raise
         self.state.weights_touched = True  # finish applies staged weights, or post-processes
         status = self.control.finish(cmd.version)
@@ -184,9 +194,20 @@ class SidecarMember(NullHandler):
                 f"refit {refit.state.value} while finishing: {refit.message}", touched=True
             )
         steps.mark("checked")
+        if self.state.woke:
+            # The weights are in and verified: only now the KV cache takes its memory back.
+            status = self.control.wake_up(["kv_cache"])
+            if not succeeded(status):
+                raise self._failed(
+                    f"vLLM answered HTTP {status} to /wake_up?tags=kv_cache after refit "
+                    f"{cmd.refit_id}; the weights are in, but the engine cannot serve",
+                    touched=True,
+                )
+            steps.mark("wake kv_cache")
         self.control.resume()
         steps.mark("resume")
         with self._lock:
+            self.state.woke = self.state.weights_lost = False
             self.state.paused = False
             self.state.degraded = False
             self.state.version = cmd.version
@@ -202,7 +223,7 @@ class SidecarMember(NullHandler):
         with self._lock:
             if cmd.refit_id and cmd.refit_id != self.state.refit_id:
                 return
-            touched = self.state.weights_touched
+            touched = self.state.weights_touched or self.state.weights_lost
         if self.state.update_open:  # else vLLM has no update of ours to close
             self._close_update(cmd.refit_id)
         if not self.state.paused:
@@ -215,10 +236,39 @@ class SidecarMember(NullHandler):
                 self.replica_id,
             )
         else:
-            self.control.resume()
-            self.state.paused = False
+            self._release()
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _wake_weights(self, refit_id: str) -> None:
+        """An engine asleep at the refit's start (the caller put it to sleep while the
+        trainer stepped) gets its weights back before any byte moves: the workers receive
+        into the parameters' memory, which sleep unmapped. The KV cache stays asleep until
+        the new weights verified (`on_start_transfer`)."""
+        self.state.woke = self.state.weights_lost = False
+        if not self.control.is_sleeping():
+            return
+        status = self.control.wake_up(["weights"])
+        # Level 2 dropped the weights: whatever woke holds no version, even if this failed.
+        self.state.weights_lost = self.sleep_level >= 2
+        if not succeeded(status):
+            raise FailedPrecondition(
+                f"vLLM answered HTTP {status} to /wake_up?tags=weights for refit {refit_id}: "
+                "the weights cannot be received while asleep (is the trainer holding the "
+                "memory they need?)"
+            )
+        self.state.woke = True
+
+    def _release(self) -> None:
+        """A refit that failed before any byte landed: leave the engine as it was found —
+        asleep again if it was asleep (level 1: its weights go back to host memory, intact),
+        else resumed."""
+        if self.state.woke:
+            self.control.sleep(self.sleep_level)
+            self.state.woke = False
+        else:
+            self.control.resume()
+        self.state.paused = False
 
     def _close_update(self, refit_id: str) -> None:
         """vLLM needs every started update finished: drop what was staged first, so this

@@ -35,6 +35,16 @@ class ReplicaSpec:
     dtype: str = "bfloat16"
     load_format: str = "dummy"
     gpu_memory_utilization: float = 0.45
+    # vLLM with sleep mode; the driver puts it to sleep ("call", (sleep_engine, [level]))
+    # and refits wake it (REFIT_SLEEP_LEVEL for the engine and the sidecar).
+    sleep_level: int = 0
+
+
+def sleep_engine(llm: Any, level: int) -> bool:
+    """Through the replica's "call" command: put vLLM to sleep, as an RL loop does while the
+    trainer steps; returns whether it sleeps."""
+    llm.sleep(level=level)
+    return bool(llm.llm_engine.is_sleeping())
 
 
 def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
@@ -53,6 +63,7 @@ def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("refitplane").setLevel(level)
+    os.environ["REFIT_SLEEP_LEVEL"] = str(spec.sleep_level)
     if spec.device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpus
     else:
@@ -75,6 +86,8 @@ def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
         }
         if spec.device == "cuda":
             kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        if spec.sleep_level:
+            kwargs["enable_sleep_mode"] = True
         llm = LLM(**kwargs)
         sidecar = None
         if spec.backend == "refitplane":
@@ -89,6 +102,7 @@ def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
                 sidecar_host="127.0.0.1",
                 sidecar_port=free_port(),
                 register_timeout_s=300.0,
+                sleep_level=spec.sleep_level,
             )
             sidecar = Sidecar(settings, control=OfflineLLMControl(llm))
             sidecar.start()

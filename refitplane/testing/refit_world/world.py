@@ -61,6 +61,8 @@ class World:
     # CUDA_VISIBLE_DEVICES of each replica (default: the GPUs after the trainers'). "0": on
     # the trainer's GPU (colocated); "1,0": GPU 1, seeing GPU 0 (a cross-GPU CUDA IPC link).
     replica_gpus: tuple[str, ...] = ()
+    # vLLM in sleep mode (ReplicaSpec.sleep_level).
+    sleep_level: int = 0
     _procs: list[Any] = field(default_factory=list)
     _queues: dict[str, Any] = field(default_factory=dict)
     _results: Any = None
@@ -105,6 +107,7 @@ class World:
                 dtype=self.dtype,
                 load_format=load_format,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                sleep_level=self.sleep_level,
             )
             self._spawn(ctx, rid, replica_main, (spec,), visible=gpus)
         self._wait_ready(list(self._queues), 1800)

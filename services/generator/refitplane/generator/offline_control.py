@@ -47,6 +47,17 @@ class OfflineLLMControl(CallerPausedControl):
             )
         return call_verb("finish_weight_update", self.llm.finish_weight_update)
 
+    # Unlike pausing, sleeping is the engine's state: the caller puts it to sleep while the
+    # trainer steps, and a refit wakes it (`replica.controller`).
+    def is_sleeping(self) -> bool:
+        return bool(self.llm.llm_engine.is_sleeping())
+
+    def wake_up(self, tags: list[str]) -> int:
+        return call_verb("wake_up", lambda: self.llm.wake_up(tags=tags))
+
+    def sleep(self, level: int) -> int:
+        return call_verb("sleep", lambda: self.llm.sleep(level=level))
+
     def engine_status(self) -> list[dict[str, Any]] | None:
         statuses = self.llm.collective_rpc("weight_transfer_engine", kwargs={"op": "status"})
         return list(statuses) if isinstance(statuses, list) else None

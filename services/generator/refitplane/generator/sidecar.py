@@ -129,9 +129,14 @@ class Sidecar:
             replica_id=settings.replica_id,
             default_pause_mode=settings.pause_mode,
             metrics=StagingMetrics(self.registry, settings.replica_id),
+            sleep_level=settings.sleep_level,
         )
         self.session = self.member.connect(
-            settings.coordinator, host=settings.host, token=token, tls_ca=tls
+            settings.coordinator,
+            host=settings.host,
+            token=token,
+            tls_ca=tls,
+            labels={"sleep_level": str(settings.sleep_level)},
         )
         self.alive = False
         self._http: ThreadingHTTPServer | None = None

