@@ -2,13 +2,15 @@
 sender's buffers and copies exactly its message out of them.
 
 Control messages go over Gloo (CPU, TCP; rendezvous = a TCPStore "host:port", as the Gloo
-transport's), the bytes never do: for each send the sender exports its buffer's CUDA
-allocation (`ipc_records.IpcRecord`: torch's `_share_cuda_` of the storage, the offset and
-size of the message, a sequence number) and sends that record; the receiver opens the
-allocation once (kept open for the group's life, as torch's own cache does), copies the
-message into its buffer on the channel's copy stream (the copy engines: same GPU, or the
-peer GPU over NVLink/PCIe), and, once the copy completed, sends an 8-byte acknowledgement
-with the sequence number. The sender's send completes with that acknowledgement, so its
+transport's), the bytes never do: for each send the sender hands out a record of its
+buffer (`ipc_records.IpcRecord`: the storage's CUDA IPC share, the offset and size of the
+message, a sequence number); the receiver copies the message into its buffer on the
+channel's copy stream (the copy engines: same GPU, or the peer GPU over NVLink/PCIe), and,
+once the copy completed, sends an 8-byte acknowledgement with the sequence number. Each
+storage (a parameter, the staging ring) is shared with a receiver once per group (torch's
+`_share_cuda_`), opened by it once and held until the group ends, so steady refits add no
+shares, events or mappings; the sender keeps what it shared referenced meanwhile, so its
+memory is never freed or reused under a receiver's mapping. The sender's send completes with that acknowledgement, so its
 staging slice (or the parameters a direct message reads) is not reused before the receiver
 has its bytes. Buffers are the executor's: the trainer's bounded staging ring and its
 parameters; nothing else is allocated per refit.
@@ -41,11 +43,17 @@ import torch
 from refitplane.errors import InvalidArgument, PeerFailure, TransferError, TransferTimeout
 from refitplane.reshard.transport.base import Handle, P2POp
 from refitplane.reshard.transport.gloo import GlooTransport
-from refitplane.reshard.transport.ipc_records import ACK, RECORD_BYTES, IpcRecord
+from refitplane.reshard.transport.ipc_records import (
+    ACK,
+    INLINE_MAX_BYTES,
+    RECORD_BYTES,
+    IpcRecord,
+)
 from refitplane.reshard.transport.streams import ChannelStreams, StreamedTransport
 
 _TAG_RECORD = 1
 _TAG_ACK = 2
+_TAG_INLINE = 3
 _MAX_POLL_S = 5e-5
 
 
@@ -101,6 +109,9 @@ class CudaIpcTransport(StreamedTransport):
         self._pack = self._channels.pack
         self._send_seq: dict[tuple[int, int], int] = {}
         self._recv_seq: dict[tuple[int, int], int] = {}
+        # Sender: each storage shared once per receiver, kept (and so never freed or reused
+        # under the share) until the group ends: (peer, data pointer) → storage, share.
+        self._shared: dict[tuple[int, int], tuple[torch.UntypedStorage, tuple[Any, ...]]] = {}
         # Receiver: allocations opened, by (handle, storage offset); local index by GPU UUID.
         self._opened: dict[tuple[bytes, int], torch.UntypedStorage] = {}
         self._local_index: dict[str, int] = {}
@@ -136,11 +147,18 @@ class CudaIpcTransport(StreamedTransport):
                 key = (channel, op.peer)
                 seq = self._send_seq.get(key, 0)
                 self._send_seq[key] = seq + 1
-                record = self._export(op.buffer, seq, channel)
+                inline = op.buffer.numel() <= INLINE_MAX_BYTES
+                if inline:
+                    record = IpcRecord.inline_message(seq, op.buffer.numel(), self._uuid)
+                else:
+                    record = self._export(op.buffer, op.peer, seq, channel)
                 out = torch.frombuffer(bytearray(record.encode()), dtype=torch.uint8)
                 ack = torch.zeros(ACK.size, dtype=torch.uint8)
                 state.keep += [out, op.buffer]
                 state.keep.append(pg.send([out], op.peer, _TAG_RECORD))
+                if inline:
+                    host = op.buffer.cpu()  # packing is done (synchronized above)
+                    state.keep += [host, pg.send([host], op.peer, _TAG_INLINE)]
                 state.acks.append((pg.recv([ack], op.peer, _TAG_ACK), ack, op.peer, seq))
             recvs = [op for op in ops if not op.send]
             posted = []
@@ -155,7 +173,11 @@ class CudaIpcTransport(StreamedTransport):
                 self._wait_work(work, deadline, where)
                 record = IpcRecord.decode(rec.numpy().tobytes(), where=where)
                 record.check(seq=seq, nbytes=op.buffer.numel(), where=where)
-                source = self._open(record, where)
+                if record.inline:
+                    source = torch.empty(record.nbytes, dtype=torch.uint8)
+                    self._wait_work(pg.recv([source], op.peer, _TAG_INLINE), deadline, where)
+                else:
+                    source = self._open(record, where)
                 with torch.cuda.stream(self._copy[channel]):
                     op.buffer.copy_(source, non_blocking=True)
                     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -169,31 +191,30 @@ class CudaIpcTransport(StreamedTransport):
             ) from exc
         return Handle(channel, state)
 
-    def _export(self, buf: torch.Tensor, seq: int, channel: int) -> IpcRecord:
+    def _export(self, buf: torch.Tensor, peer: int, seq: int, channel: int) -> IpcRecord:
         storage = buf.untyped_storage()
-        with torch.cuda.stream(self._pack[channel]):
-            (
-                _device,
-                handle,
-                size,
-                storage_offset,
-                ref_counter,
-                ref_counter_offset,
-                event,
-                event_sync,
-            ) = storage._share_cuda_()  # type: ignore[no-untyped-call]
+        key = (peer, storage.data_ptr())
+        kept = self._shared.get(key)
+        fresh = kept is None
+        if kept is None:
+            with torch.cuda.stream(self._pack[channel]):
+                share = storage._share_cuda_()  # type: ignore[no-untyped-call]
+            kept = (storage, tuple(share))
+            self._shared[key] = kept
+        _device, handle, size, storage_offset, ref_counter, rc_offset, event, sync = kept[1]
         return IpcRecord(
             seq=seq,
             nbytes=buf.numel(),
             offset=int(buf.storage_offset()) * buf.element_size(),
             storage_size=int(size),
             storage_offset=int(storage_offset),
-            ref_counter_offset=int(ref_counter_offset),
-            event_sync_required=bool(event_sync),
+            ref_counter_offset=int(rc_offset),
+            event_sync_required=bool(sync),
             handle=bytes(handle),
             ref_counter_handle=bytes(ref_counter),
             event_handle=bytes(event) if event is not None else None,
             device_uuid=self._uuid,
+            fresh=fresh,
         )
 
     def _device_index(self, uuid: str, where: str) -> int:
@@ -214,8 +235,20 @@ class CudaIpcTransport(StreamedTransport):
         index = self._device_index(record.device_uuid, where)
         key = (record.handle, record.storage_offset)
         storage = self._opened.get(key)
-        try:
-            if storage is None:
+        if storage is not None and record.fresh:
+            # A share of memory already open here: give its reference back at once.
+            torch.UntypedStorage._release_ipc_counter(  # type: ignore[no-untyped-call]
+                record.ref_counter_handle, record.ref_counter_offset, device=index
+            )
+        if storage is None:
+            if not record.fresh:
+                raise TransferError(
+                    f"{where}: the record names a share of the sender's memory this rank never "
+                    "opened (the two ranks disagree on the group's history)"
+                )
+            try:
+                # Holds the share's reference until the group ends (`_quiesce`): the sender
+                # cannot free or reuse the memory meanwhile.
                 storage = torch.UntypedStorage._new_shared_cuda(
                     index,
                     record.handle,
@@ -226,18 +259,12 @@ class CudaIpcTransport(StreamedTransport):
                     record.event_handle,
                     record.event_sync_required,
                 )
-                self._opened[key] = storage
-            else:
-                # Already mapped; the producer counted this share, so give it back now
-                # (as torch's rebuild_cuda_tensor does).
-                torch.UntypedStorage._release_ipc_counter(  # type: ignore[no-untyped-call]
-                    record.ref_counter_handle, record.ref_counter_offset, device=index
-                )
-        except RuntimeError as exc:
-            raise PeerFailure(
-                f"{where}: cannot open the sender's CUDA IPC handle (did it exit or free the "
-                f"memory?): {exc}"
-            ) from exc
+            except RuntimeError as exc:
+                raise PeerFailure(
+                    f"{where}: cannot open the sender's CUDA IPC handle (did it exit or free "
+                    f"the memory?): {exc}"
+                ) from exc
+            self._opened[key] = storage
         whole = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
         whole.set_(storage, 0, (record.storage_size,))  # type: ignore[call-overload]
         return whole[record.offset : record.offset + record.nbytes]
@@ -313,6 +340,7 @@ class CudaIpcTransport(StreamedTransport):
                 s.synchronize()
         self._incoming.clear()
         self._opened.clear()
+        self._shared.clear()
 
     def abort(self) -> None:
         self._aborted = True

@@ -31,7 +31,11 @@ def _record(**changes):
 
 
 def test_round_trip_at_a_fixed_size():
-    for record in (_record(), _record(event_handle=None, event_sync_required=False)):
+    for record in (
+        _record(),
+        _record(event_handle=None, event_sync_required=False),
+        _record(fresh=False),
+    ):
         data = record.encode()
         assert len(data) == RECORD_BYTES
         assert IpcRecord.decode(data, where=WHERE) == record
@@ -64,3 +68,11 @@ def test_bad_records_name_the_link(data, match):
 def test_oversized_record_is_refused_when_encoded():
     with pytest.raises(TransferError, match="above 512"):
         _record(ref_counter_handle=b"x" * 600).encode()
+
+
+def test_an_inline_record_carries_no_handle():
+    record = IpcRecord.inline_message(5, 4096, "GPU-x")
+    decoded = IpcRecord.decode(record.encode(), where=WHERE)
+    assert decoded.inline
+    assert decoded.handle == b""
+    decoded.check(seq=5, nbytes=4096, where=WHERE)

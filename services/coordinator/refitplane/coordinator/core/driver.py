@@ -320,8 +320,12 @@ class JobDriver:
 
         run.commands_sent = True
         self.delivery.begin(run, epoch.epoch)
+        # A CUDA IPC group copies at device speed and shares only buffers that live as long
+        # as the group (parameters, the staging ring): no deltas, whose payloads are new
+        # buffers every refit.
+        delta_mode = "off" if setup.backend is Backend.CUDA_IPC else self._s.delta
         run.delta = self.delta_bases.choose(
-            self._s.delta, run.cast, planned, self._ctx.membership, self.replicas.records
+            delta_mode, run.cast, planned, self._ctx.membership, self.replicas.records
         )
         if run.delta.replicas:
             run.record = run.record.model_copy(update={"delta_replicas": list(run.delta.replicas)})
