@@ -81,6 +81,8 @@ AGENT_ENV = frozenset(
         "REFIT_REPLICA_ID",
         "REFIT_VLLM_URL",
         "REFIT_PAUSE_MODE",
+        "REFIT_NODE",
+        "REFIT_SLEEP_LEVEL",
     }
 )
 
