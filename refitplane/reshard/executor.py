@@ -11,7 +11,10 @@ a chunk table made when the plan was prepared (`chunk_copy.py`: no per-tensor ho
 otherwise a group's flat chunks go in one `torch._foreach_copy_` per direction and strided
 ones one copy each, so hundreds of small tensors cost a few launches, not hundreds.
 When the ring is full, everything pending is posted and the oldest group completed first,
-so staging memory never exceeds `max_inflight_bytes`. On GPU, packing, the transfer and unpacking are ordered on
+so staging memory never exceeds `max_inflight_bytes`; over NCCL a posted group gives its
+staging slices back at once and their next users wait for it on the device, not the host
+(`staging.py`), so a sender packing thousands of expert tensors is never paced by its host
+loop noticing that a send finished. On GPU, packing, the transfer and unpacking are ordered on
 the channel's CUDA stream without host waits; on CPU (Gloo) unpacking happens when a group
 completes.
 
@@ -121,6 +124,10 @@ class TransferReport:
     # waiting for groups to complete, and the final exchange of checksum vectors.
     host_add_seconds: float = 0.0
     host_post_seconds: float = 0.0
+    # Parts of posting: packing launches, and the transport's wait after a group's post
+    # until the communicator took it (non-blocking NCCL: `ncclGroupEnd` in progress).
+    host_pack_seconds: float = 0.0
+    host_settle_seconds: float = 0.0
     host_after_seconds: float = 0.0
     host_wait_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -460,6 +467,7 @@ class _Run:
         self.report.posted_seconds = time.monotonic() - self.started
         while self.in_flight:
             self._complete_oldest()
+        self.ring.settled()
 
     def _next_bucket(self, bucket: StagedBucket) -> None:
         """With nothing in flight: apply the open bucket (every byte of it arrived and was
@@ -512,11 +520,17 @@ class _Run:
         else:
             taken = self.ring.try_take(m.nbytes)
             while taken is None:
-                # Post everything first: a wait must never depend on an unposted op.
+                # Post everything first: a wait must never depend on an unposted op. Where
+                # the device orders reuse, posting gives the slices back (`_flush`), so the
+                # host waits for a group only if that still leaves no room.
                 self._flush_all()
-                self._complete_oldest()
                 taken = self.ring.try_take(m.nbytes)
-            token, buf = taken
+                if taken is None:
+                    self._complete_oldest()
+                    taken = self.ring.try_take(m.nbytes)
+            token, buf, follow = taken
+            if follow:
+                self._follow(m.channel, follow)
         group = self.pending.setdefault(m.channel, _Group())
         summed = False
         if io.direct is None and io.copy is not None and delta is None:
@@ -587,6 +601,16 @@ class _Run:
         else:
             r.bytes_received += payload
 
+    def _follow(self, channel: int, handles: tuple[object, ...]) -> None:
+        """Order the channel's next work (this message's packing or receive, on the device)
+        after the groups that last used its staging space. The channel's pending group is
+        posted first, so that none of its messages waits too: every device-side wait then
+        points from a message to groups of messages before it in the schedule's global
+        order, which both ends share, and the earliest unfinished message can always
+        complete (no cycle through the peer)."""
+        self._flush(channel)
+        self.t.order_after(channel, [h for h in handles if isinstance(h, Handle)])
+
     def _flush(self, channel: int) -> None:
         group = self.pending.pop(channel, None)
         if group is None or not group.ops:
@@ -601,6 +625,8 @@ class _Run:
                 for table, buf, sums in group.pack_tables:
                     launch_copy(table, buf, scatter=False, sums=sums)
             group.pack_dst, group.pack_src, group.pack_tables = [], [], []
+            self.report.host_pack_seconds += time.perf_counter() - t0
+        settled = self.t.settle_seconds
         try:
             handle = self.t.issue(channel, group.ops, self.deadline)
         except TransferError as exc:
@@ -608,6 +634,7 @@ class _Run:
             raise type(exc)(f"{exc.message}; posting {group.describe(self.rank)}") from exc
         t1 = time.perf_counter()
         self.report.host_post_seconds += t1 - t0
+        self.report.host_settle_seconds += self.t.settle_seconds - settled
         if self.t.device_ordered:
             # A group that only sends checksums what it packed (or its parameters) while
             # the transfer runs: its staging slices come back as soon as the sends are done.
@@ -615,6 +642,12 @@ class _Run:
             with self.t.beside(channel, after_transfer=receives):
                 self._after_transfer(group)
             handle = self.t.fence(handle)
+            if self.t.device_reuse:
+                # Its staging slices come back now: their next users follow `handle` on the
+                # device (`_follow`), so the host never waits for staging space.
+                for token in group.slices:
+                    self.ring.release(token, after=handle)
+                group.slices = []
             self.report.host_after_seconds += time.perf_counter() - t1
         elif (
             group.unpack_dst

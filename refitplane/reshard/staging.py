@@ -4,11 +4,19 @@ Packed sends and receives borrow slices of the arena and give them back by token
 order; space is reclaimed from the oldest slice on, once it is back (slices of different
 channels interleave, so a later slice may come back first). The arena never grows, so a
 rank's extra memory during a refit is at most `max_inflight_bytes`.
+
+A slice may be given back before the device is done with it (`release(token, after=h)`:
+free once the transport handle `h` completes). Whoever takes that space next gets `h`
+back from `try_take` and orders its work after it on the device (`Transport.order_after`),
+so on GPUs the host never waits for staging space: a slice comes back when its group is
+posted, and its next user's packing starts, on the device, the moment the transfer and
+checksum that read it are done.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -23,9 +31,11 @@ class StagingRing:
         self.device = device
         self._buffer: torch.Tensor | None = None
         self._head = 0
-        # [start, end, returned] per slice still holding space, oldest first.
-        self._live: deque[list[int]] = deque()
-        self._by_token: dict[int, list[int]] = {}
+        # [start, end, returned, after] per slice still holding space, oldest first.
+        self._live: deque[list[Any]] = deque()
+        self._by_token: dict[int, list[Any]] = {}
+        # Space reclaimed while the device may still use it: (start, end, after).
+        self._pending: list[tuple[int, int, object]] = []
         self._next_token = 0
         self.peak = 0
         self._in_use = 0
@@ -45,8 +55,9 @@ class StagingRing:
     def allocated(self) -> bool:
         return self._buffer is not None
 
-    def try_take(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
-        """(token, slice of `nbytes`), or None while older slices still occupy the space."""
+    def try_take(self, nbytes: int) -> tuple[int, torch.Tensor, tuple[object, ...]] | None:
+        """(token, slice of `nbytes`, what its work must follow on the device: the `after`
+        of released slices it overlaps), or None while older slices still occupy the space."""
         if nbytes > self.size:
             raise InvalidArgument(
                 f"a message of {nbytes} bytes exceeds the staging budget of {self.size} bytes",
@@ -57,7 +68,7 @@ class StagingRing:
         if start is None:
             return None
         end = min(start + need, self.size)
-        entry = [start, end, 0]
+        entry: list[Any] = [start, end, 0, None]
         token = self._next_token
         self._next_token += 1
         self._live.append(entry)
@@ -65,7 +76,30 @@ class StagingRing:
         self._head = end
         self._in_use += end - start
         self.peak = max(self.peak, self._in_use)
-        return token, self.buffer[start : start + nbytes]
+        return token, self.buffer[start : start + nbytes], self._follow(start, end)
+
+    def _follow(self, start: int, end: int) -> tuple[object, ...]:
+        """The `after` of reclaimed space overlapping [start, end). That space is forgotten
+        (only the parts outside the new slice stay): the new slice's own `after` comes later
+        on the device than these (its user waits for them), so a later taker of that space
+        follows the new one. The pending pieces never overlap, so there are at most about
+        twice as many as slices fit in the ring."""
+        if not self._pending:
+            return ()
+        follow: list[object] = []
+        kept: list[tuple[int, int, object]] = []
+        for s, e, a in self._pending:
+            if e <= start or end <= s:
+                kept.append((s, e, a))
+                continue
+            if a not in follow:
+                follow.append(a)
+            if s < start:
+                kept.append((s, start, a))
+            if end < e:
+                kept.append((end, e, a))
+        self._pending = kept
+        return tuple(follow)
 
     def _fit(self, need: int) -> int | None:
         if not self._live:
@@ -81,14 +115,23 @@ class StagingRing:
             return self._head
         return None
 
-    def release(self, token: int) -> None:
+    def release(self, token: int, after: object | None = None) -> None:
+        """Give a slice back. `after`: the device may still use it until `after` (a transport
+        handle) completes; its space goes to the next taker with `after` to follow."""
         entry = self._by_token.pop(token)
         entry[2] = 1
+        entry[3] = after
         while self._live and self._live[0][2]:
-            start, end, _ = self._live.popleft()
+            start, end, _, done_after = self._live.popleft()
             self._in_use -= end - start
+            if done_after is not None:
+                self._pending.append((start, end, done_after))
         if not self._live:
             self._head = 0
+
+    def settled(self) -> None:
+        """Everything given back is done on the device too (a drained transfer)."""
+        self._pending.clear()
 
     @property
     def live(self) -> int:
@@ -98,4 +141,5 @@ class StagingRing:
         """Drop the arena (between refits, to give the memory back)."""
         if self._live:
             raise RuntimeError("staging still in use")
+        self._pending.clear()
         self._buffer = None

@@ -44,6 +44,11 @@ class Transport(ABC):
     # True when work queued on a channel after `issue` is ordered after the transfer by
     # the device itself (CUDA streams): unpacking can be queued without a host wait.
     device_ordered: bool = False
+    # True when `order_after` can order a channel's later work after a handle on the device:
+    # the executor then gives staging back when a group is posted, not when it completed.
+    device_reuse: bool = False
+    # Host seconds `issue` spent waiting for the transport to take posted groups (a profile).
+    settle_seconds: float = 0.0
 
     def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
         """Context for work that must precede the channel's next posted transfer (packing)."""
@@ -63,6 +68,11 @@ class Transport(ABC):
         """Before a transfer's first op: make sure every channel is connected to every rank
         in `peers` (both directions), so that posting never waits for a peer (optional:
         transports that connect eagerly need nothing)."""
+
+    def order_after(self, channel: int, handles: Sequence[Handle]) -> None:  # noqa: B027
+        """The channel's work queued from now on (packing, then its transfers) runs after
+        `handles` completed, with no host wait. Called only where `device_reuse` is set
+        (other transports complete a handle on the host before its staging is reused)."""
 
     def begin(self) -> None:  # noqa: B027 - optional hook
         """Order the channels after work already queued by the caller (e.g. optimizer step)."""

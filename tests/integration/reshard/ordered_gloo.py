@@ -24,6 +24,9 @@ from refitplane.reshard.transport.gloo import GlooTransport
 
 class OrderedGlooTransport(GlooTransport):
     device_ordered = True
+    # Groups complete inside `issue`, so staging can come back when they are posted, as it
+    # does over NCCL (`order_after` has nothing left to wait for).
+    device_reuse = True
 
     def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
         super().wait(super().issue(channel, ops, deadline), deadline)

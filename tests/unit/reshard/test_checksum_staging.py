@@ -89,7 +89,7 @@ def test_ring_never_overlaps_live_slices(ops: list[tuple[int, int]]) -> None:
         if got is None:
             assert live, "an empty ring must always have room"
             continue
-        token, view = got
+        token, view, _ = got
         start = view.data_ptr() - ring.buffer.data_ptr()
         span = (start, start + n)
         assert span[1] <= 2048
@@ -102,3 +102,29 @@ def test_ring_never_overlaps_live_slices(ops: list[tuple[int, int]]) -> None:
 def test_ring_rejects_oversized_messages() -> None:
     with pytest.raises(InvalidArgument, match="exceeds the staging budget"):
         StagingRing(100, torch.device("cpu")).try_take(101)
+
+
+def test_space_given_back_early_is_followed_by_its_next_taker() -> None:
+    """A slice released with `after` (still in use on the device) goes to the next taker at
+    once, with `after` to follow; space a new slice covers is followed through it only."""
+    ring = StagingRing(1024, torch.device("cpu"))
+    a, _, follow_a = ring.try_take(512) or (0, None, ())
+    b, _, _ = ring.try_take(512) or (0, None, ())
+    assert follow_a == ()
+    assert ring.try_take(256) is None  # full: nothing given back yet
+    ring.release(a, after="group-a")
+    c, _, follow_c = ring.try_take(256) or (0, None, ())
+    assert follow_c == ("group-a",)  # [0, 256) of a's space, still in use on the device
+    d, _, follow_d = ring.try_take(256) or (0, None, ())
+    assert follow_d == ("group-a",)  # [256, 512): a's space again
+    ring.release(b, after="group-b")
+    ring.release(c, after="group-c")
+    ring.release(d)  # completed on the host: nothing to follow
+    e, _, follow_e = ring.try_take(1024) or (0, None, ())
+    # a's space went to c and d (whose own release follows it); d came back done; b's and
+    # c's space remain to follow.
+    assert set(follow_e) == {"group-b", "group-c"}
+    ring.release(e, after="group-e")
+    ring.settled()  # a drained transfer: nothing left to follow
+    assert ring.try_take(1024) is not None
+    assert ring.try_take(8) is None
