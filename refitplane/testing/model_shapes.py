@@ -65,7 +65,11 @@ SHAPES: dict[str, dict[str, Any]] = {
 # `v_proj.v_scale`), as calibrated FP8 checkpoints carry them.
 QUANTS = ("", "fp8", "fp8-kv")
 FP8_BLOCK = (128, 128)
-_FP8_LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+# Every linear weight of the decoder layers, MoE experts included (as Qwen3-30B-A3B-FP8
+# ships them); routers (`mlp.gate`), norms, embeddings and the LM head stay unquantized.
+_FP8_LINEAR = re.compile(
+    r"\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?(q|k|v|o|gate|up|down)_proj\.weight$"
+)
 
 
 def model_spec(shape: str, dtype: str = "bfloat16") -> Any:

@@ -27,14 +27,113 @@ os.environ.update(SAFE_ENV)
 def baseline_receive(llm: Any, phase: str, info: dict[str, Any]) -> Any:
     """Replica side of vLLM's `nccl` engine: `init` joins the broadcast group, `update`
     receives one full refit (start → update → finish) and returns its seconds."""
+    # Straight to the workers, as vLLM 0.26's LLM verbs do (newer API-process wrappers would
+    # run refitplane's flows in a replica whose configured backend is refitplane).
     if phase == "init":
-        llm.init_weight_transfer_engine({"init_info": info})
+        llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
         return None
     started = time.perf_counter()
-    llm.start_weight_update()
-    llm.update_weights({"update_info": info})
-    llm.finish_weight_update()
+    llm.collective_rpc("start_weight_update")
+    llm.collective_rpc("update_weights", kwargs={"update_info": info})
+    llm.collective_rpc("finish_weight_update")
     return time.perf_counter() - started
+
+
+def swap_transfer_engine(worker: Any, backend: str) -> str:
+    """In a vLLM worker: make `backend`'s weight-transfer engine the worker's (created on
+    first use, then kept), and return the backend it replaced. A refit world's replica can
+    so also run vLLM's own `nccl` engine: same process, same memory, no second vLLM."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    engines: dict[str, Any] = worker.__dict__.setdefault("_refit_transfer_engines", {})
+    active = str(
+        worker.__dict__.get(
+            "_refit_transfer_backend", worker.vllm_config.weight_transfer_config.backend
+        )
+    )
+    engines[active] = worker.weight_transfer_engine
+    if backend not in engines:
+        engines[backend] = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend=backend),
+            worker.vllm_config,
+            worker.device,
+            worker.model_runner.get_model(),
+        )
+    worker.weight_transfer_engine = engines[backend]
+    worker._refit_transfer_backend = backend
+    return active
+
+
+def _update_info(shape: str, dtype: str, quant: str) -> dict[str, Any]:
+    specs = tensor_specs(shape, dtype, quant)
+    return {
+        "names": [s.name for s in specs],
+        "dtype_names": [s.dtype for s in specs],
+        "shapes": [list(s.shape) for s in specs],
+        "packed": True,
+    }
+
+
+def run_vllm_baseline_in_world(
+    world: Any, *, repeats: int = 3, probe: Any = None
+) -> dict[str, Any]:
+    """vLLM's `nccl` engine in a refit world's own replicas: their workers swap to vLLM's
+    engine (`swap_transfer_engine`) and a broadcaster beside the trainers on GPU 0 sends
+    every tensor whole, as `run_vllm_baseline` does, without a second vLLM start (a minute
+    each at the Qwen3-30B-A3B shape); vLLM's own load then lands in the very process and
+    memory the refits wrote. GPU 0 holds the trainer's weights and a whole copy (the FP8
+    MoE shape: 2 x 31 GiB). The replicas go back to the refitplane engine afterwards.
+    Returns what `run_vllm_baseline` does, probe results keyed "baseline-<i>"."""
+    from refitplane.demo.processes import free_port
+
+    ctx = mp.get_context("spawn")
+    replicas = world.replicas()
+    master = {
+        "master_address": "127.0.0.1",
+        "master_port": free_port(),
+        "world_size": 1 + sum(world.replica_tps),
+    }
+    for r in replicas:
+        world.ask(r, ("rpc", (swap_transfer_engine, ["nccl"])), "rpc")
+    spec = TrainerSpec(world.shape, world.dtype, "", "", 1, "cuda", full=True, quant=world.quant)
+    world._spawn(ctx, "broadcaster", broadcaster_main, (spec, master), visible="0")
+    offset = 1
+    for r, tp in zip(replicas, world.replica_tps, strict=True):
+        world._queues[r].put(
+            ("call", (baseline_receive, ["init", {**master, "rank_offset": offset}]))
+        )
+        offset += tp
+    _gather(world, {"broadcaster", *replicas}, ("ready", "call"))
+    info = _update_info(world.shape, world.dtype, world.quant)
+    replica_seconds, send_seconds = [], []
+    for _ in range(repeats):
+        for r in replicas:
+            world._queues[r].put(("call", (baseline_receive, ["update", info])))
+        world._queues["broadcaster"].put("send")
+        got = _gather(world, {"broadcaster", *replicas}, ("call", "sent"))
+        replica_seconds.append(max(v for k, v in got.items() if k != "broadcaster"))
+        send_seconds.append(got["broadcaster"])
+    out: dict[str, Any] = {"replica_seconds": replica_seconds, "send_seconds": send_seconds}
+    if probe is not None:
+        out["probe"] = {
+            f"baseline-{i}": world.ask(r, ("rpc", (probe, [])), "rpc")
+            for i, r in enumerate(replicas)
+        }
+    for r in replicas:
+        world.ask(r, ("rpc", (swap_transfer_engine, ["refitplane"])), "rpc")
+    return out
+
+
+def _gather(world: Any, names: set[str], tags: tuple[str, ...]) -> dict[str, Any]:
+    """Wait (10 minutes at most) until each of `names` answered with one of `tags`."""
+    got: dict[str, Any] = {}
+    deadline = time.monotonic() + 600
+    while names - got.keys():
+        tag, who, payload = world._get(deadline)
+        if tag in tags and who in names:
+            got[who] = payload
+    return got
 
 
 def broadcaster_main(spec: TrainerSpec, init: dict[str, Any], commands: Any, results: Any) -> None:
@@ -77,16 +176,19 @@ def run_vllm_baseline(
     first_gpu: int,
     workdir: Path,
     dtype: str = "bfloat16",
+    quant: str = "",
     repeats: int = 3,
     gpu_memory_utilization: float = 0.45,
 ) -> dict[str, Any]:
     """vLLM's built-in `nccl` engine: one broadcaster (GPU 0) → every worker of every
-    replica, packed. Returns per-refit seconds measured on the replicas (start → finish)."""
+    replica, packed. Returns per-refit seconds measured on the replicas (start → finish).
+    `quant`: the checkpoint's quantization (`model_shapes.QUANTS`); vLLM's engine loads it
+    through its own layerwise reload."""
     from refitplane.demo.processes import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    model_dir = write_config(workdir / f"model-{shape}", shape, dtype)
+    model_dir = write_config(workdir / f"model-{shape}{quant and '-' + quant}", shape, dtype, quant)
     world_size = 1 + sum(replica_tps)
     master = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": world_size}
     procs, queues = [], {}
@@ -118,7 +220,12 @@ def run_vllm_baseline(
         bq = ctx.Queue()
         b = ctx.Process(
             target=broadcaster_main,
-            args=(TrainerSpec(shape, dtype, "", "", 1, "cuda", full=True), master, bq, results),
+            args=(
+                TrainerSpec(shape, dtype, "", "", 1, "cuda", full=True, quant=quant),
+                master,
+                bq,
+                results,
+            ),
         )
         pending = {f"baseline-{i}" for i in range(len(replica_tps))}
         deadline = time.monotonic() + 1800
@@ -140,13 +247,7 @@ def run_vllm_baseline(
             if tag == "error":
                 raise RuntimeError(f"{who}: {payload}")
             waiting.discard(who)
-        specs = tensor_specs(shape, dtype)
-        info = {
-            "names": [s.name for s in specs],
-            "dtype_names": [s.dtype for s in specs],
-            "shapes": [list(s.shape) for s in specs],
-            "packed": True,
-        }
+        info = _update_info(shape, dtype, quant)
         replica_seconds, send_seconds = [], []
         for _ in range(repeats):
             for i in range(len(replica_tps)):

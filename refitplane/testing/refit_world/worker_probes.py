@@ -110,3 +110,31 @@ def vllm_ipc_receive(worker: Any, update_info: dict[str, Any]) -> float:
         engine.receive_weights(info)
     torch.cuda.synchronize()
     return time.perf_counter() - started
+
+
+def kernel_tensor_sums(worker: Any) -> dict[str, str]:
+    """In a vLLM worker: name → "dtype shape S0 S1" (the data plane's position-sensitive
+    checksum, computed on the GPU) of every parameter and buffer as the kernels read them,
+    after post-load processing. Two workers agree on every entry iff they hold the same
+    bytes (up to a 128-bit checksum); it reads ~30 GiB in well under a second, where
+    hashing on the host would take a minute."""
+    import itertools
+
+    import torch
+
+    from refitplane.reshard.checksum import accumulate_sums_many
+
+    model = worker.model_runner.get_model()
+    named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+    device = next((t.device for _, t in named if t.is_cuda), torch.device("cpu"))
+    rows = torch.zeros((len(named), 2), dtype=torch.int64, device=device)
+    bufs = []
+    for _, tensor in named:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        bufs.append(flat.to(device))
+    accumulate_sums_many(bufs, list(rows.unbind(0)))
+    sums = rows.cpu().tolist()
+    return {
+        name: f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} {s0} {s1}"
+        for (name, t), (s0, s1) in zip(named, sums, strict=True)
+    }
