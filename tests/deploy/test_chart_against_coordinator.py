@@ -59,6 +59,7 @@ def test_rendered_env_is_accepted_by_the_coordinator_settings(
     assert settings.redis_url == env["REFIT_REDIS_URL"]["value"]
     assert settings.pause_mode.value == env["REFIT_PAUSE_MODE"]["value"]
     assert settings.bucket_bytes == int(env["REFIT_BUCKET_BYTES"]["value"])
+    assert settings.same_host_transport == env["REFIT_SAME_HOST_TRANSPORT"]["value"]
     assert settings.tls == ("REFIT_TLS_CERT_FILE" in env)
     assert (settings.auth_token_file is not None) == ("REFIT_AUTH_TOKEN_FILE" in env)
 
