@@ -312,6 +312,15 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                 row = _refits(world, steps, label, args.repeats, 10 * (rnd + 1), args.sleep_level)
                 rows[t].append(row)
                 _print(case, row, limit_s)
+            if args.unverified:
+                # The data plane alone: on one GPU both ends' checksums read every byte
+                # again from the same memory the copy reads and writes.
+                world.configure(verify_checksums=False)
+                world.refit()  # a new executor (its ring), first touch
+                row = _refits(world, steps, f"{t} unverified", args.repeats, 500 + rnd)
+                rows[t].append(row)
+                _print(case, row, limit_s)
+                world.configure(verify_checksums=True)
         out["rows"] = rows
         out["trainer_extra_mib"] = max(world.trainer_peak_memory()) / MiB
         try:
@@ -338,6 +347,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="cross: ipc/nccl alternations")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's ipc engine")
+    parser.add_argument(
+        "--unverified", action="store_true", help="also refit with checksums off (last transport)"
+    )
     parser.add_argument(
         "--sleep-level",
         type=int,
