@@ -104,14 +104,14 @@ def run_vllm_baseline_in_world(
             ("call", (baseline_receive, ["init", {**master, "rank_offset": offset}]))
         )
         offset += tp
-    _gather(world, {"broadcaster", *replicas}, ("ready", "call"))
+    _gather(world, {"broadcaster", *replicas}, ("ready", "call"), timeout_s=300)
     info = _update_info(world.shape, world.dtype, world.quant)
     replica_seconds, send_seconds = [], []
     for _ in range(repeats):
         for r in replicas:
             world._queues[r].put(("call", (baseline_receive, ["update", info])))
         world._queues["broadcaster"].put("send")
-        got = _gather(world, {"broadcaster", *replicas}, ("call", "sent"))
+        got = _gather(world, {"broadcaster", *replicas}, ("call", "sent"), timeout_s=300)
         replica_seconds.append(max(v for k, v in got.items() if k != "broadcaster"))
         send_seconds.append(got["broadcaster"])
     out: dict[str, Any] = {"replica_seconds": replica_seconds, "send_seconds": send_seconds}
@@ -125,10 +125,12 @@ def run_vllm_baseline_in_world(
     return out
 
 
-def _gather(world: Any, names: set[str], tags: tuple[str, ...]) -> dict[str, Any]:
-    """Wait (10 minutes at most) until each of `names` answered with one of `tags`."""
+def _gather(
+    world: Any, names: set[str], tags: tuple[str, ...], *, timeout_s: float
+) -> dict[str, Any]:
+    """Wait until each of `names` answered with one of `tags` (`timeout_s` at most)."""
     got: dict[str, Any] = {}
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + timeout_s
     while names - got.keys():
         tag, who, payload = world._get(deadline)
         if tag in tags and who in names:
