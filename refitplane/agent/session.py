@@ -66,13 +66,15 @@ class AgentSession:
         serving: Callable[[], bool | None] | None = None,
     ) -> None:
         """`coordinator`: gRPC host:port. `timeout_s` bounds every call (and, in `start`,
-        how long to wait for the coordinator to answer at all). `held_version`: generators,
-        the version they fully hold now; every registration (a lost lease, a coordinator
-        that lost its state) sends it instead of `info.version`, so the coordinator's next
-        version goes above it. With `serving` (whether those weights are complete; None
-        while an update is under way, when the answer is about to change), every lease
-        renewal reports both (RenewLease.held): after a coordinator restart mid-refit the
-        coordinator takes what the replica's ranks hold."""
+        how long to wait for the coordinator to answer at all). `held_version`: generators
+        (and their sidecars), the version they fully hold now; every registration (a lost
+        lease, a coordinator that lost its state) sends it instead of `info.version`, so
+        the replica comes back at that version and the coordinator's next version goes
+        above it. With `serving` (whether those weights are complete; None while an update
+        is under way, when the answer is about to change), every lease renewal reports both
+        (RenewLease.held): after a coordinator restart mid-refit the coordinator takes what
+        the replica's ranks hold; and a registration while it is False sends 0 (no version
+        fully held)."""
         self.info = info
         self._held_version = held_version
         self._serving = serving
@@ -191,11 +193,19 @@ class AgentSession:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
+    def _held_now(self) -> int:
+        """The version to register with: the one fully held, or 0 (none) when the weights
+        are incomplete (a failed receive overwrote some): never one the rank does not hold."""
+        assert self._held_version is not None
+        if self._serving is not None and self._serving() is False:
+            return 0
+        return self._held_version()
+
     def _register(self) -> None:
         with self._lock:
             info = self.info
             if self._held_version is not None:
-                info = dataclasses.replace(info, version=self._held_version())
+                info = dataclasses.replace(info, version=self._held_now())
             resp = self._call_unary("Register", convert.register_to_proto(info), self._metadata)
             self._who = (
                 str(resp.member_id),

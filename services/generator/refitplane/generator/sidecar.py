@@ -163,6 +163,8 @@ class Sidecar:
         self.listen()
         log.info("waiting for vLLM at %s", self.settings.vllm_url)
         self.control.wait_healthy(self.settings.vllm_start_timeout_s)
+        # A restarted sidecar registers at the version vLLM's workers hold, not 0.
+        self.member.seed_from_engines()
         self.session.start()
         status = self.control.init_engine(
             {

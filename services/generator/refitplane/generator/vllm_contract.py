@@ -217,6 +217,9 @@ class EngineStatus(TypedDict):
     # Weights were modified without a verified, applied update since the last applied one.
     incomplete: bool
     applied_sessions: int
+    # The version the worker fully holds: the coordinator's version of the last refit it
+    # received, verified and applied (0: none since start). Never the caller's word.
+    version: int
     receive_mode: str
     # Staging memory (checkpoint tensors the worker stages, `reshard.staged`) held now and
     # at most during the last transfer; 0 for a live receive without fallback layers.

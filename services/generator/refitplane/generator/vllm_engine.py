@@ -19,7 +19,12 @@ Registered under the backend name "refitplane" by the `vllm.general_plugins` ent
 - `finish_weight_update()`: completes the session's update only if every one of them
   verified on this rank and none was discarded: applies the last staged bucket (all of
   them in "staged" mode) and re-runs the post-load processing of attention layers no
-  reload covered; otherwise drops what is staged.
+  reload covered; otherwise drops what is staged. Only then does the worker hold the
+  refit's version (the one the coordinator's PrepareRefit named, whatever door — sidecar,
+  vLLM's HTTP verbs, an in-process `LLM` — the update came through); a failed, discarded
+  or incomplete update leaves the version it held. It reports that version on every
+  registration and lease renewal (`AgentSession(held_version=, serving=)`), so after a
+  coordinator restart or a wiped store the replica comes back at the version it serves.
 - `update_weights({"refit_id": ..., "action": "discard"})` (or the status channel's
   "discard"): forget a refit that failed elsewhere in the replica (vLLM needs every started
   update finished; this makes that finish apply nothing).
@@ -45,7 +50,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from refitplane.agent.dataplane import DataPlaneMember, local_address, placement_of
+from refitplane.agent.dataplane import local_address, placement_of
 from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
 from refitplane.errors import RefitError
@@ -62,6 +67,7 @@ from refitplane.generator.vllm_contract import (
 )
 from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_ranks
 from refitplane.generator.vllm_staging import ReceiveBinding, bind_receive
+from refitplane.generator.vllm_worker_member import WorkerMember, registration
 from refitplane.protocol import Reason, Role
 from refitplane.protocol.messages import MemberInfo
 from refitplane.reshard.shards import LocalShards
@@ -94,7 +100,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.session: AgentSession | None = None
-        self.member: DataPlaneMember | None = None
+        self.member: WorkerMember | None = None
         self.shards: LocalShards | None = None
         self.binding: ReceiveBinding | None = None
         self.layout: VllmLayout | None = None
@@ -110,6 +116,12 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         self._updates: list[UpdateRecord] = []
         self._discarded = False
         self._pending_reload = ""
+        # The version the last verified receive of the open session carries (applied, and
+        # then held, only at a finish that completes the session).
+        self._pending_version = 0
+        # The version this worker fully holds (0: none received since start). Read by the
+        # session's lease thread.
+        self.version = 0
         # How the last finished session ended, and what the weights are since.
         self._last: SessionResult = "none"
         self._last_message = ""
@@ -159,6 +171,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             last_message=self._last_message,
             incomplete=self._incomplete,
             applied_sessions=self._applied_sessions,
+            version=self.version,
             receive_mode=self.mode,
             staging_bytes=staged.staging_bytes if staged is not None else 0,
             staging_peak_bytes=staged.staging_peak_bytes if staged is not None else 0,
@@ -184,7 +197,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
     # -- lifecycle --------------------------------------------------------------------------
 
     def init_transfer_engine(self, init_info: EngineInitInfo) -> None:
-        wanted = _registration(init_info)
+        wanted = registration(init_info)
         if self.session is not None:
             if wanted == self._registered_as:
                 # Idempotent: vLLM, the sidecar or an operator may call init twice.
@@ -208,7 +221,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         if self._parse_problem:
             raise RefitError(f"bad init_info: {self._parse_problem}", field="init_info")
         env = AgentSettings()
-        coordinator, job, replica = _registration(info, env)[:3]
+        coordinator, job, replica = registration(info, env)[:3]
         if not (coordinator and job and replica):
             raise RefitError(
                 "init_info needs coordinator, job and replica_id (or REFIT_* env)",
@@ -236,10 +249,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         if ranks.dp_size > 1:
             replica = f"{replica}-dp{ranks.dp_rank}"
         host = info.host or env.host or local_address()
-        shards = self.shards
-        member = DataPlaneMember(
-            lambda: shards, device=self.device, local_host=host, run_on_start=False
-        )
+        member = WorkerMember(self.shards, device=self.device, local_host=host)
         node, gpu = placement_of(self.device, env.node)
         # Sleep level 2 drops the weights between refits: nothing is kept to apply a delta to.
         delta_receive = binding.delta_receive and env.sleep_level < 2
@@ -272,6 +282,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             member,
             token=env.token(),
             tls_ca=info.tls_ca or env.tls_ca(),
+            held_version=lambda: self.version,
+            serving=self._serves_held,
         )
         member.attach(session)
         # Set before start: a failure from here on is cleaned up by `_close_session`.
@@ -286,12 +298,18 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             len(self.shards.names()),
         )
 
+    def _serves_held(self) -> bool | None:
+        """Whether it serves `version` (None while an update session is open: the answer is
+        about to change); False once an update left the weights incomplete."""
+        return None if self._session_open else not self._incomplete
+
     def start_weight_update(self, *args: Any, **kwargs: Any) -> None:
         # Pausing is the caller's (sidecar, or the RL loop); here only the session begins.
         self._session_open = True
         self._updates = []
         self._discarded = False
         self._pending_reload = ""
+        self._pending_version = 0
 
     def update_weights(self, update_info: Any) -> None:
         problems: list[Problem] = []
@@ -324,6 +342,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             return
         if self.binding is not None:
             self.binding.reloader.begin()
+        self.member.completed = None
         try:
             report = self.member.run_transfer(refit_id, wait_s=update_info.prepare_wait_s)
         except Exception as exc:  # noqa: BLE001 - must never reach vLLM
@@ -360,11 +379,13 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         self._record(update_info, ok=True, modified=live)
         # Finish applies the last staged bucket and re-runs attention's post-load processing.
         self._pending_reload = refit_id
+        # The coordinator's version of this refit (its PrepareRefit), not update_info's.
+        self._pending_version = self.member.completed_version(refit_id)
 
     def finish_weight_update(self, *args: Any, **kwargs: Any) -> None:
         updates, self._updates = self._updates, []
         refit_id, self._pending_reload = self._pending_reload, ""
-        self._session_open = False
+        version, self._pending_version = self._pending_version, 0
         modified = any(u["modified"] for u in updates)
         failed = [u for u in updates if not u["ok"]]
         if self._discarded or failed:
@@ -391,6 +412,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
                 _, message = self._report(refit_id, exc, weights_modified=True)
                 self._end("incomplete", f"reload failed: {message}")
                 return
+        if version:
+            self.version = version  # held now: verified and applied
         self._end("applied", f"refit {updates[-1]['refit_id']}")
 
     def _drop_staging(self) -> None:
@@ -424,6 +447,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             self._discarded = True
             self._last_message = why
             self._pending_reload = ""
+            self._pending_version = 0
             self._drop_staging()
 
     def _end(self, result: SessionResult, message: str) -> None:
@@ -433,6 +457,9 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             self._applied_sessions += 1
         elif result == "incomplete":
             self._incomplete = True
+        # Closed last, once version and outcome are settled: the lease thread reads no
+        # closed session with the previous outcome (`_serves_held`).
+        self._session_open = False
         if result != "applied":
             log.warning("refitplane: weight update not applied (%s): %s", result, message)
 
@@ -475,20 +502,6 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             "refitplane trainers send through WeightTransferTrainerFactory (vLLM >= 0.28) or "
             "refitplane.trainer.agent.TrainerAgent"
         )
-
-
-def _registration(info: RefitInitInfo, env: AgentSettings | None = None) -> tuple[str, ...]:
-    """What an init registers as (coordinator, job and replica first: the init info's, else
-    the REFIT_* environment's); a second init with the same is a no-op."""
-    env = env or AgentSettings()
-    return (
-        info.coordinator or env.coordinator,
-        info.job or env.job,
-        info.replica_id or env.replica_id,
-        info.host,
-        info.mode,
-        ",".join(info.fallback_layers),
-    )
 
 
 def _log_paths(layout: VllmLayout) -> None:

@@ -81,7 +81,10 @@ def job_topology(snap: JobSnapshot) -> Topology:
     for rid in sorted({m.replica_id for m in members if m.role is not Role.TRAINER}):
         rep = roster.replicas.get(rid)
         all_of = [m for m in members if m.replica_id == rid and m.role is not Role.TRAINER]
-        data = [m for m in all_of if m.role is Role.GENERATOR and m.alive]
+        ranks = [m for m in all_of if m.role is Role.GENERATOR]
+        # What its live ranks hold; while every rank is LOST (a lease that lapsed under
+        # load, before the agent registers again), what they held last, not 0.
+        data = [m for m in ranks if m.alive] or ranks
         version = min((m.version for m in data), default=0)
         if rid in degraded:
             state = MemberState.DEGRADED
