@@ -255,6 +255,26 @@ async def test_reseeding_a_store_that_lost_its_state(store):
     assert (await store.active_refit("job")) == restored
 
 
+async def test_a_restored_idempotency_key_names_its_refit(store):
+    """Re-seed writes a key back (`idempotency_keys`): a trigger with it finds the refit it
+    named, and what the store holds is never overwritten."""
+    named = (await store.trigger(_trigger(version=7))).refit.model_copy(
+        update={"state": RefitState.COMMITTED}
+    )
+    await store.restore_idempotency_key("job", "k", named, 3600)
+    again = await store.trigger(_trigger(key="k"))
+    assert again.outcome is TriggerOutcome.EXISTING
+    assert again.refit.refit_id == named.refit_id
+    other = (await store.trigger(_trigger(key="other"))).refit
+    await store.restore_idempotency_key("job", "other", named, 3600)
+    assert (await store.trigger(_trigger(key="other"))).refit.refit_id == other.refit_id
+    # A refit the store lost comes back into the job's history.
+    gone = named.model_copy(update={"refit_id": "lost-refit"})
+    await store.restore_idempotency_key("job", "k2", gone, 3600)
+    assert (await store.get_refit("lost-refit")) == gone
+    assert "lost-refit" in [r.refit_id for r in await store.list_refits("job", 100)]
+
+
 async def test_trigger_refuses_a_store_that_lost_its_sentinel(store_url):
     if not store_url:
         pytest.skip("the embedded store cannot lose part of its state")

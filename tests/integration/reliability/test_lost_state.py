@@ -183,6 +183,42 @@ def test_wipe_mid_refit_fails_it_with_a_record(world: World) -> None:
     note("test_wipe_mid_refit_fails_it_with_a_record", reason=final.reason)
 
 
+def test_an_idempotency_key_survives_a_wiped_store(world: World) -> None:
+    """A key used before Redis was wiped still names the refit it created: the coordinator
+    writes the keys it handed out back when it re-seeds the store (on main the same key
+    created a second refit)."""
+    cluster = world.cluster
+    version = world.next_version()
+    world.step(version)
+    key = f"step-{version}-{time.time_ns()}"
+    first = world.trigger(version, idempotency_key=key)
+    done = cluster.wait(first.refit_id, timeout_s=60)
+    assert done.state is RefitState.COMMITTED, (done.reason, done.message)
+    world.check_holds(version)
+    registrations = {a.name: a.status()["registrations"] for a in cluster.agents.values()}
+    with _redis(world) as r:
+        r.flushall()
+    for agent in cluster.agents.values():  # the wipe was detected: every member came back
+        _wait(
+            f"{agent.name} to register again",
+            lambda a=agent: a.status()["registrations"] > registrations[a.name],
+            30,
+        )
+    with httpx.Client(base_url=cluster.coordinator.http_url, timeout=5) as http:
+        _wait("/readyz 200 again", lambda: http.get("/readyz").status_code == 200, 30)
+    cluster.wait_ready()
+    with cluster.client() as client:
+        again = client.trigger(cluster.job, idempotency_key=key)
+        assert again.refit_id == first.refit_id, (again.refit_id, first.refit_id)
+        assert (again.state, again.version) == (RefitState.COMMITTED, version)
+        assert client.get(first.refit_id).state is RefitState.COMMITTED
+        assert [r.refit_id for r in client.list(cluster.job)] == [first.refit_id]
+    # A new key still makes a new refit, above every version used.
+    committed = world.commit()
+    assert committed.version > version
+    note("test_an_idempotency_key_survives_a_wiped_store", refit=first.refit_id[:8])
+
+
 def _wait(what: str, predicate: object, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -18,7 +18,8 @@ version 1 while replicas hold 3, member records are never written back. So:
   `STORE_STATE_LOST`. Every member is then forgotten: its next call is NOT_FOUND, its agent
   registers again with the version it holds (which raises the job's last-used version
   again, in `register.lua`) and publishes its layout again (layouts were lost too). Version
-  numbers are never reused.
+  numbers are never reused. The idempotency keys this coordinator handed out are written
+  back too (`idempotency_keys`), so a key does not create a second refit.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from refitplane.coordinator.core.idempotency_keys import KeyMemory
 from refitplane.coordinator.core.membership import Membership
 from refitplane.coordinator.core.records import JobRecord, RefitRecord
 from refitplane.coordinator.core.waits import cancel_and_wait
@@ -76,6 +78,7 @@ class StoreWatch:
         store: Store,
         membership: Membership,
         floors: VersionFloors,
+        keys: KeyMemory,
         *,
         reseed_drivers: Callable[[], Awaitable[None]],
         forget_streams: Callable[[list[str]], None],
@@ -85,6 +88,7 @@ class StoreWatch:
         self._store = store
         self._membership = membership
         self._floors = floors
+        self._keys = keys
         self._reseed_drivers = reseed_drivers
         self._forget_streams = forget_streams
         self._interval = check_interval_s
@@ -159,14 +163,19 @@ class StoreWatch:
             await self._store.raise_versions(
                 job, last_version=max(last, held.get(job, 0)), committed_version=committed
             )
+        # After the drivers: a key naming the refit in flight finds it written back.
+        remembered = self._keys.live()
+        for k in remembered:
+            await self._store.restore_idempotency_key(k.job, k.key, k.refit, k.ttl_s)
         self._incarnation = await self._store.claim_incarnation()
         dropped = self._membership.forget_all()
         self._forget_streams([m.member_id for m in dropped])
         log.warning(
-            "state store re-seeded (incarnation %s): versions of %d job(s) restored; waiting "
-            "for %d member(s) to register again",
+            "state store re-seeded (incarnation %s): versions of %d job(s) and %d idempotency "
+            "key(s) restored; waiting for %d member(s) to register again",
             self._incarnation[:8],
             len(jobs),
+            len(remembered),
             len(members),
         )
         await self._await_members({(m.job, m.key) for m in members})

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from refitplane.coordinator.core.context import DriverContext
 from refitplane.coordinator.core.driver import JobDriver
 from refitplane.coordinator.core.events import RefitEvents
+from refitplane.coordinator.core.idempotency_keys import KeyMemory
 from refitplane.coordinator.core.idle_jobs import IdleClock, sweep_interval
 from refitplane.coordinator.core.lost_state import ReadinessListener, StoreWatch, VersionFloors
 from refitplane.coordinator.core.membership import Departure, Membership
@@ -85,10 +86,13 @@ class Coordinator:
         self.membership.on_departure(self._on_departure)
         self.floors = VersionFloors()
         self.events.observe(self.floors.seen)
+        self.keys = KeyMemory()
+        self.events.observe(self.keys.seen)
         self.store_watch = StoreWatch(
             store,
             self.membership,
             self.floors,
+            self.keys,
             reseed_drivers=self._reseed_drivers,
             forget_streams=self._forget_streams,
             check_interval_s=_STORE_CHECK_S,
@@ -299,6 +303,7 @@ class Coordinator:
             self.store_watch.suspect()
             raise
         self.floors.seen(result.refit)
+        self.keys.remember(job, idempotency_key, result.refit)
         self.metrics.triggers.labels(result.outcome.name).inc()
         if result.outcome is TriggerOutcome.COALESCED:
             self.events.publish(result.refit)

@@ -87,6 +87,14 @@ class Store(abc.ABC):
     async def restore_refit(self, refit: RefitRecord) -> None:
         """Re-seed: write back a refit the store forgot, as the job's active refit."""
 
+    @abc.abstractmethod
+    async def restore_idempotency_key(
+        self, job: str, key: str, refit: RefitRecord, ttl_s: int
+    ) -> None:
+        """Re-seed: write back idempotency key `key` of `job`, naming `refit` (written back
+        too, into the job's history, unless the store holds it), for `ttl_s` more seconds.
+        Neither overwrites what the store holds."""
+
     # --- members -------------------------------------------------------------------------
 
     @abc.abstractmethod

@@ -89,6 +89,15 @@ class EmbeddedStore(Store):
         self._refits[refit.refit_id] = refit
         j.active = refit.refit_id
 
+    async def restore_idempotency_key(
+        self, job: str, key: str, refit: RefitRecord, ttl_s: int
+    ) -> None:
+        j = self._job(job)
+        if refit.refit_id not in self._refits:
+            self._refits[refit.refit_id] = refit
+            j.refits.append(refit.refit_id)
+        j.idempotency.setdefault(key, (refit.refit_id, time.time() + ttl_s))
+
     async def register_member(self, member: MemberRecord) -> str | None:
         job = self._job(member.job)
         job.listed = True

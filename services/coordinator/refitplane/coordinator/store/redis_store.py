@@ -160,6 +160,17 @@ class RedisStore(Store):
             pipe.sadd(self._k("jobs"), refit.job)
             await pipe.execute()
 
+    async def restore_idempotency_key(
+        self, job: str, key: str, refit: RefitRecord, ttl_s: int
+    ) -> None:
+        async with self._guard():
+            seq = await self._redis.hincrby(self._k("job", job), "seq", 1)
+        async with self._guard(), self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._k("refit", refit.refit_id), refit.model_dump_json(), nx=True)
+            pipe.zadd(self._k("job", job, "refits"), {refit.refit_id: seq}, nx=True)
+            pipe.set(self._k("idem", job, key), refit.refit_id, ex=max(1, ttl_s), nx=True)
+            await pipe.execute()
+
     # --- members -------------------------------------------------------------------------
 
     async def register_member(self, member: MemberRecord) -> str | None:
