@@ -47,10 +47,6 @@ refit.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
-import os
 import threading
 import time
 from collections import deque
@@ -79,6 +75,7 @@ from refitplane.reshard.message_io import (
     with_copy_tables,
 )
 from refitplane.reshard.plan import RankPlan
+from refitplane.reshard.profiling import transfer_profile, write_report
 from refitplane.reshard.schedule import Message, RankSchedule, rank_schedule
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.staged import StagedBucket, StagedShards
@@ -224,17 +221,6 @@ class _Prepared:
         return shards.fingerprint() == self.fingerprint
 
 
-# REFIT_PROFILE_DIR: each executor appends its reports (host time by phase) there, one
-# JSON line per transfer, to `executor-<pid>.jsonl`.
-PROFILE_DIR = os.environ.get("REFIT_PROFILE_DIR", "")
-
-
-def _write_profile(rank: int, report: TransferReport) -> None:
-    path = os.path.join(PROFILE_DIR, f"executor-{os.getpid()}.jsonl")
-    with contextlib.suppress(OSError), open(path, "a") as f:
-        f.write(json.dumps({"rank": rank, **dataclasses.asdict(report)}) + "\n")
-
-
 # Post a channel's batched ops once they reach this many bucket sizes (or ops): fewer,
 # larger NCCL groups cost fewer launches; batching never delays a wait (all pending ops
 # are posted before any wait).
@@ -288,7 +274,8 @@ class Executor:
         run = _Run(self, prepared, progress, cancel, started, staged, delta)
         run.report.prepared_seconds = time.monotonic() - started
         try:
-            report = run.execute()
+            with transfer_profile(plan.rank):
+                report = run.execute()
         except BaseException:
             self.receives_posted = run.receives_posted
             self.transport.abort()
@@ -299,8 +286,7 @@ class Executor:
         self.receives_posted = run.receives_posted
         report.seconds = time.monotonic() - started
         report.staging_peak_bytes = self.ring.peak
-        if PROFILE_DIR:
-            _write_profile(plan.rank, report)
+        write_report(plan.rank, report)
         if staged is not None:
             # A staged receiver holds no transfer memory between refits.
             self.ring.free()
