@@ -42,6 +42,7 @@ COORDINATOR_ENV = frozenset(
         "REFIT_GRPC_PORT",
         "REFIT_HTTP_HOST",
         "REFIT_HTTP_PORT",
+        "REFIT_PROBE_PORT",
         "REFIT_REDIS_URL",
         "REFIT_REDIS_PASSWORD",
         "REFIT_REDIS_PASSWORD_FILE",

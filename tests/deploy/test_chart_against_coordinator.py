@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ def test_rendered_env_is_accepted_by_the_coordinator_settings(
     settings = settings_module.Settings()
     assert settings.grpc_port == int(env["REFIT_GRPC_PORT"]["value"])
     assert settings.http_port == int(env["REFIT_HTTP_PORT"]["value"])
+    assert settings.probe_port == int(env["REFIT_PROBE_PORT"]["value"])
     assert settings.redis_url == env["REFIT_REDIS_URL"]["value"]
     assert settings.pause_mode.value == env["REFIT_PAUSE_MODE"]["value"]
     assert settings.bucket_bytes == int(env["REFIT_BUCKET_BYTES"]["value"])
@@ -69,6 +71,7 @@ class CoordinatorProcess:
     proc: subprocess.Popen[bytes]
     grpc_port: int
     http_port: int
+    probe_port: int
     log: Path
 
 
@@ -83,7 +86,7 @@ def coordinator_process(workdir: Path, token: Path) -> Iterator[CoordinatorProce
         "REFIT_AUTH_TOKEN_FILE": str(token),
     }
     command = [sys.executable, "-m", "refitplane.coordinator", "--port-file", str(port_file)]
-    command += ["--grpc-port", "0", "--http-port", "0"]
+    command += ["--grpc-port", "0", "--http-port", "0", "--probe-port", "0"]
     with log.open("wb") as out:
         proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=out, stderr=out)
     try:
@@ -93,7 +96,9 @@ def coordinator_process(workdir: Path, token: Path) -> Iterator[CoordinatorProce
                 pytest.fail(f"coordinator did not start:\n{log.read_text(errors='replace')}")
             time.sleep(0.05)
         ports = json.loads(port_file.read_text())
-        yield CoordinatorProcess(proc, ports["grpc_port"], ports["http_port"], log)
+        yield CoordinatorProcess(
+            proc, ports["grpc_port"], ports["http_port"], ports["probe_port"], log
+        )
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -117,6 +122,11 @@ def test_helm_test_script_passes_against_the_real_coordinator(tmp_path: Path) ->
         log = coordinator.log.read_text(errors="replace")
         assert result.returncode == 0, result.stdout + result.stderr + log
         assert "coordinator healthy" in result.stdout
+        # The paths the chart's probes GET, on the probe port.
+        for path in ("/healthz", "/readyz"):
+            url = f"http://127.0.0.1:{coordinator.probe_port}{path}"
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                assert reply.status == 200, path
         # SIGTERM (what the kubelet sends) stops it gracefully within the grace period.
         coordinator.proc.send_signal(signal.SIGTERM)
         assert coordinator.proc.wait(timeout=30) == 0

@@ -164,13 +164,14 @@ def test_image_digest_pins_by_digest() -> None:
     assert image.endswith(f":0.1.0@{digest}")
 
 
-def test_probes_are_grpc_health_and_http_readiness(default: Rendered) -> None:
+def test_probes_are_http_gets_on_the_probe_port(default: Rendered) -> None:
     c = default.coordinator_container()
-    assert c["startupProbe"]["grpc"] == {"port": 50051, "service": "refit.v1.RefitService"}
-    assert c["livenessProbe"]["grpc"] == {"port": 50051, "service": ""}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http", "scheme": "HTTP"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "probe"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "probe"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "probe"}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": 50051, "http": 8080}
+    assert ports == {"grpc": 50051, "http": 8080, "probe": 8081}
+    assert env_of(c)["REFIT_PROBE_PORT"]["value"] == "8081"
 
 
 def test_graceful_termination(default: Rendered) -> None:
@@ -251,7 +252,7 @@ def test_writable_tmp_only(default: Rendered) -> None:
 # --- TLS ---------------------------------------------------------------------------------
 
 
-def test_tls_mounts_certificate_and_switches_probes() -> None:
+def test_tls_mounts_certificate_and_keeps_plain_probes() -> None:
     rendered = render({"tls": {"enabled": True, "secretName": "coordinator-tls"}})
     c = rendered.coordinator_container()
     env = env_of(c)
@@ -259,11 +260,10 @@ def test_tls_mounts_certificate_and_switches_probes() -> None:
         volume = volume_for_mount(rendered.coordinator(), c, env[var]["value"])
         assert volume["secret"]["secretName"] == "coordinator-tls"
         assert {"key": key, "path": key} in volume["secret"]["items"]
-    # Kubelet gRPC probes are plaintext before GRPCContainerProbeTLS: HTTPS probes instead.
-    assert c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
-    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert c["startupProbe"]["httpGet"]["scheme"] == "HTTPS"
-    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    # The probe port speaks plain HTTP whatever REFIT_TLS_*: the probes stay as they are.
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"]["port"] == "probe"
+        assert "scheme" not in c[probe]["httpGet"]
     test_pod = rendered.one("Pod")
     command = container(test_pod, "healthcheck")["command"]
     assert command[command.index("--http") + 1].startswith("https://")

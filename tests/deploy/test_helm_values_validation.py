@@ -44,10 +44,6 @@ TEMPLATE_FAILURES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         ("must not contain a password", "redis.external.existingSecret"),
     ),
     "tls without secret": ({"tls": {"enabled": True}}, ("tls.enabled=true needs tls.secretName",)),
-    "native grpc tls probe on old kubernetes": (
-        {"tls": {"enabled": True, "secretName": "s"}, "probes": {"grpcTLSMode": "native"}},
-        ("probes.grpcTLSMode=native", "GRPCContainerProbeTLS"),
-    ),
     "existing token with auth off": (
         {"auth": {"enabled": False, "existingSecret": "t"}},
         ("auth.existingSecret is set but auth.enabled=false",),
@@ -100,7 +96,7 @@ SCHEMA_FAILURES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         {"networkPolicy": {"clientPodLabels": {"refitplane.io/client": None}}},
         ("/networkPolicy/clientPodLabels", "minProperties"),
     ),
-    "bad probe mode": ({"probes": {"grpcTLSMode": "exec"}}, ("/probes/grpcTLSMode",)),
+    "bad probe port": ({"ports": {"probe": 0}}, ("/ports/probe",)),
 }
 
 

@@ -160,7 +160,7 @@ def test_example_manifests_are_valid_kubernetes(example: str) -> None:
 def test_validation_catches_an_invalid_field() -> None:
     """The validator is strict on this kubernetes-validate version (guards the tests above)."""
     deployment = render().coordinator()
-    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpc"]["port"] = "x"
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["path"] = 7
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, LATEST_KUBE_VERSION, strict=True)
     deployment = render().coordinator()

@@ -219,11 +219,13 @@ class CoordinatorProc(Proc):
     def __init__(self, workdir: Path, env: Mapping[str, str]) -> None:
         self.grpc_port = free_port()
         self.http_port = free_port()
+        self.probe_port = free_port()
         self.port_file = workdir / "coordinator-ports.json"
         argv = [
             sys.executable, "-m", "refitplane.coordinator",
             "--grpc-host", "127.0.0.1", "--http-host", "127.0.0.1",
             "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
+            "--probe-port", str(self.probe_port),
             "--port-file", str(self.port_file), "--env-file", str(workdir / "no.env"),
         ]  # fmt: skip
         super().__init__("coordinator", argv, workdir, child_env(env))
@@ -236,6 +238,11 @@ class CoordinatorProc(Proc):
     @property
     def http_url(self) -> str:
         return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.http_port}"
+
+    @property
+    def probe_url(self) -> str:
+        """/healthz and /readyz on their own thread (plain HTTP, TLS or not)."""
+        return f"http://127.0.0.1:{self.probe_port}"
 
     def start(self, timeout_s: float = 30.0) -> None:
         self.port_file.unlink(missing_ok=True)

@@ -1,5 +1,5 @@
-"""`refit-coordinator` refuses to start with one line naming what and where: a gRPC or HTTP
-port another coordinator listens on (gRPC's SO_REUSEPORT default would let both listen),
+"""`refit-coordinator` refuses to start with one line naming what and where: a gRPC, HTTP
+or probe port another coordinator listens on (gRPC's SO_REUSEPORT default would let both listen),
 an unreachable Redis (named by its URL, password redacted); and SIGTERM stops it during
 start-up too."""
 
@@ -57,6 +57,16 @@ def test_http_port_in_use_is_refused(coordinator_process, tmp_path):
     line = _one_line(result)
     assert f"HTTP on 127.0.0.1:{first.http_port}: address already in use" in line
     assert "--http-port / REFIT_HTTP_PORT" in line
+
+
+def test_probe_port_in_use_is_refused(coordinator_process, tmp_path):
+    first = coordinator_process()
+    taken = first.http_port  # any port something listens on
+    result = _run(tmp_path, "--grpc-port", "0", "--http-port", "0", "--probe-port", str(taken))
+    assert result.returncode == 1
+    line = _one_line(result)
+    assert f"probes on 127.0.0.1:{taken}: address already in use" in line
+    assert "--probe-port / REFIT_PROBE_PORT" in line
 
 
 def test_unreachable_redis_names_the_url_not_the_password(tmp_path):

@@ -206,9 +206,6 @@ Args: (list $ctx secretName key length). Returns the base64-encoded value.
 {{- if and $v.networkPolicy.enabled $v.serviceMonitor.enabled (not $v.networkPolicy.metricsFrom) -}}
 {{- fail "serviceMonitor.enabled=true with networkPolicy.enabled=true needs networkPolicy.metricsFrom (Prometheus' pods/namespace), otherwise the policy blocks scraping" -}}
 {{- end -}}
-{{- if and $v.tls.enabled (eq $v.probes.grpcTLSMode "native") (semverCompare "<1.37.0-0" .Capabilities.KubeVersion.Version) -}}
-{{- fail (printf "probes.grpcTLSMode=native needs Kubernetes >= 1.37 with the GRPCContainerProbeTLS feature gate; this cluster is %s: use probes.grpcTLSMode=http" .Capabilities.KubeVersion.Version) -}}
-{{- end -}}
 {{- end -}}
 
 {{/* redis.conf of the bundled Redis. */}}

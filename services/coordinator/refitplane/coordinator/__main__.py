@@ -48,19 +48,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, help="REFIT_GRPC_PORT (default 50051; 0: any free)")
     p.add_argument("--http-host", help="REFIT_HTTP_HOST (default 0.0.0.0)")
     p.add_argument("--http-port", type=int, help="REFIT_HTTP_PORT (default 8080; 0: any free)")
+    p.add_argument(
+        "--probe-port",
+        type=int,
+        help="REFIT_PROBE_PORT: /healthz and /readyz on their own thread (0: any free)",
+    )
     p.add_argument("--redis-url", help="REFIT_REDIS_URL (empty: embedded in-process store)")
     p.add_argument("--log-level", help="REFIT_LOG_LEVEL (default INFO)")
     p.add_argument("--env-file", type=Path, help="read settings from this file instead of .env")
     p.add_argument(
         "--port-file",
         type=Path,
-        help="once serving, write {'grpc_port': ..., 'http_port': ...} here (for port 0)",
+        help="once serving, write {'grpc_port': ..., 'http_port': ..., 'probe_port': ...} "
+        "here (for port 0)",
     )
     return p
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("grpc_host", "grpc_port", "http_host", "http_port", "redis_url", "log_level")
+    names = (
+        "grpc_host",
+        "grpc_port",
+        "http_host",
+        "http_port",
+        "probe_port",
+        "redis_url",
+        "log_level",
+    )
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -93,7 +107,12 @@ async def _serve(settings: Any, port_file: Path | None) -> None:
     gc.freeze()
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"grpc_port": server.grpc_port, "http_port": server.http_port}))
+        ports = {
+            "grpc_port": server.grpc_port,
+            "http_port": server.http_port,
+            "probe_port": server.probe_port,
+        }
+        tmp.write_text(json.dumps(ports))
         tmp.replace(port_file)
     await stop.wait()
     log.info("stopping gracefully")

@@ -19,6 +19,7 @@ from refitplane.coordinator.grpc.server import GrpcServer
 from refitplane.coordinator.observability.grpc_observer import RequestObserver
 from refitplane.coordinator.observability.http_observer import HttpObserver
 from refitplane.coordinator.observability.requests import RequestMetrics
+from refitplane.coordinator.probes import LoopHeartbeat, ProbeServer
 from refitplane.coordinator.rest.app import create_app
 from refitplane.coordinator.rest.limits import RequestGuard
 from refitplane.coordinator.settings import Settings
@@ -72,6 +73,15 @@ class CoordinatorServer:
         self._http_task: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.http_port = 0
+        self.probe_port = 0
+        self._heartbeat = LoopHeartbeat(self.core.ready)
+        # A store check older than this (3 missed checks and the check's own timeout) is
+        # no proof of readiness any more.
+        self._probes = ProbeServer(
+            self._heartbeat,
+            stall_s=settings.probe_loop_stall_s,
+            stale_s=3 * self._heartbeat.store_check_s + self._heartbeat.store_timeout_s,
+        )
         self._serving = False
 
     async def start(self) -> None:
@@ -81,6 +91,8 @@ class CoordinatorServer:
         grpc_flag, http_flag = "--grpc-port / REFIT_GRPC_PORT", "--http-port / REFIT_HTTP_PORT"
         check_port_free("gRPC", s.grpc_host, s.grpc_port, grpc_flag)
         check_port_free("HTTP", s.http_host, s.http_port, http_flag)
+        if s.probe_port is not None:
+            check_port_free("probes", s.http_host, s.probe_port, "--probe-port / REFIT_PROBE_PORT")
         try:
             await self.core.start()
         except Unavailable as exc:
@@ -101,6 +113,14 @@ class CoordinatorServer:
                 bind_failure("HTTP", s.http_host, s.http_port, http_flag, exc)
             ) from None
         self.http_port = sock.getsockname()[1]
+        if s.probe_port is not None:
+            probe_flag = "--probe-port / REFIT_PROBE_PORT"
+            try:
+                self.probe_port = self._probes.bind(s.http_host, s.probe_port)
+            except OSError as exc:
+                raise StartupError(
+                    bind_failure("probes", s.http_host, s.probe_port, probe_flag, exc)
+                ) from None
         self.admission = Admission(
             limit=s.rest_max_concurrent, queued=s.rest_max_queued, wait_s=s.rest_queue_timeout_s
         )
@@ -130,12 +150,16 @@ class CoordinatorServer:
             if self._http_task.done():
                 self._http_task.result()
             raise RuntimeError("the HTTP server did not start within 5 s")
+        self._heartbeat.start()
+        if s.probe_port is not None:
+            self._probes.start()
         log.info(
-            "coordinator serving: gRPC %s:%d, HTTP %s:%d, store %s, auth %s, TLS %s",
+            "coordinator serving: gRPC %s:%d, HTTP %s:%d, probes %s, store %s, auth %s, TLS %s",
             s.grpc_host,
             self.grpc_port,
             s.http_host,
             self.http_port,
+            f"{s.http_host}:{self.probe_port}" if s.probe_port is not None else "off",
             s.redacted_redis_url(),
             "on" if self._tokens.enabled else "off",
             "on" if s.tls else "off",
@@ -146,6 +170,8 @@ class CoordinatorServer:
         """Graceful: refits in flight fail now and their participants get AbortRefit before
         the transports close. Not graceful (a simulated crash): in-flight refits are left
         for the next coordinator on the same store."""
+        self._probes.stop()
+        await self._heartbeat.stop()
         await self.core.stop(graceful=graceful)
         if graceful:
             # Let the aborts reach the agents' streams, then end the streams.

@@ -99,6 +99,12 @@ class Settings(BaseSettings):
     rest_max_concurrent: int = Field(32, ge=1)
     rest_max_queued: int = Field(512, ge=0)
     rest_queue_timeout_s: float = Field(10.0, gt=0)
+    # Liveness and readiness on a port and thread of their own (coordinator/probes.py), fast
+    # under any REST load: None serves them only on the HTTP port (the Helm chart sets 8081;
+    # 0: any free port). Plain HTTP on the HTTP host, even when REFIT_TLS_* is set.
+    probe_port: int | None = Field(None, ge=0, le=65535)
+    # Not live once the event loop has not run for this long (a wedged loop).
+    probe_loop_stall_s: float = Field(10.0, gt=0)
     # Redis connections; a caller waits up to redis_pool_timeout_s for one instead of failing.
     redis_max_connections: int = Field(128, ge=4)
     redis_pool_timeout_s: float = Field(10.0, gt=0)
