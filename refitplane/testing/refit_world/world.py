@@ -13,7 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,12 +183,25 @@ class World:
         for key, value in settings.items():
             setattr(self.coordinator.settings, key, value)
 
-    def refit(self, timeout_s: float = 900) -> RefitResult:
+    def refit(
+        self, timeout_s: float = 900, on_update: Callable[[Any], None] | None = None
+    ) -> RefitResult:
+        """One refit, triggered and watched until it ends or `timeout_s` passes (then the
+        result carries the state it was in). `on_update` sees every record the watch
+        yields (state changes, progress): where a stuck refit stopped."""
         from refitplane.client import RefitClient
 
         with RefitClient(self.coordinator.grpc_target, timeout_s=60) as client:
             started = time.monotonic()
-            final = client.wait(client.trigger(self.job).refit_id, timeout_s=timeout_s)
+            refit_id = client.trigger(self.job).refit_id
+            final = None
+            for final in client.watch(refit_id, timeout_s=timeout_s):
+                if on_update is not None:
+                    on_update(final)
+                if final.terminal:
+                    break
+            if final is None:
+                final = client.get(refit_id)
             seconds = time.monotonic() - started
         phases: dict[str, float] = {}
         for t in final.timings:
