@@ -33,6 +33,11 @@ class AgentSettings(ClientSettings):
     # caller uses, 1 (weights kept in host memory) or 2 (weights dropped: a refit after it
     # always sends them in full); 0: never asleep (docs/generator.md#sleep-mode).
     sleep_level: int = 0
+    # vLLM engines: the start-up check of the fast-path rules (vllm_rule_check). Layer
+    # classes not checked (only classes a test pins), and the host memory one checked layer
+    # may use.
+    rule_check_skip: str = ""
+    rule_check_max_bytes: int = 16 << 30
 
     @field_validator("sleep_level")
     @classmethod
@@ -42,7 +47,10 @@ class AgentSettings(ClientSettings):
         return value
 
     def fallback_layer_names(self) -> list[str]:
-        return [name.strip() for name in self.fallback_layers.split(",") if name.strip()]
+        return _names(self.fallback_layers)
+
+    def rule_check_skip_names(self) -> list[str]:
+        return _names(self.rule_check_skip)
 
     def token(self) -> str | None:
         """The bearer token: REFIT_AUTH_TOKEN_FILE's content (a mounted Secret) wins over
@@ -72,3 +80,8 @@ class AgentSettings(ClientSettings):
         if not job:
             raise FailedPrecondition("no job name: pass job= or set REFIT_JOB", field="job")
         return coordinator, job
+
+
+def _names(value: str) -> list[str]:
+    """A comma-separated list of names."""
+    return [name.strip() for name in value.split(",") if name.strip()]

@@ -313,7 +313,9 @@ def _receive_paths(labels: Mapping[str, str]) -> str:
     if not mode:
         return "-"
     fast, fallback = labels.get("fast_tensors", "?"), labels.get("fallback_tensors", "0")
-    return f"{mode}: {fast} fast + {fallback} fallback"
+    moved = labels.get("rules_moved", "")
+    checked = f"; rules moved to fallback at start: {moved}" if moved else ""
+    return f"{mode}: {fast} fast + {fallback} fallback{checked}"
 
 
 def _delta_path(labels: Mapping[str, str]) -> str:

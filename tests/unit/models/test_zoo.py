@@ -32,11 +32,14 @@ ARCHS = sorted(ZOO)
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 # Tensors a Hub checkpoint legitimately stores in 3-D: Mamba's depthwise conv and gpt-oss's
 # fused experts. Any other 3-D tensor is transformers' in-memory expert fusion leaking out.
-# Stored 3-D on the Hub too: Mamba's conv, gpt-oss's fused experts, Granite MoE's experts.
+# Stored 3-D on the Hub too: Mamba's conv, gpt-oss's and Llama 4's fused experts, Granite
+# MoE's experts.
 _THREE_D_ALLOWED = (
     "conv1d.weight",
     "mlp.experts.gate_up_proj",
     "mlp.experts.down_proj",
+    "feed_forward.experts.gate_up_proj",
+    "feed_forward.experts.down_proj",
     "block_sparse_moe.input_linear.weight",
     "block_sparse_moe.output_linear.weight",
 )

@@ -225,6 +225,10 @@ class EngineStatus(TypedDict):
     # at most during the last transfer; 0 for a live receive without fallback layers.
     staging_bytes: int
     staging_peak_bytes: int
+    # What the start-up check of the fast-path rules found, per layer class
+    # (`vllm_rule_check.RuleCheck.as_dict`): status verified / mismatch / skipped, the layers
+    # checked, the reason a class moved to the fallback path, seconds and bytes it cost.
+    rule_checks: list[dict[str, Any]]
 
 
 def read_statuses(replies: Any) -> list[EngineStatus]:

@@ -66,6 +66,7 @@ from refitplane.generator.vllm_contract import (
     parse_update_info,
 )
 from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_ranks
+from refitplane.generator.vllm_rule_check import RuleCheckPolicy
 from refitplane.generator.vllm_staging import ReceiveBinding, bind_receive
 from refitplane.generator.vllm_worker_member import WorkerMember, registration
 from refitplane.protocol import Reason, Role
@@ -175,6 +176,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             receive_mode=self.mode,
             staging_bytes=staged.staging_bytes if staged is not None else 0,
             staging_peak_bytes=staged.staging_peak_bytes if staged is not None else 0,
+            rule_checks=[c.as_dict() for c in self.layout.rule_checks] if self.layout else [],
         )
 
     @property
@@ -229,11 +231,15 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             )
         model_config = self.model_config
         forced = info.fallback_layers or env.fallback_layer_names()
+        rule_check = RuleCheckPolicy(
+            skip=frozenset(env.rule_check_skip_names()), max_bytes=env.rule_check_max_bytes
+        )
         layout = describe_vllm_model(
             self.model,
             checkpoint=lambda: checkpoint_specs(model_config),
             vllm_config=self.vllm_config,
             skip_rules=forced,
+            rule_check=rule_check,
         )
         self.layout = layout
         _log_paths(layout)
@@ -274,6 +280,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
                 "engine": "vllm",
                 "fast_tensors": str(len(layout.fast_tensors())),
                 "fallback_tensors": str(len(layout.fallback_tensors)),
+                "rules_checked": str(sum(1 for c in layout.rule_checks if c.status != "skipped")),
+                "rules_moved": ",".join(layout.rules_moved()),
             },
         )
         session = AgentSession(
@@ -505,8 +513,27 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
 
 
 def _log_paths(layout: VllmLayout) -> None:
-    """Say once, at start, which parameters take the fallback path and why."""
+    """Say once, at start, which parameters take the fallback path and why, and what the
+    start-up check of the rules found and cost."""
     log.info("refitplane: %s", layout.summary())
+    checked = [c for c in layout.rule_checks if c.status != "skipped"]
+    if checked:
+        log.info(
+            "refitplane: rules checked against vLLM's load_weights at start: %d classes, "
+            "%d layers, %.3f s, peak %d bytes of host memory",
+            len(checked),
+            sum(len(c.samples) for c in checked),
+            sum(c.seconds for c in checked),
+            max(c.peak_bytes for c in checked),
+        )
+    for check in layout.rule_checks:
+        if check.status == "mismatch":
+            log.warning(
+                "refitplane: the %s rule failed its start-up check, its layers take the "
+                "fallback path: %s",
+                check.layer_class,
+                check.reason,
+            )
     by_reason: dict[str, list[str]] = {}
     for param in layout.fallback.values():
         by_reason.setdefault(param.reason, []).append(param.name)

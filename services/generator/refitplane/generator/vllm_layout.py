@@ -50,6 +50,7 @@ from refitplane.reshard.shards import LocalShards, dtype_name, torch_dtype
 if TYPE_CHECKING:
     from refitplane.generator.vllm_fallback import CheckpointSource
     from refitplane.generator.vllm_layer_rules import DescribedParam
+    from refitplane.generator.vllm_rule_check import RuleCheck, RuleCheckPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +149,13 @@ class VllmLayout:
     fallback: Mapping[str, FallbackParam] = field(default_factory=dict)
     # Parameters no checkpoint tensor loads into (vLLM's loader leaves them as they are).
     kept: tuple[str, ...] = ()
+    # What the start-up check of the fast-path rules found, per layer class
+    # (`vllm_rule_check`); empty when it did not run.
+    rule_checks: tuple[RuleCheck, ...] = ()
+
+    def rules_moved(self) -> list[str]:
+        """Layer classes the start-up check sent to the fallback path."""
+        return [c.layer_class for c in self.rule_checks if c.status == "mismatch"]
 
     @property
     def fallback_tensors(self) -> list[str]:
@@ -160,10 +168,17 @@ class VllmLayout:
     def summary(self) -> str:
         """One line for logs and reports: how many tensors take which path."""
         kept = f", kept: {len(self.kept)} parameters" if self.kept else ""
+        moved = self.rules_moved()
+        checked = (
+            f", rules checked at start: {len(self.rule_checks)}"
+            + (f" (moved to fallback: {', '.join(moved)})" if moved else "")
+            if self.rule_checks
+            else ""
+        )
         return (
             f"fast: {len(self.fast_tensors())} tensors ({len(self.params)} parameters), "
             f"fallback: {len(self.fallback_tensors)} tensors ({len(self.fallback)} parameters)"
-            f"{kept}"
+            f"{kept}{checked}"
         )
 
     def hf_boxes(self) -> dict[str, list[Box]]:
@@ -318,6 +333,7 @@ def describe_vllm_model(
     vllm_config: Any = None,
     fallback: bool = True,
     skip_rules: Sequence[str] = (),
+    rule_check: RuleCheckPolicy | None = None,
 ) -> VllmLayout:
     """The loader-format layout of every parameter of a vLLM model on this worker.
 
@@ -330,7 +346,10 @@ def describe_vllm_model(
     → spec, or a function returning them, called only if some layer needs the fallback)
     lists the tensors to trace vLLM's loader with. `fallback=False` makes every layer
     without a fast path an error instead; `skip_rules` (layer class names) sends layers of
-    those classes to the fallback path as if they had no rule.
+    those classes to the fallback path as if they had no rule. Every rule left is checked
+    against the model's own `load_weights` first (`vllm_rule_check`, as `rule_check` says;
+    default: on): a class whose rule does not say where the loader puts each element takes
+    the fallback path.
     """
     from refitplane.generator.vllm_fallback import Layer, plan_fallback, resolve_index
     from refitplane.generator.vllm_layer_rules import (
@@ -339,6 +358,7 @@ def describe_vllm_model(
         describe_layer,
         has_rule,
     )
+    from refitplane.generator.vllm_rule_check import reject_unproven
 
     index = resolve_index(checkpoint)
     names = frozenset(index.specs) if index is not None and index.exact else None
@@ -375,6 +395,7 @@ def describe_vllm_model(
             if problem:
                 rejected[path] = problem
                 del fast[path]
+    checks = reject_unproven(model, fast, rejected, rule_check, vllm_config=vllm_config)
     fallback_params: dict[str, FallbackParam] = {}
     kept: tuple[str, ...] = ()
     specs: dict[str, TensorSpec] = {}
@@ -399,7 +420,12 @@ def describe_vllm_model(
                         tensor=spec.name,
                     )
     layout = VllmLayout(
-        ranks=ctx.ranks, specs=specs, params=params, fallback=fallback_params, kept=kept
+        ranks=ctx.ranks,
+        specs=specs,
+        params=params,
+        fallback=fallback_params,
+        kept=kept,
+        rule_checks=tuple(checks),
     )
     layout.check()
     return layout

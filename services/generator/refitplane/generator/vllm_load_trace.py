@@ -116,7 +116,7 @@ def trace_load_targets(
     with (
         _recording_loaders(model, hits),
         _recording_direct_writes(model, hits),
-        _current_config(vllm_config),
+        current_config(vllm_config),
     ):
         try:
             _load(model, checkpoint.values())
@@ -187,7 +187,7 @@ def _recorder(param_name: str, hits: dict[str, set[str]]) -> Callable[..., bool]
 
 
 @contextlib.contextmanager
-def _current_config(vllm_config: Any) -> Iterator[None]:
+def current_config(vllm_config: Any) -> Iterator[None]:
     """Some models read the current vLLM config while loading."""
     if vllm_config is None:
         yield
