@@ -43,6 +43,7 @@ import torch
 from refitplane.errors import InvalidArgument, PeerFailure, TransferError, TransferTimeout
 from refitplane.reshard.transport.base import Handle, P2POp
 from refitplane.reshard.transport.gloo import GlooTransport
+from refitplane.reshard.transport.gloo_waits import GlooWaits, Pending
 from refitplane.reshard.transport.ipc_records import (
     ACK,
     INLINE_MAX_BYTES,
@@ -79,7 +80,9 @@ class _State:
     and what must stay referenced until it completes."""
 
     events: list[torch.cuda.Event] = field(default_factory=list)
-    acks: list[tuple[Any, torch.Tensor, int, int]] = field(default_factory=list)
+    acks: list[tuple[Pending, torch.Tensor, int, int]] = field(default_factory=list)
+    # Sends (records, inline bytes): waited for once acknowledged (then surely done).
+    sends: list[Any] = field(default_factory=list)
     keep: list[Any] = field(default_factory=list)
 
 
@@ -116,7 +119,10 @@ class CudaIpcTransport(StreamedTransport):
         self._opened: dict[tuple[bytes, int], torch.UntypedStorage] = {}
         self._local_index: dict[str, int] = {}
         self._incoming: deque[_Incoming] = deque()
-        self._ack_sends: list[tuple[Any, torch.Tensor]] = []
+        # Acknowledgements sent: (work, bytes), waited for (long done) once many piled up.
+        self._ack_sends: deque[tuple[Any, torch.Tensor]] = deque()
+        # Gloo operations complete only in wait(): receives are waited for on threads.
+        self._waits = GlooWaits(name=f"ipc-r{self.rank}")
         self._aborted = False
 
     # -- transfers ----------------------------------------------------------------------------
@@ -155,27 +161,31 @@ class CudaIpcTransport(StreamedTransport):
                 out = torch.frombuffer(bytearray(record.encode()), dtype=torch.uint8)
                 ack = torch.zeros(ACK.size, dtype=torch.uint8)
                 state.keep += [out, op.buffer]
-                state.keep.append(pg.send([out], op.peer, _TAG_RECORD))
+                state.sends.append(pg.send([out], op.peer, _TAG_RECORD))
                 if inline:
                     host = op.buffer.cpu()  # packing is done (synchronized above)
-                    state.keep += [host, pg.send([host], op.peer, _TAG_INLINE)]
-                state.acks.append((pg.recv([ack], op.peer, _TAG_ACK), ack, op.peer, seq))
+                    state.keep.append(host)
+                    state.sends.append(pg.send([host], op.peer, _TAG_INLINE))
+                received = self._waits.submit(pg.recv([ack], op.peer, _TAG_ACK), deadline)
+                state.acks.append((received, ack, op.peer, seq))
             recvs = [op for op in ops if not op.send]
             posted = []
             for op in recvs:
                 rec = torch.empty(RECORD_BYTES, dtype=torch.uint8)
-                posted.append((op, rec, pg.recv([rec], op.peer, _TAG_RECORD)))
-            for op, rec, work in posted:
+                work = pg.recv([rec], op.peer, _TAG_RECORD)
+                posted.append((op, rec, self._waits.submit(work, deadline)))
+            for op, rec, arrived in posted:
                 key = (channel, op.peer)
                 seq = self._recv_seq.get(key, 0)
                 self._recv_seq[key] = seq + 1
                 where = self._where(channel, op.peer, self.rank, seq)
-                self._wait_work(work, deadline, where)
+                self._wait_work(arrived, deadline, where)
                 record = IpcRecord.decode(rec.numpy().tobytes(), where=where)
                 record.check(seq=seq, nbytes=op.buffer.numel(), where=where)
                 if record.inline:
                     source = torch.empty(record.nbytes, dtype=torch.uint8)
-                    self._wait_work(pg.recv([source], op.peer, _TAG_INLINE), deadline, where)
+                    inline_work = pg.recv([source], op.peer, _TAG_INLINE)
+                    self._wait_work(self._waits.submit(inline_work, deadline), deadline, where)
                 else:
                     source = self._open(record, where)
                 with torch.cuda.stream(self._copy[channel]):
@@ -269,10 +279,10 @@ class CudaIpcTransport(StreamedTransport):
         whole.set_(storage, 0, (record.storage_size,))  # type: ignore[call-overload]
         return whole[record.offset : record.offset + record.nbytes]
 
-    def _wait_work(self, work: Any, deadline: float, where: str) -> None:
+    def _wait_work(self, pending: Pending, deadline: float, where: str) -> None:
         """Wait for one control message, acknowledging completed copies meanwhile."""
         delay = 1e-5
-        while not work.is_completed():
+        while not pending.done.is_set():
             self._progress()
             if self._aborted:
                 raise TransferError(f"{where}: transport aborted")
@@ -280,10 +290,8 @@ class CudaIpcTransport(StreamedTransport):
                 raise TransferTimeout(f"{where}: the peer did not hand out its buffer in time")
             time.sleep(delay)
             delay = min(delay * 2, _MAX_POLL_S)
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            raise PeerFailure(f"{where}: control message failed: {exc}") from exc
+        if pending.error is not None:
+            raise PeerFailure(f"{where}: control message failed: {pending.error}")
 
     def _progress(self) -> None:
         """Acknowledge every receive whose copy completed (in any channel)."""
@@ -291,7 +299,10 @@ class CudaIpcTransport(StreamedTransport):
             done = self._incoming.popleft()
             ack = torch.frombuffer(bytearray(ACK.pack(done.seq)), dtype=torch.uint8)
             self._ack_sends.append((self._pgs[done.channel].send([ack], done.peer, _TAG_ACK), ack))
-        self._ack_sends = [(w, t) for w, t in self._ack_sends if not w.is_completed()]
+        # Gloo sends go out without a wait; their works are let go once long done.
+        while len(self._ack_sends) > 256:
+            work, _ = self._ack_sends.popleft()
+            work.wait()
 
     def fence(self, handle: Handle) -> Handle:
         state: _State = handle.payload
@@ -302,7 +313,7 @@ class CudaIpcTransport(StreamedTransport):
         self._progress()
         state: _State = handle.payload
         return all(e.query() for e in state.events) and all(  # type: ignore[no-untyped-call]
-            w.is_completed() for w, _, _, _ in state.acks
+            p.done.is_set() for p, _, _, _ in state.acks
         )
 
     def wait(self, handle: Handle, deadline: float, cancel: threading.Event | None = None) -> None:
@@ -320,16 +331,18 @@ class CudaIpcTransport(StreamedTransport):
             time.sleep(delay)
             delay = min(delay * 2, _MAX_POLL_S)
         state: _State = handle.payload
-        for work, ack, peer, seq in state.acks:
+        for pending, ack, peer, seq in state.acks:
             where = self._where(handle.channel, self.rank, peer, seq)
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                raise PeerFailure(f"{where}: no acknowledgement: {exc}") from exc
+            if pending.error is not None:
+                raise PeerFailure(f"{where}: no acknowledgement: {pending.error}")
             (got,) = ACK.unpack(ack.numpy().tobytes())
             if got != seq:
                 raise TransferError(f"{where}: acknowledged as message {got}")
         state.acks.clear()
+        # Acknowledged: the receiver has the record (and inline bytes); these waits return.
+        for work in state.sends:
+            work.wait()
+        state.sends.clear()
 
     # -- teardown -------------------------------------------------------------------------------
 
@@ -346,7 +359,12 @@ class CudaIpcTransport(StreamedTransport):
         self._aborted = True
         self._quiesce()
         self._control.abort()
+        self._waits.close()
 
     def close(self) -> None:
         self._quiesce()
+        for work, _ in self._ack_sends:
+            work.wait()
+        self._ack_sends.clear()
         self._control.close()
+        self._waits.close()
