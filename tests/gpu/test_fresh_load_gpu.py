@@ -50,6 +50,8 @@ def test_receive_path_equals_a_fresh_load(case: str, mode: str, tmp_path: Path) 
         tensors = llm.collective_rpc(kernel_tensors)
     print(f"{case} ({mode}): {report['mode']}, {report['summary']}")
     failures = differences_from_fresh(fresh, tensors, output)
+    for failure in failures:  # all of them, as found: a job cut short still shows them
+        print(f"{case} ({mode}): {failure}", flush=True)
     assert failures == [], failures[:10]
     if mode == "staged":
         assert report["mode"] == "staged"

@@ -91,7 +91,13 @@ def _checkpoint(case: str, root: Path) -> tuple[Path, dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _vllm(model_dir: Path, *, load_format: str = "dummy", **kwargs: Any) -> Iterator[Any]:
+def _vllm(
+    model_dir: Path,
+    *,
+    load_format: str = "dummy",
+    gpu_memory_utilization: float = 0.6,
+    **kwargs: Any,
+) -> Iterator[Any]:
     saved = dict(os.environ)
     os.environ.update(
         {
@@ -111,7 +117,7 @@ def _vllm(model_dir: Path, *, load_format: str = "dummy", **kwargs: Any) -> Iter
         skip_tokenizer_init=True,
         enforce_eager=True,
         max_model_len=1024,
-        gpu_memory_utilization=0.6,
+        gpu_memory_utilization=gpu_memory_utilization,
         **kwargs,
     )
     try:

