@@ -350,20 +350,21 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                     row = _refits(world, steps, label, args.repeats, 50 + rnd, args.sleep_level)
                     rows[t].append(row)
                     _print(case, row, limit_s)
-            if args.unverified:
-                # The data plane alone: on one GPU both ends' checksums read every byte
-                # again from the same memory the copy reads and writes.
-                world.configure(verify_checksums=False)
-                world.refit(args.refit_timeout)  # a new executor (its ring), first touch
-                row = _refits(world, steps, f"{t} unverified", args.repeats, 500 + rnd)
-                rows[t].append(row)
-                _print(case, row, limit_s)
-                world.configure(verify_checksums=True)
         out["rows"] = rows
         out["trainer_extra_mib"] = max(world.trainer_peak_memory()) / MiB
         print(f"[{case}] trainer extra GPU memory {out['trainer_extra_mib']:.0f} MiB", flush=True)
         if case == "colocated" and not args.no_baseline:
             out["vllm_ipc"] = vllm_ipc_baseline(world, steps, args.repeats, limit_s)
+        if args.unverified:
+            # The data plane alone: on one GPU both ends' checksums read every byte again
+            # from the same memory the copy reads and writes.
+            t = transports[-1]
+            world.configure(verify_checksums=False)
+            world.refit(args.refit_timeout)  # a new executor (its ring), first touch
+            row = _refits(world, steps, f"{t} unverified", args.repeats, 500)
+            rows[t].append(row)
+            _print(case, row, limit_s)
+            world.configure(verify_checksums=True)
         if args.tokens:
             try:
                 out["tokens"] = _tokens(world)

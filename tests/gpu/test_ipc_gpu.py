@@ -22,7 +22,7 @@ def _run(gpus: list[int], case_name: str) -> dict[int, tuple[str, dict[str, Any]
     return run_ipc_world(
         pc.refit_worker,
         gpus,
-        timeout_s=90,
+        timeout_s=60,
         case_name=case_name,
         gib=0.5,
         bucket_mib=64,
@@ -62,13 +62,13 @@ def _stale_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> dic
     if rank == 0:
         buf = torch.full((4 * MiB,), 7, dtype=torch.uint8, device=transport.device)
         transport.issue(0, [P2POp(True, 1, buf)], time.monotonic() + 30)
-        time.sleep(1.0)  # the record is on its way (Gloo sends do not block)
+        time.sleep(0.5)  # the record is on its way (Gloo sends do not block)
         os._exit(0)  # exits with its memory handed out and never acknowledged
-    time.sleep(4.0)  # the sender is gone
+    time.sleep(2.0)  # the sender is gone
     out = torch.zeros(4 * MiB, dtype=torch.uint8, device=transport.device)
     try:
-        handle = transport.issue(0, [P2POp(False, 0, out)], time.monotonic() + 10)
-        transport.wait(handle, time.monotonic() + 10)
+        handle = transport.issue(0, [P2POp(False, 0, out)], time.monotonic() + 5)
+        transport.wait(handle, time.monotonic() + 5)
     except RefitError as exc:
         transport.abort()
         return {"error": type(exc).__name__, "message": exc.message, "_aborted": True}
@@ -77,7 +77,7 @@ def _stale_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> dic
 
 @pytest.mark.gpu
 def test_handle_of_an_exited_sender_is_a_refit_error() -> None:
-    results = run_ipc_world(_stale_worker, [0, 0], timeout_s=30)
+    results = run_ipc_world(_stale_worker, [0, 0], timeout_s=20)
     status, detail = results[1]
     assert status == "ok", detail  # the receiver did not crash
     assert detail["error"] is not None, detail

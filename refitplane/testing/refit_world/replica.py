@@ -43,8 +43,10 @@ class ReplicaSpec:
 def sleep_engine(llm: Any, level: int) -> bool:
     """Through the replica's "call" command: put vLLM to sleep, as an RL loop does while the
     trainer steps; returns whether it sleeps."""
+    from refitplane.generator.offline_control import offline_is_sleeping
+
     llm.sleep(level=level)
-    return bool(llm.llm_engine.is_sleeping())
+    return offline_is_sleeping(llm)
 
 
 def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:

@@ -18,6 +18,13 @@ from typing import Any
 from refitplane.replica.control import CallerPausedControl, call_verb
 
 
+def offline_is_sleeping(llm: Any) -> bool:
+    """Whether an offline `LLM` sleeps (its engine's answer; the `LLM` itself grew the
+    method only in later vLLM releases)."""
+    ask = getattr(llm, "is_sleeping", None) or llm.llm_engine.is_sleeping
+    return bool(ask())
+
+
 class OfflineLLMControl(CallerPausedControl):
     def __init__(self, llm: Any) -> None:
         self.llm = llm
@@ -50,7 +57,7 @@ class OfflineLLMControl(CallerPausedControl):
     # Unlike pausing, sleeping is the engine's state: the caller puts it to sleep while the
     # trainer steps, and a refit wakes it (`replica.controller`).
     def is_sleeping(self) -> bool:
-        return bool(self.llm.llm_engine.is_sleeping())
+        return offline_is_sleeping(self.llm)
 
     def wake_up(self, tags: list[str]) -> int:
         return call_verb("wake_up", lambda: self.llm.wake_up(tags=tags))
