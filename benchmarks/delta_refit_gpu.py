@@ -58,6 +58,8 @@ UPDATES: list[tuple[str, str, float]] = [
     ("AdamW lr 1e-6", "adamw", 1e-6),
     ("AdamW lr 1e-5", "adamw", 1e-5),
 ]
+# `--updates` names them without spaces, lower case: 0.1%, 1%, ..., adamwlr1e-6.
+UPDATE_KEYS = {label.replace(" ", "").lower(): label for label, _, _ in UPDATES}
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
 NEW_TOKENS = 8
 
@@ -140,7 +142,7 @@ def run_transport(
     out: dict[str, Any] = {"transport": name, "env": TRANSPORTS[name]}
     try:
         links = plan_links(shape, layout)
-        if args.device == "cuda":
+        if args.device == "cuda" and args.ceiling:
             ceiling = raw_ceiling(links, layout.gpus, args.repeats)
             out["link_s"] = ceiling
             out["link_gbs"] = per_dest_gbs(links, ceiling)
@@ -175,6 +177,8 @@ def run_transport(
             rows = []
             seed = 0
             for label, kind, amount in UPDATES:
+                if label not in args.updates:
+                    continue
                 results, checks, reports = [], [], []
                 for _ in range(args.repeats):
                     seed += 1
@@ -188,7 +192,7 @@ def run_transport(
                 rows.append(_row(label, results, checks, reports))
                 _print(name, rows[-1])
             out["delta"] = rows
-            if args.device == "cuda" and layout.trainer_tp == 1:
+            if args.device == "cuda" and layout.trainer_tp == 1 and args.tokens:
                 try:
                     out["tokens"] = _tokens(world, args.min_margin)
                 except Exception as exc:  # noqa: BLE001 - the refit rows still stand
@@ -264,10 +268,31 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--bucket", type=int, default=256, help="MiB")
     parser.add_argument("--min-margin", type=float, default=0.25)
+    parser.add_argument(
+        "--updates",
+        nargs="+",
+        choices=sorted(UPDATE_KEYS),
+        help="the updates to time (default: all)",
+    )
+    parser.add_argument(
+        "--no-ceiling",
+        dest="ceiling",
+        action="store_false",
+        help="skip the raw nccl4py link rate (its own world of processes, ~30 s)",
+    )
+    parser.add_argument(
+        "--no-tokens",
+        dest="tokens",
+        action="store_false",
+        help="skip the greedy-token comparison",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/delta-refit"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    args.updates = (
+        {UPDATE_KEYS[k] for k in args.updates} if args.updates else set(UPDATE_KEYS.values())
+    )
     shape = args.model if args.device == "cuda" else "tiny"
     layout = GPU_LAYOUTS[args.layout]
     out: dict[str, Any] = {

@@ -1,5 +1,5 @@
-"""Delta kernels over many messages at once (CUDA): one launch per pass for all the delta
-messages of a transfer, instead of a few per message.
+"""A sender's delta kernels over many messages at once (CUDA): one launch per pass for all
+the delta messages of a transfer, instead of a few per message.
 
 A Triton launch costs tens of microseconds on the host, a torch op about ten; a Qwen3-8B
 rank sends ~400 messages, so per-message kernels cost more than the passes themselves (seen
@@ -12,10 +12,8 @@ Sender: `scan_many` reads current and base once (per block: the changed count, a
 the changed words into one scratch buffer, and, with `update`, the changed words written
 into the base); `gather_many` reads only the bitmap and the changed words and writes every
 payload (index or bitmap section, values) at its block's prefix sum: the same bytes as
-`delta.encode_into`. Receiver: `apply_many` scatters index payloads (over blocks of
-values) and bitmap payloads (over blocks of words, after a popcount pass) into the
-message images. An index or flag that points outside its message or past its values is
-dropped, never written; the per-message checksums then fail the message.
+`delta.encode_into`. Receivers apply payloads with `delta_apply`, group by group while
+the transfer runs.
 """
 
 # Triton reads the kernels' signatures: they carry no annotations.
@@ -46,20 +44,19 @@ def _compile() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def locate(block_msg, blk0, ns, BLOCK: tl.constexpr):
-        """This program's message, its block within it, the block's word offsets."""
-        m = tl.load(block_msg + tl.program_id(0))
-        local = tl.program_id(0).to(tl.int64) - tl.load(blk0 + m)
-        offs = local * BLOCK + tl.arange(0, BLOCK)
-        return m, local, offs, offs < tl.load(ns + m)
+    from refitplane.reshard.triton_rows import popc
 
     @triton.jit
-    def unpack(bits, local, inside, BLOCK: tl.constexpr):
-        """This block's bitmap bytes and the 0/1 flag of each of its words."""
-        packed = tl.load(bits + local * (BLOCK // 8) + tl.arange(0, BLOCK // 8)).to(tl.int32)
-        flags = tl.reshape((packed[:, None] >> tl.arange(0, 8)[None, :]) & 1, (BLOCK,))
-        return packed, flags * inside.to(tl.int32)
+    def locate(block_msg, blk0, ns, BLOCK: tl.constexpr):
+        """This program's message, its block within it, the block's bitmap bytes (rows of 8
+        words: `rows`, within the message), its word offsets as [rows, 8] and which of them
+        lie inside the message. Working on rows keeps every step within a thread or a
+        512-long scan: a 1-D 4096-long scan or reshape costs several shared-memory passes."""
+        m = tl.load(block_msg + tl.program_id(0))
+        local = tl.program_id(0).to(tl.int64) - tl.load(blk0 + m)
+        rows = local * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
+        return m, rows, offs, offs < tl.load(ns + m)
 
     @triton.jit
     def scan(
@@ -75,21 +72,17 @@ def _compile() -> Any:
         WORD: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        m, local, offs, inside = locate(block_msg, blk0, ns, BLOCK)
+        m, rows, offs, inside = locate(block_msg, blk0, ns, BLOCK)
         cur = tl.load(curs + m).to(tl.pointer_type(WORD))
         base = tl.load(bases + m).to(tl.pointer_type(WORD))
         a = tl.load(cur + offs, mask=inside, other=0)
         b = tl.load(base + offs, mask=inside, other=0)
-        changed = (a != b) & inside
-        tl.store(counts + tl.program_id(0), tl.sum(changed.to(tl.int32), axis=0))
-        weights = 1 << tl.arange(0, 8)
-        packed = tl.sum(
-            tl.reshape(changed.to(tl.int32), (BLOCK // 8, 8)) * weights[None, :], axis=1
-        )
-        at = tl.load(bits_at + m) + local * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-        tl.store(bits + at, packed.to(tl.uint8))
+        changed = ((a != b) & inside).to(tl.int32)
+        packed = tl.sum(changed << tl.arange(0, 8)[None, :], axis=1)
+        tl.store(counts + tl.program_id(0), tl.sum(tl.sum(changed, axis=1), axis=0))
+        tl.store(bits + tl.load(bits_at + m) + rows, packed.to(tl.uint8))
         if UPDATE:
-            tl.store(base + offs, a, mask=changed)
+            tl.store(base + offs, a, mask=changed != 0)
 
     @triton.jit
     def gather(
@@ -108,16 +101,22 @@ def _compile() -> Any:
         WORD: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        m, local, offs, inside = locate(block_msg, blk0, ns, BLOCK)
+        m, rows, offs, _ = locate(block_msg, blk0, ns, BLOCK)
         kind = tl.load(kinds + m)
         if kind != 0:
-            packed, flags = unpack(bits + tl.load(bits_at + m), local, inside, BLOCK)
+            # The scan left no flag past the message's end.
+            packed = tl.load(bits + tl.load(bits_at + m) + rows).to(tl.int32)
             if kind == 2:
-                at = local * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
                 out = tl.load(maps + m).to(tl.pointer_type(tl.uint8))
-                tl.store(out + at, packed.to(tl.uint8), mask=at < tl.load(map_bytes + m))
-            changed = flags != 0
-            at = tl.load(starts + tl.program_id(0)) + tl.cumsum(flags, axis=0) - flags
+                tl.store(out + rows, packed.to(tl.uint8), mask=rows < tl.load(map_bytes + m))
+            # Each changed word's place: the block's start, the words changed in earlier
+            # rows of the block, then the set bits below its own in its row.
+            per_row = popc(packed)
+            before = tl.cumsum(per_row, axis=0) - per_row
+            bit = tl.arange(0, 8)[None, :]
+            changed = ((packed[:, None] >> bit) & 1) != 0
+            below = popc(packed[:, None] & ((1 << bit) - 1))
+            at = tl.load(starts + tl.program_id(0)) + before[:, None] + below
             cur = tl.load(curs + m).to(tl.pointer_type(WORD))
             a = tl.load(cur + offs, mask=changed, other=0)
             if kind == 1:
@@ -125,60 +124,11 @@ def _compile() -> Any:
                 tl.store(index + at, offs.to(tl.int32), mask=changed)
             tl.store(tl.load(values + m).to(tl.pointer_type(WORD)) + at, a, mask=changed)
 
-    @triton.jit
-    def payload_flags(maps, ns, m, local, inside, BLOCK: tl.constexpr):
-        """The 0/1 flags of this block's words, read from message m's bitmap payload."""
-        at = local * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-        bitmap = tl.load(maps + m).to(tl.pointer_type(tl.uint8))
-        nbytes = (tl.load(ns + m) + 7) // 8
-        packed = tl.load(bitmap + at, mask=at < nbytes, other=0).to(tl.int32)
-        flags = tl.reshape((packed[:, None] >> tl.arange(0, 8)[None, :]) & 1, (BLOCK,))
-        return flags * inside.to(tl.int32)
-
-    @triton.jit
-    def popcount(block_msg, blk0, ns, maps, counts, BLOCK: tl.constexpr):
-        m, local, _, inside = locate(block_msg, blk0, ns, BLOCK)
-        flags = payload_flags(maps, ns, m, local, inside, BLOCK)
-        tl.store(counts + tl.program_id(0), tl.sum(flags, axis=0))
-
-    @triton.jit
-    def scatter_bits(
-        block_msg,
-        blk0,
-        ns,
-        dsts,
-        maps,
-        values,
-        nvalues,
-        starts,
-        WORD: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        m, local, offs, inside = locate(block_msg, blk0, ns, BLOCK)
-        flags = payload_flags(maps, ns, m, local, inside, BLOCK)
-        pos = tl.load(starts + tl.program_id(0)) + tl.cumsum(flags, axis=0) - flags
-        changed = (flags != 0) & (pos < tl.load(nvalues + m))
-        v = tl.load(tl.load(values + m).to(tl.pointer_type(WORD)) + pos, mask=changed, other=0)
-        tl.store(tl.load(dsts + m).to(tl.pointer_type(WORD)) + offs, v, mask=changed)
-
-    @triton.jit
-    def scatter_index(
-        block_msg, blk0, nvalues, dsts, ns, indexes, values, WORD: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        m, _, at, inside = locate(block_msg, blk0, nvalues, BLOCK)
-        where = tl.load(
-            tl.load(indexes + m).to(tl.pointer_type(tl.int32)) + at, mask=inside, other=0
-        )
-        where = where.to(tl.int64)
-        inside = inside & (where >= 0) & (where < tl.load(ns + m))
-        v = tl.load(tl.load(values + m).to(tl.pointer_type(WORD)) + at, mask=inside, other=0)
-        tl.store(tl.load(dsts + m).to(tl.pointer_type(WORD)) + where, v, mask=inside)
-
     # The kernels call the helpers by name: Triton's interpreter (TRITON_INTERPRET=1, how the
     # CPU tests run these kernels) looks names up in the module's globals.
-    globals().update(locate=locate, unpack=unpack, payload_flags=payload_flags)
+    globals().update(locate=locate, popc=popc)
     _TL_WORDS.update({1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64})
-    _kernels = (scan, gather, popcount, scatter_bits, scatter_index)
+    _kernels = (scan, gather)
     return _kernels
 
 
@@ -198,11 +148,9 @@ class Blocks:
 _BLOCKS_CACHE: dict[tuple[torch.device, tuple[int, ...]], Blocks] = {}
 
 
-def blocks_of(ns: Sequence[int], device: torch.device, *, keep: bool = False) -> Blocks:
-    """The block tables of messages of `ns` words; `keep` them for the next call with the
-    same sizes (a sender's messages repeat every refit; a receiver's counts change, and its
-    tables are used on a side stream, where a table dropped from the cache could be
-    reallocated while still read)."""
+def blocks_of(ns: Sequence[int], device: torch.device) -> Blocks:
+    """The block tables of messages of `ns` words, kept for the next call with the same
+    sizes (a sender's messages repeat every refit)."""
     key = (device, tuple(ns))
     found = _BLOCKS_CACHE.get(key)
     if found is not None:
@@ -218,8 +166,7 @@ def blocks_of(ns: Sequence[int], device: torch.device, *, keep: bool = False) ->
         int(sizes.sum()),
         tuple(per),
     )
-    if keep:
-        _BLOCKS_CACHE[key] = blocks  # one entry per distinct transfer layout of this process
+    _BLOCKS_CACHE[key] = blocks  # one entry per distinct transfer layout of this process
     return blocks
 
 
@@ -260,9 +207,9 @@ def scan_many(
 ) -> ScanBatch:
     """One pass over every (current, base) image pair (1-D contiguous uint8 on one CUDA
     device, `word`-byte words); with `update` the bases end holding the current bytes."""
-    scan, _, _, _, _ = _compile()
+    scan, _ = _compile()
     device = currents[0].device
-    blocks = blocks_of([c.numel() // word for c in currents], device, keep=True)
+    blocks = blocks_of([c.numel() // word for c in currents], device)
     # Each message's bitmap starts at its first block's bytes (whole blocks each).
     bits_at = blocks.blk0 * _BITS
     bits = torch.empty(blocks.count * _BITS, dtype=torch.uint8, device=device)
@@ -299,7 +246,7 @@ def gather_many(
     batch: ScanBatch, headers: Sequence[DeltaHeader], payloads: Sequence[torch.Tensor | None]
 ) -> None:
     """Write every non-dense message's payload (zero-filled buffers of `header.nbytes`)."""
-    _, gather, _, _, _ = _compile()
+    _, gather = _compile()
     device = batch.bits.device
     kinds: list[int] = []
     map_bytes: list[int] = []
@@ -346,59 +293,3 @@ def gather_many(
         WORD=_TL_WORDS[batch.word],
         BLOCK=BLOCK,
     )
-
-
-def apply_many(
-    images: Sequence[torch.Tensor],
-    headers: Sequence[DeltaHeader],
-    word: int,
-    payloads: Sequence[torch.Tensor],
-) -> None:
-    """Apply each payload in place to its image (1-D contiguous uint8, one CUDA device,
-    `word`-byte words): the index ones in one launch, the bitmap ones in two."""
-    _, _, popcount, scatter_bits, scatter_index = _compile()
-    device = images[0].device
-    by_kind: dict[Encoding, list[int]] = {Encoding.INDEX: [], Encoding.BITMAP: []}
-    for i, header in enumerate(headers):
-        if header.encoding is not Encoding.DENSE and header.changed > 0:
-            by_kind[header.encoding].append(i)
-    sections = {
-        i: _sections(headers[i], images[i].numel() // word, word, payloads[i])
-        for kind in by_kind.values()
-        for i in kind
-    }
-    tl_word = _TL_WORDS[word]
-    if by_kind[Encoding.INDEX]:
-        chosen = by_kind[Encoding.INDEX]
-        blocks = blocks_of([headers[i].changed for i in chosen], device)
-        scatter_index[(blocks.count,)](
-            blocks.block_msg,
-            blocks.blk0,
-            blocks.ns,
-            _addresses([images[i] for i in chosen], device),
-            _table([images[i].numel() // word for i in chosen], torch.int64, device),
-            _addresses([sections[i][0] for i in chosen], device),
-            _addresses([sections[i][2] for i in chosen], device),
-            WORD=tl_word,
-            BLOCK=BLOCK,
-        )
-    if by_kind[Encoding.BITMAP]:
-        chosen = by_kind[Encoding.BITMAP]
-        blocks = blocks_of([images[i].numel() // word for i in chosen], device)
-        maps = _addresses([sections[i][1] for i in chosen], device)
-        counts = torch.empty(blocks.count, dtype=torch.int32, device=device)
-        popcount[(blocks.count,)](
-            blocks.block_msg, blocks.blk0, blocks.ns, maps, counts, BLOCK=BLOCK
-        )
-        scatter_bits[(blocks.count,)](
-            blocks.block_msg,
-            blocks.blk0,
-            blocks.ns,
-            _addresses([images[i] for i in chosen], device),
-            maps,
-            _addresses([sections[i][2] for i in chosen], device),
-            _table([headers[i].changed for i in chosen], torch.int64, device),
-            _local_starts(counts, blocks),
-            WORD=tl_word,
-            BLOCK=BLOCK,
-        )

@@ -26,7 +26,6 @@ import torch
 
 from refitplane.errors import InvalidArgument, TransferError
 from refitplane.reshard import delta_triton
-from refitplane.reshard.boxes import box_numel, pairwise_disjoint
 from refitplane.reshard.delta import (
     DeltaHeader,
     Encoding,
@@ -35,16 +34,20 @@ from refitplane.reshard.delta import (
     encode_scanned,
     encoded_nbytes,
     scan,
-    word_size,
 )
-from refitplane.reshard.delta_batch import apply_many, gather_many, scan_many
+from refitplane.reshard.delta_apply import ApplyRoom, prefix_blocks
+from refitplane.reshard.delta_batch import gather_many, scan_many
+from refitplane.reshard.delta_images import (
+    MessageKey,
+    advance,
+    base_views,
+    images,
+    word_of,
+)
 from refitplane.reshard.layout import TensorSpec
-from refitplane.reshard.message_io import MessageIO, message_io
+from refitplane.reshard.message_io import MessageIO
 from refitplane.reshard.schedule import Message
 from refitplane.reshard.shards import LocalShards
-
-# (src, dst, round): a message's identity within one refit.
-MessageKey = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -67,64 +70,11 @@ class DeltaMessage:
     word: int
     # Senders: the encoded payload. Receivers: where the payload lands.
     payload: torch.Tensor
-
-
-def pack_image(io: MessageIO, out: torch.Tensor) -> torch.Tensor:
-    """A message's bytes as they travel (its chunks at their offsets, gaps as `out` holds
-    them) in `out`; a direct message's memory is its image already."""
-    if io.direct is not None:
-        return io.direct
-    parts = io.parts(out)
-    for index, view in zip(io.flat, io.flat_views, strict=True):
-        parts[index].copy_(view)
-    for chunk in io.strided:
-        chunk.typed(parts[chunk.index]).copy_(chunk.view)
-    return out
-
-
-def _image(io: MessageIO, m: Message, device: torch.device) -> torch.Tensor:
-    """A message's bytes in one run: its memory for a direct message, else packed into a
-    zeroed buffer (alignment gaps zero in both images, as in the staging slices of both
-    ends: the executor zeroes a packed delta message's slice before packing)."""
-    if io.direct is not None:
-        return io.direct
-    return pack_image(io, torch.zeros(m.nbytes, dtype=torch.uint8, device=device))
-
-
-def unpack_image(io: MessageIO, image: torch.Tensor) -> None:
-    """`pack_image` backwards: the message's bytes in `image` into `io`'s views."""
-    if io.direct is not None:
-        io.direct.copy_(image)
-        return
-    parts = io.parts(image)
-    for index, view in zip(io.flat, io.flat_views, strict=True):
-        view.copy_(parts[index])
-    for chunk in io.strided:
-        chunk.view.copy_(chunk.typed(parts[chunk.index]))
-
-
-def unsent_tensors(messages: Iterable[Message], base: LocalShards) -> list[str] | None:
-    """Whether advancing the base message by message leaves it holding exactly the version
-    sent: every element `messages` send is sent once and every tensor is sent whole or not
-    at all (one target replica fed from this rank's shards). Returns the tensors they do
-    not send (a replicated norm another rank sends; copied whole instead), or None when an
-    element goes twice (two replicas, a norm replicated on the receivers) or a tensor only
-    in part."""
-    held: dict[str, int] = {}
-    for sv in base:
-        held[sv.spec.name] = held.get(sv.spec.name, 0) + box_numel(sv.box)
-    sent: dict[str, list[tuple[tuple[int, int], ...]]] = {}
-    for m in messages:
-        for c in m.chunks:
-            sent.setdefault(c.tensor, []).append(c.box)
-    for name, boxes in sent.items():
-        if sum(box_numel(b) for b in boxes) != held.get(name) or not pairwise_disjoint(boxes):
-            return None
-    return [name for name in held if name not in sent]
-
-
-def _word(m: Message, specs: Mapping[str, TensorSpec]) -> int:
-    return word_size(specs[c.tensor].itemsize for c in m.chunks)
+    # Receivers of a bitmap payload on CUDA: room for its per-block prefix sums.
+    starts: torch.Tensor | None = None
+    # Senders of a staged message: its current bytes, packed while encoding (alignment gaps
+    # zero), which the executor checksums instead of packing them again.
+    image: torch.Tensor | None = None
 
 
 class DeltaExchange:
@@ -142,6 +92,10 @@ class DeltaExchange:
         self.headers_out: dict[int, torch.Tensor] = {}
         self.headers_in: dict[int, torch.Tensor] = {}
         self._recv_order: dict[int, list[Message]] = {}
+        # Receivers on CUDA: the applies' reserved tables (`receive`).
+        self.room: ApplyRoom | None = None
+        # Senders: the staged images' arena when one launch packed them (`delta_images`).
+        self._arena: torch.Tensor | None = None
 
     def is_delta_link(self, m: Message) -> bool:
         peer = m.dst if m.src == self.rank else m.src
@@ -168,27 +122,19 @@ class DeltaExchange:
             self._tables(rows)
             return
         base_device = next(iter(base)).tensor.device  # the snapshot's: device or host
-        unsent = unsent_tensors((m for m, _ in delta_sends), base)
+        views = base_views(base, delta_sends, specs)
+        unsent = views.unsent
         current_shards = self.links.current
         self.advanced = (
             base_device == self.device
             and unsent is not None
             and (current_shards is not None or not unsent)
         )
-        todo: list[tuple[Message, torch.Tensor, torch.Tensor, int]] = []
-        base_ios: list[MessageIO] = []
-        for m, io in delta_sends:
-            base_io = message_io(m, [base.view(c.tensor, c.box) for c in m.chunks], specs)
-            base_ios.append(base_io)
-            current, old = _image(io, m, self.device), _image(base_io, m, base_device)
-            if old.device != current.device:  # a host-side snapshot
-                old = old.to(current.device)
-            todo.append((m, current, old, _word(m, specs)))
+        todo, self._arena = images(views, delta_sends, base_device, self.device, specs)
         counts, encode = self._scan(todo)
         if self.advanced:
-            for (_, current, _, _), base_io in zip(todo, base_ios, strict=True):
-                if base_io.direct is None:
-                    unpack_image(base_io, current)  # a packed message's base is a copy
+            base_ios = [views.ios[(m.src, m.dst, m.round)] for m, _ in delta_sends]
+            advance(views, self._arena, todo, base_ios)  # staged base images are copies
             if unsent and current_shards is not None:
                 names = set(unsent)
                 for sv in base:
@@ -214,9 +160,14 @@ class DeltaExchange:
             for h, at in zip(headers, offsets, strict=True)
         ]
         encode(headers, payloads)
-        for (m, _, _, word), header, payload in zip(todo, headers, payloads, strict=True):
+        for (m, current, _, word), header, payload, (_, io) in zip(
+            todo, headers, payloads, delta_sends, strict=True
+        ):
             if payload is not None:
-                self.messages[(m.src, m.dst, m.round)] = DeltaMessage(header, word, payload)
+                image = current if io.direct is None else None
+                self.messages[(m.src, m.dst, m.round)] = DeltaMessage(
+                    header, word, payload, image=image
+                )
         self._tables(rows)
 
     def _scan(
@@ -278,7 +229,11 @@ class DeltaExchange:
             )
 
     def receive(self, specs: Mapping[str, TensorSpec]) -> None:
-        """Receivers, once the header tables arrived: a payload buffer per delta message."""
+        """Receivers, once the header tables arrived: where each delta message's payload
+        lands (one arena for all of them) and, on CUDA, the room its apply needs
+        (`delta_apply.ApplyRoom`), so that applying during the transfer neither waits nor
+        allocates."""
+        found: list[tuple[int, Message, DeltaHeader, int]] = []
         for src, table in self.headers_in.items():
             messages = self._recv_order[src]
             for (round_index, encoding, changed), m in zip(
@@ -292,46 +247,50 @@ class DeltaExchange:
                 kind = Encoding(encoding)
                 if kind is Encoding.DENSE:
                     continue
-                word = _word(m, specs)
+                word = word_of(m, specs)
                 nbytes = encoded_nbytes(kind, m.nbytes, changed, word)
                 if nbytes > m.nbytes:
                     raise InvalidArgument(
                         f"rank {self.rank}: delta from rank {src} for message {m.round} would be "
                         f"{nbytes} bytes, more than the message's {m.nbytes}"
                     )
-                payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                self.messages[(src, m.dst, m.round)] = DeltaMessage(
-                    DeltaHeader(kind, changed, nbytes), word, payload
-                )
+                found.append((src, m, DeltaHeader(kind, changed, nbytes), word))
+        if not found:
+            return
+        on_device = delta_triton.available(self.headers_in[found[0][0]])
+        # Payloads and (bitmap payloads on CUDA) prefix sums, each at a multiple of 16 bytes.
+        offsets: list[tuple[int, int]] = []
+        total = 0
+        for _, m, header, word in found:
+            at = total
+            total += (header.nbytes + 15) // 16 * 16
+            starts_at = -1
+            if on_device and header.encoding is Encoding.BITMAP:
+                starts_at = total
+                total += 8 * prefix_blocks(m.nbytes // word)
+            offsets.append((at, starts_at))
+        arena = torch.empty(total, dtype=torch.uint8, device=self.device)
+        for (src, m, header, word), (at, starts_at) in zip(found, offsets, strict=True):
+            starts = None
+            if starts_at >= 0:
+                blocks = prefix_blocks(m.nbytes // word)
+                starts = arena[starts_at : starts_at + 8 * blocks].view(torch.int64)
+            self.messages[(src, m.dst, m.round)] = DeltaMessage(
+                header, word, arena[at : at + header.nbytes], starts
+            )
+        if on_device:
+            self.room = ApplyRoom(self.device, len(found), [w for *_, w in found])
 
     def find(self, m: Message) -> DeltaMessage | None:
         return self.messages.get((m.src, m.dst, m.round))
 
-    @staticmethod
-    def apply(image: torch.Tensor, delta: DeltaMessage) -> None:
-        apply_delta(image, delta.header, delta.word, delta.payload)
-
-    @staticmethod
-    def apply_all(received: list[tuple[torch.Tensor, DeltaMessage]]) -> None:
-        """Apply a completed group's deltas: on CUDA one launch per pass for all of them
-        of a word size (`delta_batch.apply_many`), else one by one."""
+    def apply_all(self, received: list[tuple[torch.Tensor, DeltaMessage]]) -> None:
+        """Apply a completed group's deltas to their images: on CUDA through the transfer's
+        `ApplyRoom` (launches on the current stream, no host wait), else one by one."""
         if not received:
             return
-        if not delta_triton.available(received[0][0]):
+        if self.room is None:
             for image, delta in received:
                 apply_delta(image, delta.header, delta.word, delta.payload)
             return
-        by_word: dict[int, list[tuple[torch.Tensor, DeltaMessage]]] = {}
-        for image, delta in received:
-            if delta.payload.numel() != delta.header.nbytes:
-                raise InvalidArgument(
-                    f"payload of {delta.payload.numel()} bytes, header says {delta.header.nbytes}"
-                )
-            by_word.setdefault(delta.word, []).append((image, delta))
-        for word, items in by_word.items():
-            apply_many(
-                [image for image, _ in items],
-                [d.header for _, d in items],
-                word,
-                [d.payload for _, d in items],
-            )
+        self.room.apply([(image, d.header, d.word, d.payload, d.starts) for image, d in received])

@@ -501,7 +501,12 @@ class _Run:
     def _add(self, m: Message, io: MessageIO) -> None:
         sending = m.src == self.rank
         delta = self.delta.find(m) if self.delta is not None else None
-        if io.direct is not None:
+        # A sender's staged delta message was packed while encoding (`DeltaMessage.image`):
+        # that image is checksummed, only the payload travels, no staging slice is taken.
+        encoded = delta.image if delta is not None else None
+        if encoded is not None:
+            buf = encoded
+        elif io.direct is not None:
             buf = io.direct
         else:
             taken = self.ring.try_take(m.nbytes)
@@ -519,7 +524,9 @@ class _Run:
                 self._follow(m.channel, follow)
         group = self.pending.setdefault(m.channel, _Group())
         summed = False
-        if io.direct is None and io.copy is not None and delta is None:
+        if encoded is not None:
+            pass
+        elif io.direct is None and io.copy is not None and (delta is None or not sending):
             # No per-chunk work here: one kernel launch packs or unpacks the message.
             group.slices.append(token)
             group.staged += m.nbytes
@@ -531,6 +538,12 @@ class _Run:
                     summed = True
                 group.pack_tables.append((io.copy, buf, row))
             else:
+                if delta is not None:
+                    # A delta receiver starts from its own bytes (the base) in the slice,
+                    # alignment gaps zero as on the sender (the checksums cover them).
+                    with self.t.channel_context(m.channel):
+                        buf.zero_()
+                    group.pack_tables.append((io.copy, buf, None))
                 group.unpack_tables.append((io.copy, buf))
         elif io.direct is None:
             group.slices.append(token)
@@ -693,7 +706,8 @@ class _Run:
     # -- packing, unpacking, checksums -----------------------------------------------------------
 
     def _after_transfer(self, group: _Group) -> None:
-        DeltaExchange.apply_all(group.delta_apply)
+        if self.delta is not None:
+            self.delta.apply_all(group.delta_apply)
         if group.unpack_dst:
             torch._foreach_copy_(group.unpack_dst, group.unpack_src)
         for table, buf in group.unpack_tables:

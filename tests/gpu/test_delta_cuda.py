@@ -142,3 +142,11 @@ def test_batched_kernels_equal_the_torch_payloads() -> None:
     from tests.unit.reshard.test_delta_batch import check_batch
 
     check_batch("cuda")
+
+
+def test_applies_through_one_room() -> None:
+    """A receiver's applies through one transfer's room (`delta_apply`), compiled: exact,
+    several groups, both encodings, 2- and 4-byte words; a bad index writes nothing."""
+    from tests.unit.reshard.test_delta_apply import check_apply
+
+    check_apply("cuda")

@@ -7,9 +7,6 @@ imported, so in a child process); the GPU suite runs `check_batch("cuda")` compi
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +18,7 @@ from refitplane.reshard.delta import (
     encode_into,
     encoded_nbytes,
 )
+from tests.unit.reshard.interpreter import run_in_interpreter
 
 SIZES = (10000, 4096, 3, 9000, 50000, 4097)
 FRACTIONS = (0.001, 0.3, 1.0, 0.0, 0.02, 0.6)
@@ -29,7 +27,7 @@ FRACTIONS = (0.001, 0.3, 1.0, 0.0, 0.02, 0.6)
 def check_batch(device: str) -> None:
     """Messages of several sizes and changed fractions (dense, index and bitmap; one with
     nothing changed) through `scan_many` (base advanced), `gather_many` and `apply_many`."""
-    from refitplane.reshard import delta_batch
+    from refitplane.reshard import delta_apply, delta_batch
 
     g = torch.Generator().manual_seed(0)
     bases, currents = [], []
@@ -68,16 +66,11 @@ def check_batch(device: str) -> None:
         encode_into(currents[i], bases[i], headers[i], 2, want)
         assert torch.equal(payloads[i].cpu(), want), (i, headers[i])
     images = [bases[i].clone().to(device) for i in sent]
-    delta_batch.apply_many(images, [headers[i] for i in sent], 2, [payloads[i] for i in sent])
+    delta_apply.apply_many(images, [headers[i] for i in sent], 2, [payloads[i] for i in sent])
     for image, i in zip(images, sent, strict=True):
         assert torch.equal(image.cpu(), currents[i]), i
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_batched_kernels_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.unit.reshard.test_delta_batch import check_batch; check_batch('cpu')"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_in_interpreter("tests.unit.reshard.test_delta_batch", "check_batch")

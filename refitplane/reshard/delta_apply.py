@@ -1,0 +1,283 @@
+"""Receivers' delta applies on CUDA, posted with the transfer: no host wait, no allocation.
+
+A receiver applies each completed group's deltas into the message images (live parameters
+for direct messages) on the channel's side stream, right after the group's transfer. Its
+host must not wait there: a host that blocks until a group has arrived posts the next group
+only then, and the refit runs one group at a time (a pageable host→device copy of a launch
+table, what torch does for `tensor.to(device)`, synchronizes the stream it runs on, so the
+host waits for the group's transfer). Nor may it allocate device or page-locked memory while
+NCCL kernels are in flight (`executor.py`). So a transfer's room is reserved before its first
+message (`ApplyRoom`, made when the header tables arrived): a page-locked row table with a
+row per delta message and its device twin, and, for bitmap payloads, the per-block prefix
+sums in the payload arena. Per group the host writes the group's rows (plain integers)
+into the next free slice, copies it asynchronously, and launches the kernels; the kernels
+are compiled and loaded by the room, before anything is in flight.
+
+Row (8 int64): first program, kind (1 index, 2 bitmap), image address, image words, index
+or bitmap address, values address, changed words, prefix-sum address (bitmap). A launch's
+programs find their row by a fixed-depth binary search on the first-program column (one
+compiled variant whatever the table's length, `triton_rows`). Per word size, up to three
+launches per group: bitmap popcounts per block of words, their exclusive prefix sums per
+message (one program per message), and the scatter of every message (index payloads over
+blocks of values, bitmap payloads over blocks of words). An index or flag that points
+outside its message or past its values is dropped, never written; the per-message checksums
+then fail the message.
+"""
+
+# Triton reads the kernels' signatures: they carry no annotations.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# ruff: noqa: ANN001, ANN202
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from refitplane.errors import InvalidArgument
+from refitplane.reshard.delta import DeltaHeader, Encoding
+
+BLOCK = 4096  # words (or values) per program; a multiple of 8: bitmap bytes stay in one
+ROW = 8
+_PREFIX_CHUNK = 1024  # block counts summed per step of a message's prefix program
+_SEARCH_STEPS = 20  # rows per launch below 2^20
+_kernels: Any = None
+_TL_WORDS: dict[int, Any] = {}
+_loaded: set[tuple[torch.device, int]] = set()
+
+
+def _compile() -> Any:
+    global _kernels
+    if _kernels is not None:
+        return _kernels
+    import triton
+    import triton.language as tl
+
+    from refitplane.reshard.triton_rows import popc, program_row_of
+
+    @triton.jit
+    def row_bits(row, local, BLOCK: tl.constexpr):
+        """This block's bitmap bytes (rows of 8 words), flags past the image's end cleared,
+        and the word offsets of its rows as [rows, 8]. Rows keep every step within a thread
+        or a 512-long scan (a 4096-long one costs several shared-memory passes)."""
+        words = tl.load(row + 3)
+        rows = local * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        bitmap = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+        packed = tl.load(bitmap + rows, mask=rows < (words + 7) // 8, other=0).to(tl.int32)
+        offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
+        # Bits of the last byte past the last word (a bad payload) count for nothing.
+        valid = tl.sum((offs < words).to(tl.int32) << tl.arange(0, 8)[None, :], axis=1)
+        return packed & valid, offs
+
+    @triton.jit(do_not_specialize=["tab", "n"])
+    def popcount(tab, n, STEPS: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        row = program_row_of(tab, n, pid, STEPS, ROW)
+        local = pid - tl.load(row)
+        packed, _ = row_bits(row, local, BLOCK)
+        starts = tl.load(row + 7).to(tl.pointer_type(tl.int64))
+        tl.store(starts + local, tl.sum(popc(packed), axis=0).to(tl.int64))
+
+    @triton.jit(do_not_specialize=["tab"])
+    def prefix(tab, ROW: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+        """Row `program_id`'s block counts into their exclusive prefix sums, in place."""
+        row = tab + tl.program_id(0).to(tl.int64) * ROW
+        words = tl.load(row + 3)
+        blocks = (words + BLOCK - 1) // BLOCK
+        starts = tl.load(row + 7).to(tl.pointer_type(tl.int64))
+        carry = words * 0
+        for at in range(0, blocks, CHUNK):
+            offs = at + tl.arange(0, CHUNK)
+            inside = offs < blocks
+            counts = tl.load(starts + offs, mask=inside, other=0)
+            tl.store(starts + offs, carry + tl.cumsum(counts, axis=0) - counts, mask=inside)
+            carry += tl.sum(counts, axis=0)
+
+    @triton.jit(do_not_specialize=["tab", "n"])
+    def scatter(
+        tab, n, WORD: tl.constexpr, STEPS: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        row = program_row_of(tab, n, pid, STEPS, ROW)
+        local = pid - tl.load(row)
+        dst = tl.load(row + 2).to(tl.pointer_type(WORD))
+        words = tl.load(row + 3)
+        values = tl.load(row + 5).to(tl.pointer_type(WORD))
+        nvalues = tl.load(row + 6)
+        if tl.load(row + 1) == 1:
+            at = local * BLOCK + tl.arange(0, BLOCK)
+            inside = at < nvalues
+            index = tl.load(row + 4).to(tl.pointer_type(tl.int32))
+            where = tl.load(index + at, mask=inside, other=0).to(tl.int64)
+            inside = inside & (where >= 0) & (where < words)
+            tl.store(dst + where, tl.load(values + at, mask=inside, other=0), mask=inside)
+        else:
+            packed, offs = row_bits(row, local, BLOCK)
+            # The i-th flagged word takes the i-th value: the block's prefix, the flags in
+            # earlier rows of the block, the set bits below its own in its row.
+            per_row = popc(packed)
+            before = tl.cumsum(per_row, axis=0) - per_row
+            bit = tl.arange(0, 8)[None, :]
+            starts = tl.load(row + 7).to(tl.pointer_type(tl.int64))
+            pos = (
+                tl.load(starts + local) + before[:, None] + popc(packed[:, None] & ((1 << bit) - 1))
+            )
+            changed = (((packed[:, None] >> bit) & 1) != 0) & (pos < nvalues)
+            tl.store(dst + offs, tl.load(values + pos, mask=changed, other=0), mask=changed)
+
+    # The kernels call the helpers by name: Triton's interpreter (TRITON_INTERPRET=1, how the
+    # CPU tests run these kernels) looks names up in the module's globals.
+    globals().update(popc=popc, row_bits=row_bits, program_row_of=program_row_of)
+    _TL_WORDS.update({1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64})
+    _kernels = (popcount, prefix, scatter)
+    return _kernels
+
+
+def prefix_blocks(words: int) -> int:
+    """Prefix-sum entries (int64) a bitmap payload over `words` words needs."""
+    return max(1, (words + BLOCK - 1) // BLOCK)
+
+
+class ApplyRoom:
+    """The row tables of one transfer's delta applies (`rows`: at most that many messages
+    applied), reserved before its first message; `words`: the word sizes it will apply,
+    whose kernels are compiled and loaded here."""
+
+    def __init__(self, device: torch.device, rows: int, words: Sequence[int]) -> None:
+        self.device = device
+        capacity = max(1, rows) * ROW
+        self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._rows = self._host.numpy()
+        self._table = torch.empty(capacity, dtype=torch.int64, device=device)
+        self._used = 0
+        self._capacity = capacity
+        for word in sorted(set(words)):
+            _load(device, word)
+
+    def apply(
+        self,
+        items: Sequence[tuple[torch.Tensor, DeltaHeader, int, torch.Tensor, torch.Tensor | None]],
+    ) -> None:
+        """Launch the applies of (image, header, word, payload, prefix sums) on the current
+        stream: the images (1-D contiguous uint8) end holding the sender's bytes. No host
+        wait, no allocation (the prefix sums are the room's, `prefix_blocks` int64 for a
+        bitmap payload)."""
+        # Per word size: bitmap rows, then index rows (so the popcount launch, over bitmap
+        # blocks only, sees the same first programs as the scatter over every row).
+        bitmap_rows: dict[int, list[list[int]]] = {}
+        index_rows: dict[int, list[list[int]]] = {}
+        for image, header, word, payload, starts in items:
+            if header.encoding is Encoding.DENSE:
+                raise InvalidArgument("a dense message is received in place, not applied")
+            if payload.numel() != header.nbytes:
+                raise InvalidArgument(
+                    f"payload of {payload.numel()} bytes, header says {header.nbytes}"
+                )
+            if header.changed == 0:
+                continue
+            words = image.numel() // word
+            values = payload[header.nbytes - header.changed * word :]
+            row = [0, int(header.encoding), image.data_ptr(), words, payload.data_ptr()]
+            row += [values.data_ptr(), header.changed, 0]
+            if header.encoding is Encoding.BITMAP:
+                if starts is None or starts.numel() < prefix_blocks(words):
+                    raise InvalidArgument("a bitmap apply needs room for its prefix sums")
+                row[7] = starts.data_ptr()
+                bitmap_rows.setdefault(word, []).append(row)
+            else:
+                index_rows.setdefault(word, []).append(row)
+        by_word = {
+            w: bitmap_rows.get(w, []) + index_rows.get(w, [])
+            for w in sorted({*bitmap_rows, *index_rows})
+        }
+        if not by_word:
+            return
+        popcount, prefix, scatter = _compile()
+        count = sum(len(rows) for rows in by_word.values()) * ROW
+        start = self._used
+        if start + count > self._capacity:
+            raise InvalidArgument(f"delta apply room full ({self._capacity // ROW} rows)")
+        self._used += count
+        # (word, table offset, rows, bitmap rows, bitmap programs, programs)
+        launches: list[tuple[int, int, int, int, int, int]] = []
+        at = start
+        for word, rows in by_word.items():
+            nbitmap = len(bitmap_rows.get(word, ()))
+            programs = bitmap_programs = 0
+            for i, row in enumerate(rows):
+                if i == nbitmap:
+                    bitmap_programs = programs
+                row[0] = programs
+                programs += (row[6 if row[1] == Encoding.INDEX else 3] + BLOCK - 1) // BLOCK
+            if nbitmap == len(rows):
+                bitmap_programs = programs
+            flat = [v for row in rows for v in row]
+            self._rows[at : at + len(flat)] = flat
+            launches.append((word, at, len(rows), nbitmap, bitmap_programs, programs))
+            at += len(flat)
+        # Page-locked to device, asynchronous: ordered on this stream, no host wait.
+        self._table[start:at].copy_(self._host[start:at], non_blocking=True)
+        for word, table_at, n, nbitmap, bitmap_programs, programs in launches:
+            tab = self._table[table_at:]
+            if nbitmap:
+                popcount[(bitmap_programs,)](
+                    tab, nbitmap, STEPS=_SEARCH_STEPS, ROW=ROW, BLOCK=BLOCK
+                )
+                prefix[(nbitmap,)](tab, ROW=ROW, BLOCK=BLOCK, CHUNK=_PREFIX_CHUNK)
+            scatter[(programs,)](
+                tab, n, WORD=_TL_WORDS[word], STEPS=_SEARCH_STEPS, ROW=ROW, BLOCK=BLOCK
+            )
+
+
+def _load(device: torch.device, word: int) -> None:
+    """Compile and load the kernels for `word` on `device` (once per process): a module
+    loaded while NCCL kernels run can block until they end, which a peer may never let
+    happen. A probe applies one changed word of each kind to a scratch buffer."""
+    if (device, word) in _loaded:
+        return
+    popcount, prefix, scatter = _compile()
+    image = torch.zeros(2 * 8, dtype=torch.uint8, device=device)
+    payload = torch.zeros(64, dtype=torch.uint8, device=device)
+    starts = torch.zeros(1, dtype=torch.int64, device=device)
+    words = 8 // word
+    rows = [
+        [0, 2, image.data_ptr(), words, payload.data_ptr(), payload[8:].data_ptr(), 1],
+        [1, 1, image[8:].data_ptr(), words, payload[16:].data_ptr(), payload[24:].data_ptr()],
+    ]
+    rows[0].append(starts.data_ptr())
+    rows[1] += [1, 0]
+    table = torch.tensor([v for row in rows for v in row], dtype=torch.int64).to(device)
+    popcount[(1,)](table, 1, STEPS=_SEARCH_STEPS, ROW=ROW, BLOCK=BLOCK)
+    prefix[(1,)](table, ROW=ROW, BLOCK=BLOCK, CHUNK=_PREFIX_CHUNK)
+    scatter[(2,)](table, 2, WORD=_TL_WORDS[word], STEPS=_SEARCH_STEPS, ROW=ROW, BLOCK=BLOCK)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    _loaded.add((device, word))
+
+
+def apply_many(
+    images: Sequence[torch.Tensor],
+    headers: Sequence[DeltaHeader],
+    word: int,
+    payloads: Sequence[torch.Tensor],
+) -> None:
+    """Apply each payload in place to its image (1-D contiguous uint8, one device, `word`-byte
+    words) through a room of its own (outside transfers; tests)."""
+    if not images:
+        return
+    device = images[0].device
+    starts = [
+        torch.zeros(prefix_blocks(image.numel() // word), dtype=torch.int64, device=device)
+        if h.encoding is Encoding.BITMAP
+        else None
+        for image, h in zip(images, headers, strict=True)
+    ]
+    room = ApplyRoom(device, len(images), [word])
+    room.apply(
+        [
+            (image, h, word, p, s)
+            for image, h, p, s in zip(images, headers, payloads, starts, strict=True)
+            if h.encoding is not Encoding.DENSE
+        ]
+    )
