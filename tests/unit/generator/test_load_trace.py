@@ -12,7 +12,11 @@ import torch
 
 from refitplane.errors import LayoutError
 from refitplane.generator.checkpoint_index import safetensors_specs
-from refitplane.generator.vllm_load_trace import trace_load_targets, traced_checkpoint_tensor
+from refitplane.generator.vllm_load_trace import (
+    persistent_buffers,
+    trace_load_targets,
+    traced_checkpoint_tensor,
+)
 from refitplane.reshard.layout import TensorSpec
 
 pytestmark = pytest.mark.unit
@@ -161,3 +165,26 @@ def test_checkpoint_index_refuses_a_file_that_is_not_safetensors(tmp_path: Path)
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 16)
     with pytest.raises(LayoutError, match="not safetensors"):
         safetensors_specs(tmp_path)
+
+
+def test_writes_into_persistent_buffers_are_traced_and_write_nothing() -> None:
+    class Buffered(ToyModel):
+        """Loads a persistent buffer as vLLM's AutoWeightsLoader does (a plain copy): the
+        Transformers backend keeps a router's e_score_correction_bias that way. A
+        non-persistent buffer is runtime state and never a target."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("bias", torch.zeros(3))
+            self.register_buffer("cache", torch.zeros(3), persistent=False)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for name, tensor in weights:
+                getattr(self, name).data.copy_(tensor)
+            return {name for name, _ in weights}
+
+    model = Buffered()
+    targets = trace_load_targets(model, {"bias": spec("bias", 3)})
+    assert targets == {"bias": {"bias"}}
+    assert torch.equal(model.bias, torch.zeros(3))
+    assert persistent_buffers(model) == {"bias": model.bias}

@@ -30,7 +30,7 @@ from refitplane.errors import LayoutError
 from refitplane.generator.checkpoint_index import CheckpointIndex
 from refitplane.generator.vllm_layer_rules import loader_template
 from refitplane.generator.vllm_layout import FallbackParam
-from refitplane.generator.vllm_load_trace import trace_load_targets
+from refitplane.generator.vllm_load_trace import persistent_buffers, trace_load_targets
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.shards import dtype_name
 
@@ -172,8 +172,31 @@ def plan_fallback(
             ", ".join(kept[:4]),
             " ..." if len(kept) > 4 else "",
         )
+    out.update(_loaded_buffers(model, targets, reasons))
     needed = {s for p in out.values() for s in p.sources}
     return FallbackPlan(out, {n: specs[n] for n in sorted(needed)}, joined, tuple(kept))
+
+
+def _loaded_buffers(
+    model: torch.nn.Module, targets: Mapping[str, frozenset[str]], reasons: Mapping[str, str]
+) -> dict[str, FallbackParam]:
+    """Persistent buffers of fallback layers that `load_weights` fills from the checkpoint
+    (vLLM's Transformers backend keeps a router's `e_score_correction_bias` as one): they
+    are refit with their layer, from the checkpoint tensors the trace saw written into
+    them, in their live shape and dtype (`default_weight_loader` copies as it is)."""
+    buffers = persistent_buffers(model)
+    sources: dict[str, list[str]] = {}
+    for name, written in sorted(targets.items()):
+        for target in written:
+            if target in buffers and target.rpartition(".")[0] in reasons:
+                sources.setdefault(target, []).append(name)
+    out: dict[str, FallbackParam] = {}
+    for target, names in sources.items():
+        buffer = buffers[target]
+        reason = reasons[target.rpartition(".")[0]]
+        shape = tuple(int(n) for n in buffer.shape)
+        out[target] = FallbackParam(target, shape, dtype_name(buffer.dtype), reason, tuple(names))
+    return out
 
 
 @contextlib.contextmanager

@@ -67,7 +67,9 @@ class _Traced(torch.Tensor):
 
 class _ParameterStorage:
     """Parameter name by the storage it lives in, so a write into a view of a parameter
-    (`param.data[rows]`) is attributed to it."""
+    (`param.data[rows]`) is attributed to it. Persistent buffers count too: vLLM's
+    `AutoWeightsLoader` loads checkpoint tensors into them (`default_weight_loader`), as
+    the Transformers backend does with a router's `e_score_correction_bias`."""
 
     def __init__(self, model: torch.nn.Module, hits: dict[str, set[str]]) -> None:
         self.hits = hits
@@ -75,11 +77,29 @@ class _ParameterStorage:
         for name, param in model.named_parameters():
             if param.numel() and param.device.type != "meta":
                 self._by_storage.setdefault(param.untyped_storage().data_ptr(), name)
+        for name, buffer in persistent_buffers(model).items():
+            if buffer.numel() and buffer.device.type != "meta":
+                self._by_storage.setdefault(buffer.untyped_storage().data_ptr(), name)
 
     def param_of(self, tensor: Any) -> str | None:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return None
         return self._by_storage.get(tensor.untyped_storage().data_ptr())
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every persistent buffer by name (what `state_dict` and vLLM's `AutoWeightsLoader`
+    treat as loadable), each once."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        for bname, buffer in module._buffers.items():
+            if buffer is None or bname in module._non_persistent_buffers_set:
+                continue
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                out[f"{path}.{bname}" if path else bname] = buffer
+    return out
 
 
 # Set while a trace runs (one at a time per process: vLLM workers are single-threaded).
