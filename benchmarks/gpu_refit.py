@@ -188,7 +188,16 @@ def run_ours(
                 }
             )
             print(
-                f"  refitplane streams={streams} bucket={bucket}MiB direct>={direct}MiB: total {statistics.median(rows[-1]['total_s']):.3f} s, data plane {statistics.median(rows[-1]['transfer_s']):.3f} s, {rows[-1]['verified']} verified, gen +{gen_extra / MiB:.0f} MiB",
+                f"  refitplane streams={streams} bucket={bucket}MiB direct>={direct}MiB: total {statistics.median(rows[-1]['total_s']):.3f} s, data plane {statistics.median(rows[-1]['transfer_s']):.3f} s, {rows[-1]['verified']} verified, gen +{gen_extra / MiB:.0f} MiB, trainer +{trainer_extra / MiB:.0f} MiB",
+                flush=True,
+            )
+            print(
+                "    per refit: "
+                + "; ".join(
+                    f"total {r.seconds * 1e3:.1f} ms, "
+                    + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r.phases.items())
+                    for r in results
+                ),
                 flush=True,
             )
         if quant:
@@ -284,6 +293,11 @@ def main() -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's nccl engine")
     parser.add_argument("--no-ceiling", action="store_true", help="skip the raw NCCL ceiling")
     parser.add_argument(
+        "--ceiling-last",
+        action="store_true",
+        help="measure the raw NCCL ceiling after the refits (the refits come first in a short run)",
+    )
+    parser.add_argument(
         "--separate-baseline",
         action="store_true",
         help="run vLLM's nccl engine in its own replicas even where the refit world's fit",
@@ -317,14 +331,9 @@ def main() -> int:
         import torch
 
         out["gpu"] = torch.cuda.get_device_name(0)
-    if args.device == "cuda" and not args.no_ceiling:
-        ceiling_s = raw_ceiling(links, layout.gpus, args.repeats)
-        out["ceiling_s"] = ceiling_s
-        out["ceiling_gbs_per_dest"] = per_dest_gbs(links, ceiling_s)
-        print(
-            f"  raw nccl4py ceiling: {ceiling_s:.3f} s, {out['ceiling_gbs_per_dest']:.1f} GB/s per destination GPU",
-            flush=True,
-        )
+    ceiling = args.device == "cuda" and not args.no_ceiling
+    if ceiling and not args.ceiling_last:
+        _measure_ceiling(out, links, layout, args.repeats)
     sweep = [(s, b, d) for s in args.streams for b in args.buckets for d in args.direct]
     out["ours"] = run_ours(
         args.model,
@@ -348,6 +357,8 @@ def main() -> int:
                 f"  generator extra {row['generator_extra_mib']:.0f} MiB, bound (REFIT_MAX_INFLIGHT_BYTES + largest layer) {bound / MiB:.0f} MiB",
                 flush=True,
             )
+    if ceiling and args.ceiling_last:
+        _measure_ceiling(out, links, layout, args.repeats)
     nccl = out["ours"].pop("vllm_nccl")
     sums = out["ours"].pop("kernel_sums")
     if nccl is None and baseline_kind(args, total) == "separate":
@@ -383,6 +394,18 @@ def main() -> int:
     failed |= bool(out.get("vs_vllm_load", {}).get("differ"))
     failed |= "error" in out.get("vllm_nccl", {})
     return 1 if failed else 0
+
+
+def _measure_ceiling(
+    out: dict[str, Any], links: dict[tuple[int, int], int], layout: GpuLayout, repeats: int
+) -> None:
+    ceiling_s = raw_ceiling(links, layout.gpus, repeats)
+    out["ceiling_s"] = ceiling_s
+    out["ceiling_gbs_per_dest"] = per_dest_gbs(links, ceiling_s)
+    print(
+        f"  raw nccl4py ceiling: {ceiling_s:.3f} s, {out['ceiling_gbs_per_dest']:.1f} GB/s per destination GPU",
+        flush=True,
+    )
 
 
 def _summary(out: dict[str, Any]) -> None:

@@ -110,7 +110,13 @@ class World:
                 sleep_level=self.sleep_level,
             )
             self._spawn(ctx, rid, replica_main, (spec,), visible=gpus)
-        self._wait_ready(list(self._queues), 1800)
+        replicas = list(self._queues)
+        # Trainers on GPUs of their own start while vLLM does (each takes tens of seconds at
+        # the MoE shape); where they share GPUs (colocated), after it, so that vLLM's memory
+        # profiling sees only its own.
+        overlap = self.device == "cuda" and not self.replica_gpus
+        if not overlap:
+            self._wait_ready(replicas, 1800)
         tspec = TrainerSpec(
             self.shape,
             self.dtype,
@@ -129,7 +135,8 @@ class World:
                 (r, tspec),
                 visible=",".join(str(k) for k in range(self.trainer_ranks)),
             )
-        self._wait_ready([str(r) for r in range(self.trainer_ranks)], 600, by_rank=True)
+        trainers = [str(r) for r in range(self.trainer_ranks)]
+        self._wait_ready([*replicas, *trainers] if overlap else trainers, 1800)
         return self
 
     def _spawn(
@@ -150,7 +157,7 @@ class World:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
         self._procs.append(p)
 
-    def _wait_ready(self, names: list[str], timeout_s: float, *, by_rank: bool = False) -> None:
+    def _wait_ready(self, names: list[str], timeout_s: float) -> None:
         pending = set(names)
         deadline = time.monotonic() + timeout_s
         while pending:
