@@ -47,6 +47,7 @@ from refitplane.testing.model_shapes import SHAPES
 from refitplane.testing.refit_world import refit_world, run_vllm_baseline
 from refitplane.testing.refit_world.vllm_baseline import run_vllm_baseline_in_world
 from refitplane.testing.refit_world.worker_probes import kernel_tensor_sums, worker_memory
+from refitplane.testing.synthetic_weights import write_sparse_checkpoint
 
 MiB = 1 << 20
 
@@ -132,6 +133,11 @@ def run_ours(
     rows = []
     sums: dict[str, Any] = {}
     nccl: dict[str, Any] | None = None
+    model_dir = None
+    if quant:
+        # The generator learns the FP8 checkpoint's tensor names (block scales of every
+        # expert) from its files' headers, as it would from a real checkpoint.
+        model_dir = write_sparse_checkpoint(workdir / f"model-{shape}-{quant}", shape, quant=quant)
     with refit_world(
         shape=shape,
         device=device,
@@ -139,6 +145,7 @@ def run_ours(
         replica_tps=layout.replica_tps,
         workdir=workdir,
         quant=quant,
+        model_dir=model_dir,
         settings={"num_channels": max(s for s, _, _ in sweep)},
         gpu_memory_utilization=gpu_memory_utilization,
     ) as world:

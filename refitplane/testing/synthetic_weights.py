@@ -30,6 +30,46 @@ def write_checkpoint(
     return path
 
 
+# Layout dtype names → safetensors header codes.
+_SAFETENSORS_CODES = {
+    "float32": "F32",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+def write_sparse_checkpoint(
+    path: Path, shape: str, dtype: str = "bfloat16", quant: str = ""
+) -> Path:
+    """A checkpoint directory whose `model.safetensors` is valid but sparse: the header of
+    every tensor the trainers hold, then a hole (zeros) where their bytes would be, so it
+    takes no disk and no time at any size. vLLM started with dummy weights never reads it;
+    the generator reads checkpoint tensor names from its header, as from a real checkpoint
+    (with no files at all it falls back to the transformers model's names, which miss FP8
+    block scales of MoE experts)."""
+    import json
+
+    write_config(path, shape, dtype, quant)
+    header: dict[str, Any] = {}
+    offset = 0
+    for ts in tensor_specs(shape, dtype, quant):
+        header[ts.name] = {
+            "dtype": _SAFETENSORS_CODES[ts.dtype],
+            "shape": list(ts.shape),
+            "data_offsets": [offset, offset + ts.nbytes],
+        }
+        offset += ts.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with (path / "model.safetensors").open("wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        f.truncate(8 + len(raw) + offset)
+    return path
+
+
 def synthetic(name: str, shape: Sequence[int], dtype: str, device: Any) -> Any:
     """Deterministic weights of one tensor (same values on any CUDA device; CPU differs).
     FP8 weights hold values of about unit size; their block scales are about 0.03, so the

@@ -188,3 +188,16 @@ def test_writes_into_persistent_buffers_are_traced_and_write_nothing() -> None:
     assert targets == {"bias": {"bias"}}
     assert torch.equal(model.bias, torch.zeros(3))
     assert persistent_buffers(model) == {"bias": model.bias}
+
+
+def test_a_sparse_checkpoint_names_every_tensor_the_trainers_hold(tmp_path: Path) -> None:
+    """The FP8 benchmark's checkpoint file holds headers and a hole: the index reads from it
+    every tensor of the shape, FP8 block scales included (for MoE experts the transformers
+    model built from the config names none)."""
+    from refitplane.testing.model_shapes import tensor_specs
+    from refitplane.testing.synthetic_weights import write_sparse_checkpoint
+
+    write_sparse_checkpoint(tmp_path, "qwen3-small", quant="fp8")
+    want = {ts.name: ts for ts in tensor_specs("qwen3-small", quant="fp8")}
+    assert safetensors_specs(tmp_path) == want
+    assert any(name.endswith("weight_scale_inv") for name in want)
