@@ -1,101 +1,82 @@
-"""The fresh-load oracle of `test_fresh_load_gpu.py`, one vLLM engine per process, so that a
-case's fresh load and its receive start at the same time (on two GPUs, or side by side on
-one) and a GPU window holds twice the cases:
+"""The fresh-load oracle of `test_fresh_load_gpu.py` as one command for a short GPU window:
+it writes a case's checkpoint once, starts a fresh `LLM` on it (kernel tensors and served
+output kept: `snapshot_fresh`), stops it, starts an `LLM` from dummy weights that gets the
+checkpoint through the engine's receive path (`receive_checkpoint`: mode auto = live fast
+path + fallback, or staged), and prints every difference from the fresh load as soon as it
+is known, then one verdict line. Exit status 1 on a difference.
 
-    python3 tests/gpu/fresh_load_probe.py fresh nemotron-h out/          # out/fresh.pkl
-    python3 tests/gpu/fresh_load_probe.py receive nemotron-h out/ auto   # out/receive-auto.pkl
-    python3 tests/gpu/fresh_load_probe.py compare nemotron-h out/ auto   # exit 1 on a difference
+    python3 tests/gpu/fresh_load_probe.py nemotron-h --mode auto --routed-experts 16
 
-`fresh`: a fresh `LLM` loads the case's checkpoint (`load_format="auto"`) and its kernel
-tensors and served output are kept (`snapshot_fresh`). `receive`: an `LLM` from dummy
-weights gets the checkpoint through the engine's receive path (`receive_checkpoint`, mode
-auto = live fast path + fallback, or staged), then its kernel tensors and served output are
-kept. `compare` prints every difference (`differences_from_fresh`) and the receive report.
-Each process writes the case's checkpoint itself (deterministic: seed 3) in its own folder
-under the system's temporary directory (gigabytes: never under `out`, whose files are kept).
+`--routed-experts` shrinks the zoo cases' expert count (the checkpoint of the full
+Nemotron-3-Nano shape alone takes about a minute to write); every other shape is the case's.
+The checkpoint goes under the system's temporary directory and is removed afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
-import pickle
+import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 
-def _checkpoint_dir(case: str, role: str) -> Path:
-    return Path(tempfile.gettempdir()) / "refit-fresh-load-probe" / case / role
-
-
-def _fresh(case: str, out: Path, memory: float) -> None:
+def probe(case: str, mode: str, config: dict[str, Any]) -> int:
     from tests.gpu.test_model_coverage_gpu import _checkpoint, _vllm
     from tests.gpu.vllm_case import NEW_TOKENS, PROMPT
-    from tests.support.fresh_load import snapshot_fresh
-
-    model_dir, extra = _checkpoint(case, _checkpoint_dir(case, "fresh"))
-    with _vllm(model_dir, load_format="auto", gpu_memory_utilization=memory, **extra) as llm:
-        fresh = snapshot_fresh(llm, model_dir, PROMPT, NEW_TOKENS)
-    (out / "fresh.pkl").write_bytes(pickle.dumps(fresh))
-
-
-def _receive(case: str, out: Path, mode: str, memory: float) -> None:
-    from tests.gpu.test_model_coverage_gpu import _checkpoint, _vllm
-    from tests.gpu.vllm_case import NEW_TOKENS, PROMPT
-    from tests.support.fresh_load import kernel_tensors, served_output
+    from tests.support.fresh_load import (
+        differences_from_fresh,
+        kernel_tensors,
+        served_output,
+        snapshot_fresh,
+    )
     from tests.support.vllm_checks import receive_checkpoint
 
-    model_dir, extra = _checkpoint(case, _checkpoint_dir(case, mode))
-    with _vllm(model_dir, gpu_memory_utilization=memory, **extra) as llm:
-        (report,) = llm.collective_rpc(receive_checkpoint, args=(str(model_dir), mode))
-        output = served_output(llm, PROMPT, NEW_TOKENS)
-        tensors = llm.collective_rpc(kernel_tensors)
-    received = {"report": report, "output": output, "tensors": tensors}
-    (out / f"receive-{mode}.pkl").write_bytes(pickle.dumps(received))
+    began = time.monotonic()
 
+    def say(line: str) -> None:
+        print(f"[{time.monotonic() - began:6.1f} s] {case} ({mode}): {line}", flush=True)
 
-def _compare(case: str, out: Path, mode: str) -> int:
-    from tests.support.fresh_load import differences_from_fresh
-
-    fresh = pickle.loads((out / "fresh.pkl").read_bytes())
-    received = pickle.loads((out / f"receive-{mode}.pkl").read_bytes())
-    report = received["report"]
-    print(f"{case} ({mode}): {report['mode']}, {report['summary']}")
-    for reason in report["fallback"]:
-        print(f"{case} ({mode}): fallback: {reason}")
-    failures = differences_from_fresh(fresh, received["tensors"], received["output"])
+    root = Path(tempfile.mkdtemp(prefix="refit-fresh-load-probe-"))
+    try:
+        model_dir, extra = _checkpoint(case, root / case, **config)
+        say(f"checkpoint written ({config or 'the case shape'})")
+        with _vllm(model_dir, load_format="auto", **extra) as llm:
+            say("fresh engine ready")
+            fresh = snapshot_fresh(llm, model_dir, PROMPT, NEW_TOKENS)
+        say(f"fresh load: {len(fresh.tensors[0])} kernel tensors, tokens {fresh.output.tokens}")
+        with _vllm(model_dir, **extra) as llm:
+            say("dummy engine ready")
+            (report,) = llm.collective_rpc(receive_checkpoint, args=(str(model_dir), mode))
+            say(f"received: {report['mode']}, {report['summary']}")
+            for reason in report["fallback"]:
+                say(f"fallback: {reason}")
+            output = served_output(llm, PROMPT, NEW_TOKENS)
+            tensors = llm.collective_rpc(kernel_tensors)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    failures = differences_from_fresh(fresh, tensors, output)
     for failure in failures:
-        print(f"{case} ({mode}): {failure}")
-    tokens = (fresh.output.tokens, received["output"].tokens)
+        say(failure)
     compared = len(fresh.tensors[0]) - len(fresh.runtime)
     verdict = "EQUAL to" if not failures else f"{len(failures)} difference(s) from"
-    print(
-        f"{case} ({mode}): {verdict} the fresh load ({compared} tensors per rank; tokens {tokens})"
+    say(
+        f"{verdict} the fresh load: {compared} kernel tensors per rank compared "
+        f"({len(fresh.runtime)} runtime left out), tokens {output.tokens} vs {fresh.output.tokens}"
     )
     return 1 if failures else 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=["fresh", "receive", "compare"])
     parser.add_argument("case", choices=["nemotron-h", "deepseek-v2-lite", "qwen3-fp8-kv"])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("mode", nargs="?", default="auto", choices=["auto", "staged"])
-    parser.add_argument(
-        "--gpu-memory",
-        type=float,
-        default=0.6,
-        help="vLLM gpu_memory_utilization (two engines on one GPU: 0.4 each)",
-    )
+    parser.add_argument("--mode", default="auto", choices=["auto", "staged"])
+    parser.add_argument("--routed-experts", type=int, default=0, help="0: the case's own")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.step == "fresh":
-        _fresh(args.case, args.out, args.gpu_memory)
-        return 0
-    if args.step == "receive":
-        _receive(args.case, args.out, args.mode, args.gpu_memory)
-        return 0
-    return _compare(args.case, args.out, args.mode)
+    config = {"n_routed_experts": args.routed_experts} if args.routed_experts else {}
+    return probe(args.case, args.mode, config)
 
 
 if __name__ == "__main__":

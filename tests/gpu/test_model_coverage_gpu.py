@@ -16,8 +16,11 @@ In every worker, `vllm_checks.receive_like_the_engine` binds exactly what the re
 engine binds (live fast-path parameters, whole-tensor fallback staging, or checkpoint
 staging for FP8), fills it from the checkpoint, applies it as `finish_weight_update` does,
 and compares every parameter and buffer, as the kernels read them, with vLLM's own
-layerwise reload of the same checkpoint: they must be byte-identical. The data plane itself
-needs two GPUs (trainer and vLLM); `test_vllm_refit_gpu.py` covers it where they exist.
+layerwise reload of the same checkpoint: they must be byte-identical. vLLM's reload is not
+the oracle (it has bugs of its own, docs/models.md): `test_fresh_load_gpu.py` judges the
+same cases against a fresh vLLM load, every kernel tensor, tokens and log-probs; this test
+stays as the cheaper check that the receive path binds what vLLM's reload writes. The data
+plane itself needs two GPUs (trainer and vLLM); `test_vllm_refit_gpu.py` covers it.
 """
 
 from __future__ import annotations
@@ -74,8 +77,9 @@ NEMOTRON_H = {
 }
 
 
-def _checkpoint(case: str, root: Path) -> tuple[Path, dict[str, Any]]:
-    """(checkpoint directory, extra `vllm.LLM` arguments) of a case."""
+def _checkpoint(case: str, root: Path, **config: Any) -> tuple[Path, dict[str, Any]]:
+    """(checkpoint directory, extra `vllm.LLM` arguments) of a case; `config` overrides the
+    zoo cases' shape (e.g. fewer routed experts, for a short GPU window)."""
     if case == "qwen3-fp8-kv":
         from refitplane.testing.synthetic_weights import write_checkpoint
 
@@ -87,7 +91,7 @@ def _checkpoint(case: str, root: Path) -> tuple[Path, dict[str, Any]]:
         "deepseek-v2-lite": ("deepseek_v2", DEEPSEEK_V2_LITE),
         "nemotron-h": ("nemotron_h", NEMOTRON_H),
     }[case]
-    return write_zoo_model(root, arch, seed=3, dtype="bfloat16", **overrides), {}
+    return write_zoo_model(root, arch, seed=3, dtype="bfloat16", **{**overrides, **config}), {}
 
 
 @contextlib.contextmanager
