@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import torch
 
 from refitplane.errors import LayoutError
-from refitplane.reshard.boxes import box_shape, format_box, to_slices
+from refitplane.reshard.boxes import box_shape, format_box
 from refitplane.reshard.layout import TensorSpec
 
 if TYPE_CHECKING:
@@ -250,9 +250,7 @@ def _check_layer(
     runs = max(max(len(specs[n].shape) for n in order), 1)
     compared = 0
     for dim in range(runs):
-        shadows = {name: _shadow(t, dtype) for name, t in templates.items()}
-        weights = [(n, _coded(specs[n], ids[n], stride, dim, dtype)) for n in order]
-        load_into(model, shadows, weights, vllm_config)
+        shadows = _load_coded(model, templates, specs, order, stride, dim, dtype, vllm_config)
         for name in reached:
             layout = all_params.get(name)
             if layout is None:
@@ -272,19 +270,54 @@ def _check_layer(
     return "", compared, needed
 
 
+def _load_coded(
+    model: torch.nn.Module,
+    templates: Mapping[str, torch.Tensor],
+    specs: Mapping[str, TensorSpec],
+    order: Sequence[str],
+    stride: int,
+    dim: int,
+    dtype: torch.dtype,
+    vllm_config: Any,
+) -> dict[str, torch.nn.Parameter]:
+    """Fresh shadows after `load_weights` of the tensors coded for run `dim`. The coded
+    tensors are first handed over as broadcast views (no memory: loaders narrow them to
+    this rank's shard and copy that); a loader that cannot take a view (it reshapes in a
+    way strides do not allow) gets them materialized."""
+    ids = {name: i for i, name in enumerate(order)}
+    for materialize in (False, True):
+        shadows = {name: _shadow(t, dtype) for name, t in templates.items()}
+        weights = [(n, _coded(specs[n], ids[n], stride, dim, dtype, materialize)) for n in order]
+        try:
+            load_into(model, shadows, weights, vllm_config)
+        except Exception:
+            if materialize:
+                raise
+            log.debug("load_weights refused broadcast views; materializing", exc_info=True)
+            continue
+        return shadows
+    raise AssertionError("unreachable")
+
+
 def _coded(
-    spec: TensorSpec, tensor_id: int, stride: int, dim: int, dtype: torch.dtype
+    spec: TensorSpec,
+    tensor_id: int,
+    stride: int,
+    dim: int,
+    dtype: torch.dtype,
+    materialize: bool = True,
 ) -> torch.Tensor:
     """The checkpoint tensor `spec` with every element `tensor_id * stride + 1 + its index
     along `dim`` (1 + 0 for a dimension the tensor does not have)."""
     shape = tuple(int(n) for n in spec.shape)
     base = tensor_id * stride + 1
     if dim >= len(shape):
-        return torch.full(shape, base, dtype=dtype)
+        constant = torch.full([1] * len(shape), base, dtype=dtype).expand(shape)
+        return constant.contiguous() if materialize else constant
     view = [1] * len(shape)
     view[dim] = shape[dim]
-    coords = torch.arange(base, base + shape[dim], dtype=dtype).view(view)
-    return coords.expand(shape).contiguous()
+    coords = torch.arange(base, base + shape[dim], dtype=dtype).view(view).expand(shape)
+    return coords.contiguous() if materialize else coords
 
 
 def _expected_region(
@@ -307,27 +340,50 @@ def _compare(
     dim: int,
     order: Sequence[str],
 ) -> str:
-    """Where `got` (a shadow after run `dim`) differs from the rule's placements, or ""."""
-    expected = torch.full(got.shape, -1, dtype=got.dtype)
-    checked = torch.zeros(got.shape, dtype=torch.bool)
+    """Where `got` (a shadow after run `dim`) differs from the rule's placements, or "".
+    Consumes `got`: each checked region is blanked once compared, so one pass over what is
+    left finds anything written where the rule says nothing (padding may be zeroed)."""
     for p in layout.placements:
         if p.hf_name not in ids:
             continue  # another layer's tensor (not fed in this check)
-        base = ids[p.hf_name] * stride + 1
-        p.view(expected).copy_(_expected_region(p.hf_box, base, dim, got.dtype))
-        p.view(checked).fill_(True)
-    padding = torch.zeros(got.shape, dtype=torch.bool)
-    for region in layout.padding:
-        padding[to_slices(region.param_box)] = True
-    # Loaders leave padding alone or zero it; elements of other layers' tensors stay unset.
-    bad = (checked & (got != expected)) | (padding & (got > 0)) | (~checked & ~padding & (got > 0))
-    if not bool(bad.any()):
-        return ""
-    index = tuple(int(i) for i in bad.nonzero()[0])
-    where = f"{layout.name}{format_box(tuple((i, i + 1) for i in index))}"
+        region = p.view(got)
+        want = _expected_region(p.hf_box, ids[p.hf_name] * stride + 1, dim, got.dtype)
+        if not torch.equal(region, want):
+            bad = (region != want).nonzero()[0]
+            return _mismatch(layout.name, p, bad, region, want, stride, dim, order)
+        region.fill_(-1)
+    written = (got > 0).nonzero()
+    if written.numel():
+        index = tuple(int(i) for i in written[0])
+        where = f"{layout.name}{format_box(tuple((i, i + 1) for i in index))}"
+        return (
+            f"vLLM's load_weights writes {_decode(int(got[index]), stride, dim, order)} at "
+            f"{where}, the rule says nothing"
+        )
+    return ""
+
+
+def _mismatch(
+    param: str,
+    placement: Any,
+    bad: torch.Tensor,
+    region: torch.Tensor,
+    want: torch.Tensor,
+    stride: int,
+    dim: int,
+    order: Sequence[str],
+) -> str:
+    """The first differing element of a placement's region, named in the parameter."""
+    local = tuple(int(i) for i in bad)
+    offsets = iter(local)
+    index = tuple(
+        start if d in placement.squeeze else start + next(offsets)
+        for d, (start, _) in enumerate(placement.param_box)
+    )
+    where = f"{param}{format_box(tuple((i, i + 1) for i in index))}"
     return (
-        f"vLLM's load_weights writes {_decode(int(got[index]), stride, dim, order)} at {where}, "
-        f"the rule says {_decode(int(expected[index]), stride, dim, order)}"
+        f"vLLM's load_weights writes {_decode(int(region[local]), stride, dim, order)} at "
+        f"{where}, the rule says {_decode(int(want[local]), stride, dim, order)}"
     )
 
 
