@@ -142,7 +142,9 @@ def reload_layers(
 def _name_anonymous_loaders(roots: Iterable[torch.nn.Module]) -> None:
     """Give every weight loader under `roots` a `__name__`: vLLM's layerwise reload reads it
     to tell its own wrappers apart, and raises on loaders without one (MiniMax-M2's are
-    `functools.partial` objects). Covers the live tensors and vLLM's reload records."""
+    `functools.partial` objects). Covers the live tensors and vLLM's reload records. A
+    loader that cannot take the attribute is replaced by a plain function calling it, so
+    no loader can make the reload fail half-way."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     for module in (m for root in roots for m in root.modules()):
@@ -152,10 +154,23 @@ def _name_anonymous_loaders(roots: Iterable[torch.nn.Module]) -> None:
             tensors += list(info.restore_metadata[0].values())
         for tensor in tensors:
             loader = getattr(tensor, "weight_loader", None)
-            if loader is not None and not hasattr(loader, "__name__"):
-                inner = getattr(loader, "func", None)
-                with contextlib.suppress(AttributeError, TypeError):
-                    loader.__name__ = getattr(inner, "__name__", "weight_loader")
+            if tensor is None or loader is None or hasattr(loader, "__name__"):
+                continue
+            name = getattr(getattr(loader, "func", None), "__name__", "weight_loader")
+            try:
+                loader.__name__ = name
+            except (AttributeError, TypeError):
+                tensor.weight_loader = _named_call(loader, name)  # type: ignore[attr-defined]
+
+
+def _named_call(loader: Any, name: str) -> Any:
+    """A plain function with `__name__` `name` that calls `loader` as it is called."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return loader(*args, **kwargs)
+
+    call.__name__ = name
+    return call
 
 
 def _materialize_for_direct_writes(
