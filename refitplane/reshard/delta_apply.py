@@ -58,18 +58,17 @@ def _compile() -> Any:
 
     @triton.jit
     def row_bits(row, local, BLOCK: tl.constexpr):
-        """This block's bitmap bytes (rows of 8 words) with flags past the image's end
-        cleared, and its words as [rows, 8] int32 offsets from the block's first word. Rows
-        keep every step within a thread or a 512-long scan (a 4096-long one costs several
-        shared-memory passes); 32-bit offsets keep register use low."""
-        left = tl.minimum(tl.load(row + 3) - local * BLOCK, BLOCK).to(tl.int32)
-        rows = tl.arange(0, BLOCK // 8)
-        bitmap = tl.load(row + 4).to(tl.pointer_type(tl.uint8)) + local * (BLOCK // 8)
-        packed = tl.load(bitmap + rows, mask=rows < (left + 7) // 8, other=0).to(tl.int32)
-        inner = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
+        """This block's bitmap bytes (rows of 8 words), flags past the image's end cleared,
+        and the word offsets of its rows as [rows, 8]. Rows keep every step within a thread
+        or a 512-long scan (a 4096-long one costs several shared-memory passes)."""
+        words = tl.load(row + 3)
+        rows = local * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        bitmap = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+        packed = tl.load(bitmap + rows, mask=rows < (words + 7) // 8, other=0).to(tl.int32)
+        offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
         # Bits of the last byte past the last word (a bad payload) count for nothing.
-        valid = tl.sum((inner < left).to(tl.int32) << tl.arange(0, 8)[None, :], axis=1)
-        return packed & valid, inner
+        valid = tl.sum((offs < words).to(tl.int32) << tl.arange(0, 8)[None, :], axis=1)
+        return packed & valid, offs
 
     @triton.jit(do_not_specialize=["tab", "n"])
     def popcount(tab, n, STEPS: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr):
@@ -107,28 +106,25 @@ def _compile() -> Any:
         values = tl.load(row + 5).to(tl.pointer_type(WORD))
         nvalues = tl.load(row + 6)
         if tl.load(row + 1) == 1:
-            # Values and indices from this block's first; indices are under 2^31 (index
-            # payloads only for messages below 2^31 words, `choose_encoding`).
-            j = tl.arange(0, BLOCK)
-            inside = j < tl.minimum(nvalues - local * BLOCK, BLOCK).to(tl.int32)
-            index = tl.load(row + 4).to(tl.pointer_type(tl.int32)) + local * BLOCK
-            where = tl.load(index + j, mask=inside, other=0)
+            at = local * BLOCK + tl.arange(0, BLOCK)
+            inside = at < nvalues
+            index = tl.load(row + 4).to(tl.pointer_type(tl.int32))
+            where = tl.load(index + at, mask=inside, other=0).to(tl.int64)
             inside = inside & (where >= 0) & (where < words)
-            v = tl.load(values + local * BLOCK + j, mask=inside, other=0)
-            tl.store(dst + where, v, mask=inside)
+            tl.store(dst + where, tl.load(values + at, mask=inside, other=0), mask=inside)
         else:
-            packed, inner = row_bits(row, local, BLOCK)
+            packed, offs = row_bits(row, local, BLOCK)
             # The i-th flagged word takes the i-th value: the block's prefix, the flags in
             # earlier rows of the block, the set bits below its own in its row.
             per_row = popc(packed)
             before = tl.cumsum(per_row, axis=0) - per_row
             bit = tl.arange(0, 8)[None, :]
             starts = tl.load(row + 7).to(tl.pointer_type(tl.int64))
-            start = tl.load(starts + local)
-            rank = before[:, None] + popc(packed[:, None] & ((1 << bit) - 1))
-            changed = (((packed[:, None] >> bit) & 1) != 0) & (rank < nvalues - start)
-            v = tl.load(values + start + rank, mask=changed, other=0)
-            tl.store(dst + local * BLOCK + inner, v, mask=changed)
+            pos = (
+                tl.load(starts + local) + before[:, None] + popc(packed[:, None] & ((1 << bit) - 1))
+            )
+            changed = (((packed[:, None] >> bit) & 1) != 0) & (pos < nvalues)
+            tl.store(dst + offs, tl.load(values + pos, mask=changed, other=0), mask=changed)
 
     # The kernels call the helpers by name: Triton's interpreter (TRITON_INTERPRET=1, how the
     # CPU tests run these kernels) looks names up in the module's globals.

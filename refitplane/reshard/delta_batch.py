@@ -48,18 +48,15 @@ def _compile() -> Any:
 
     @triton.jit
     def locate(block_msg, blk0, ns, BLOCK: tl.constexpr):
-        """This program's message, its block within it, the block's first word (int64) and
-        its words as rows of 8 (one bitmap byte each), [rows, 8] int32 offsets from the
-        first word, with which of them lie inside the message. Rows keep every step within
-        a thread or a 512-long scan (a 1-D 4096-long scan or reshape costs several shared
-        memory passes); 32-bit offsets from a 64-bit block start keep register use low (a
-        program's latency is hidden only by many programs resident at once)."""
+        """This program's message, its block within it, the block's bitmap bytes (rows of 8
+        words: `rows`, within the message), its word offsets as [rows, 8] and which of them
+        lie inside the message. Working on rows keeps every step within a thread or a
+        512-long scan: a 1-D 4096-long scan or reshape costs several shared-memory passes."""
         m = tl.load(block_msg + tl.program_id(0))
         local = tl.program_id(0).to(tl.int64) - tl.load(blk0 + m)
-        first = local * BLOCK
-        left = tl.minimum(tl.load(ns + m) - first, BLOCK).to(tl.int32)
-        inner = tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
-        return m, local, first, inner, inner < left
+        rows = local * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
+        return m, rows, offs, offs < tl.load(ns + m)
 
     @triton.jit
     def scan(
@@ -74,28 +71,18 @@ def _compile() -> Any:
         UPDATE: tl.constexpr,
         WORD: tl.constexpr,
         BLOCK: tl.constexpr,
-        ALIGNED: tl.constexpr,
     ):
-        m, local, first, inner, inside = locate(block_msg, blk0, ns, BLOCK)
-        cur_at = tl.load(curs + m)
-        base_at = tl.load(bases + m)
-        if ALIGNED:
-            # An address read from a table tells the compiler nothing, and it then loads word
-            # by word instead of 16 bytes at a time (the scan is a pass over both images): the
-            # tables hold 16-byte aligned addresses / 16, so the product shows the alignment.
-            cur_at = cur_at * 16
-            base_at = base_at * 16
-        cur = cur_at.to(tl.pointer_type(WORD)) + first
-        base = base_at.to(tl.pointer_type(WORD)) + first
-        a = tl.load(cur + inner, mask=inside, other=0)
-        b = tl.load(base + inner, mask=inside, other=0)
+        m, rows, offs, inside = locate(block_msg, blk0, ns, BLOCK)
+        cur = tl.load(curs + m).to(tl.pointer_type(WORD))
+        base = tl.load(bases + m).to(tl.pointer_type(WORD))
+        a = tl.load(cur + offs, mask=inside, other=0)
+        b = tl.load(base + offs, mask=inside, other=0)
         changed = ((a != b) & inside).to(tl.int32)
         packed = tl.sum(changed << tl.arange(0, 8)[None, :], axis=1)
         tl.store(counts + tl.program_id(0), tl.sum(tl.sum(changed, axis=1), axis=0))
-        here = bits + tl.load(bits_at + m) + local * (BLOCK // 8)
-        tl.store(here + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
+        tl.store(bits + tl.load(bits_at + m) + rows, packed.to(tl.uint8))
         if UPDATE:
-            tl.store(base + inner, a, mask=changed != 0)
+            tl.store(base + offs, a, mask=changed != 0)
 
     @triton.jit
     def gather(
@@ -114,33 +101,28 @@ def _compile() -> Any:
         WORD: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        m, local, first, inner, _ = locate(block_msg, blk0, ns, BLOCK)
+        m, rows, offs, _ = locate(block_msg, blk0, ns, BLOCK)
         kind = tl.load(kinds + m)
         if kind != 0:
             # The scan left no flag past the message's end.
-            rows = tl.arange(0, BLOCK // 8)
-            here = bits + tl.load(bits_at + m) + local * (BLOCK // 8)
-            packed = tl.load(here + rows).to(tl.int32)
+            packed = tl.load(bits + tl.load(bits_at + m) + rows).to(tl.int32)
             if kind == 2:
-                out = tl.load(maps + m).to(tl.pointer_type(tl.uint8)) + local * (BLOCK // 8)
-                left = tl.load(map_bytes + m) - local * (BLOCK // 8)
-                tl.store(out + rows, packed.to(tl.uint8), mask=rows < left)
+                out = tl.load(maps + m).to(tl.pointer_type(tl.uint8))
+                tl.store(out + rows, packed.to(tl.uint8), mask=rows < tl.load(map_bytes + m))
             # Each changed word's place: the block's start, the words changed in earlier
             # rows of the block, then the set bits below its own in its row.
             per_row = popc(packed)
             before = tl.cumsum(per_row, axis=0) - per_row
             bit = tl.arange(0, 8)[None, :]
             changed = ((packed[:, None] >> bit) & 1) != 0
-            rank = before[:, None] + popc(packed[:, None] & ((1 << bit) - 1))
-            start = tl.load(starts + tl.program_id(0))
-            cur = tl.load(curs + m).to(tl.pointer_type(WORD)) + first
-            a = tl.load(cur + inner, mask=changed, other=0)
+            below = popc(packed[:, None] & ((1 << bit) - 1))
+            at = tl.load(starts + tl.program_id(0)) + before[:, None] + below
+            cur = tl.load(curs + m).to(tl.pointer_type(WORD))
+            a = tl.load(cur + offs, mask=changed, other=0)
             if kind == 1:
-                # Index payloads only for messages under 2^31 words (`choose_encoding`).
-                index = tl.load(indexes + m).to(tl.pointer_type(tl.int32)) + start
-                tl.store(index + rank, first.to(tl.int32) + inner, mask=changed)
-            out_values = tl.load(values + m).to(tl.pointer_type(WORD)) + start
-            tl.store(out_values + rank, a, mask=changed)
+                index = tl.load(indexes + m).to(tl.pointer_type(tl.int32))
+                tl.store(index + at, offs.to(tl.int32), mask=changed)
+            tl.store(tl.load(values + m).to(tl.pointer_type(WORD)) + at, a, mask=changed)
 
     # The kernels call the helpers by name: Triton's interpreter (TRITON_INTERPRET=1, how the
     # CPU tests run these kernels) looks names up in the module's globals.
@@ -196,13 +178,8 @@ def _table(
     return host.to(device=device, dtype=dtype)
 
 
-def _addresses(
-    tensors: Sequence[torch.Tensor | None], device: torch.device, unit: int = 1
-) -> torch.Tensor:
-    """The tensors' addresses (in `unit`s of bytes: every one a multiple of it) on the device."""
-    return _table(
-        [t.data_ptr() // unit if t is not None else 0 for t in tensors], torch.int64, device
-    )
+def _addresses(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    return _table([t.data_ptr() if t is not None else 0 for t in tensors], torch.int64, device)
 
 
 def _local_starts(counts: torch.Tensor, blocks: Blocks) -> torch.Tensor:
@@ -237,21 +214,18 @@ def scan_many(
     bits_at = blocks.blk0 * _BITS
     bits = torch.empty(blocks.count * _BITS, dtype=torch.uint8, device=device)
     block_counts = torch.empty(blocks.count, dtype=torch.int32, device=device)
-    aligned = all(t.data_ptr() % 16 == 0 for t in (*currents, *bases))
-    unit = 16 if aligned else 1
     scan[(blocks.count,)](
         blocks.block_msg,
         blocks.blk0,
         blocks.ns,
-        _addresses(currents, device, unit),
-        _addresses(bases, device, unit),
+        _addresses(currents, device),
+        _addresses(bases, device),
         bits_at,
         bits,
         block_counts,
         UPDATE=update,
         WORD=_TL_WORDS[word],
         BLOCK=BLOCK,
-        ALIGNED=aligned,
     )
     counts = torch.zeros(len(currents), dtype=torch.int64, device=device)
     counts.index_add_(0, blocks.block_msg.long(), block_counts.long())
