@@ -14,6 +14,12 @@ Cases (`--case`, one or more):
 - `cross`: trainer on GPU 0, vLLM on GPU 1 (CUDA_VISIBLE_DEVICES="1,0": it sees GPU 0 to
   map the trainer's memory). The same world refits with REFIT_SAME_HOST_TRANSPORT=ipc, then
   =nccl (a new group), alternating. Copy limit: a GPU 0 → GPU 1 peer copy of the plan's bytes.
+- `cross-p2p`: the model's plan GPU 0 → GPU 1 without vLLM, CUDA IPC then NCCL P2P, with
+  the peer copy limit.
+
+`--sleep-level N` (colocated): after the awake rows, vLLM is put to sleep before each refit
+and the refit wakes it (docs/generator.md#sleep-mode). vLLM's own `ipc` engine runs last on
+the same replica unless `--no-baseline`.
 
 Per refit: trigger → COMMITTED and the data plane (TRANSFERRING), checksums verified, then
 every live vLLM parameter box compared byte for byte with the trainer's tensor after a
@@ -185,7 +191,9 @@ def vllm_ipc_baseline(
 ) -> dict[str, Any]:
     """vLLM's `ipc` engine on the same replica and trainer: the trainer hands out one CUDA IPC
     handle per (whole) tensor, the worker rebuilds them and runs `load_weights`
-    (`worker_probes.vllm_ipc_receive`). End to end: handles asked → worker done."""
+    (`worker_probes.vllm_ipc_receive`). End to end: handles asked → worker done. vLLM
+    0.26's `ipc_engine.py` imports `ray` at module level: without ray installed (the
+    2026-11-26 device) this reports the ImportError instead of a time."""
     from refitplane.testing.refit_world.worker_probes import vllm_ipc_receive
 
     totals, receives, handles, checks = [], [], [], []
@@ -355,16 +363,6 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         print(f"[{case}] trainer extra GPU memory {out['trainer_extra_mib']:.0f} MiB", flush=True)
         if case == "colocated" and not args.no_baseline:
             out["vllm_ipc"] = vllm_ipc_baseline(world, steps, args.repeats, limit_s)
-        if args.unverified:
-            # The data plane alone: on one GPU both ends' checksums read every byte again
-            # from the same memory the copy reads and writes.
-            t = transports[-1]
-            world.configure(verify_checksums=False)
-            world.refit(args.refit_timeout)  # a new executor (its ring), first touch
-            row = _refits(world, steps, f"{t} unverified", args.repeats, 500)
-            rows[t].append(row)
-            _print(case, row, limit_s)
-            world.configure(verify_checksums=True)
         if args.tokens:
             try:
                 out["tokens"] = _tokens(world)
@@ -394,9 +392,6 @@ def main() -> int:
     parser.add_argument("--tokens", action="store_true", help="greedy tokens vs transformers")
     parser.add_argument(
         "--refit-timeout", type=float, default=60.0, help="s: a refit still running is reported"
-    )
-    parser.add_argument(
-        "--unverified", action="store_true", help="also refit with checksums off (last transport)"
     )
     parser.add_argument(
         "--sleep-level",
