@@ -40,24 +40,34 @@ from tests.support.refit_checks import parameter_digests
 from tests.support.vllm_reference import loaded_reference
 
 
-def describe_worker(worker: Any, checkpoint_dir: str, skip_rules: Sequence[str] = ()) -> VllmLayout:
-    """`describe_vllm_model` of the worker's model, tracing fallback layers with the
-    checkpoint in `checkpoint_dir`; `skip_rules` switches fast-path rules off by class."""
+def describe_worker(
+    worker: Any, checkpoint_dir: str, skip_rules: Sequence[str] = (), draft: bool = False
+) -> VllmLayout:
+    """`describe_vllm_model` of the worker's model (its speculative-decoding draft model
+    with `draft`), tracing fallback layers with the checkpoint in `checkpoint_dir`;
+    `skip_rules` switches fast-path rules off by class."""
     return describe_vllm_model(
-        worker.model_runner.get_model(),
+        served_model(worker, draft),
         checkpoint=safetensors_specs(checkpoint_dir),
         vllm_config=worker.vllm_config,
         skip_rules=skip_rules,
     )
 
 
+def served_model(worker: Any, draft: bool = False) -> Any:
+    """The worker's model, or with `draft` its speculative-decoding draft model."""
+    runner = worker.model_runner
+    return runner.get_draft_model() if draft else runner.get_model()
+
+
 def check_worker_layout(
-    worker: Any, checkpoint_dir: str, skip_rules: Sequence[str] = ()
+    worker: Any, checkpoint_dir: str, skip_rules: Sequence[str] = (), draft: bool = False
 ) -> dict[str, Any]:
-    """Run in a vLLM worker; returns the report described in the module docstring."""
-    model = worker.model_runner.get_model()
+    """Run in a vLLM worker; returns the report described in the module docstring (for the
+    draft model with `draft`; `checkpoint_dir` is then the draft's checkpoint)."""
+    model = served_model(worker, draft)
     checkpoint = load_checkpoint(checkpoint_dir)
-    layout = describe_worker(worker, checkpoint_dir, skip_rules)
+    layout = describe_worker(worker, checkpoint_dir, skip_rules, draft)
     reference = loaded_reference(model, layout, checkpoint.items())
     failures: list[str] = []
     failures += _check_views(layout, reference, checkpoint)
