@@ -153,6 +153,34 @@ class SidecarMember(NullHandler):
         if any(s.get("incomplete") for s in statuses):
             self._degrade("a worker holds incomplete weights (an update failed after writing)")
 
+    def engines_hold_version(self) -> bool:
+        """Whether vLLM's workers still hold this replica's version (asked at every readiness
+        check): False once one holds weights no refit produced (vLLM's sleep at level 2
+        discarded them, whoever asked) or a lower version; this controller's version then
+        drops to what they hold. True when they cannot be asked (no dev-mode
+        /collective_rpc) or an update of ours is open."""
+        version = self.state.version
+        statuses = self.control.engine_status()
+        if not statuses:
+            return True
+        versions = [s.get("version") for s in statuses]
+        if not all(isinstance(v, int) for v in versions):
+            return True
+        held = min(v for v in versions if isinstance(v, int))
+        lost = any(s.get("incomplete") for s in statuses)
+        with self._lock:
+            if self.state.update_open or self.state.version != version:
+                return True  # a refit moved on meanwhile: these statuses may be stale
+            if held < version:
+                log.warning(
+                    "replica %s: its workers hold version %d, not %d (weights discarded?)",
+                    self.replica_id,
+                    held,
+                    self.state.version,
+                )
+                self.state.version = held
+            return not lost
+
     # -- commands -----------------------------------------------------------------------------
 
     def on_prepare_refit(self, cmd: PrepareRefitCmd) -> None:

@@ -163,3 +163,177 @@ def test_a_failure_before_any_byte(coordinator, sim_cluster, level):
     finally:
         session.close()
         client.close()
+
+
+# -- issue 22: a level-2 sleep the RL loop asked for (vLLM's own verb, not the sidecar) ----
+
+
+class _WorkerLike:
+    """vLLM's worker sleep contract (`sleep(level)`), wrapped by the guard the refitplane
+    engine installs on vLLM's GPU Worker; holds a real `RefitplaneEngine`."""
+
+    def __init__(self, engine: Any) -> None:
+        self.weight_transfer_engine = engine
+
+    def sleep(self, level: int = 1) -> None:
+        return None  # vLLM's body: offload (1) or discard (2) the weights' memory
+
+
+def _rank_engine() -> Any:
+    vllm_engine = pytest.importorskip("refitplane.generator.vllm_engine")
+    import torch
+    from vllm.config import VllmConfig
+
+    return vllm_engine.RefitplaneEngine(
+        None, VllmConfig(), torch.device("cpu"), torch.nn.Linear(1, 1)
+    )
+
+
+def _apply(engine: Any, refit_id: str, version: int) -> None:
+    """The worker's side of a verified update, through the engine's own session verbs (the
+    transfer itself is simulated here): finish is what makes it hold `version`."""
+    from refitplane.generator.vllm_contract import RefitUpdateInfo
+
+    engine.start_weight_update()
+    engine._record(RefitUpdateInfo(refit_id=refit_id), ok=True)
+    engine._pending_version = version
+    engine.finish_weight_update()
+
+
+class _WorkersEngine(SleepyEngine):
+    """`SleepyEngine` whose workers' status is a real `RefitplaneEngine`'s, and whose sleep
+    and update go through that worker (guarded sleep, session verbs)."""
+
+    def __init__(self, level: int, engine: Any) -> None:
+        from refitplane.generator import vllm_sleep_guard
+
+        super().__init__(level)
+        worker_class = type("Worker", (_WorkerLike,), {"sleep": _WorkerLike.sleep})
+        vllm_sleep_guard.wrap(worker_class)
+        self.worker = worker_class(engine)
+        self.rank_engine = engine
+        self.last_update: dict[str, Any] = {}
+
+    def update(self, update_info: dict[str, Any]) -> int:
+        self.last_update = update_info
+        return super().update(update_info)
+
+    def finish(self, version: int | None) -> int:
+        info = self.last_update
+        if "action" not in info:
+            _apply(self.rank_engine, info["refit_id"], int(info["version"]))
+        return super().finish(version)
+
+    def engine_status(self) -> list[dict[str, Any]] | None:
+        return [dict(self.rank_engine.status())]
+
+    def sleep(self, level: int) -> int:
+        self.worker.sleep(level)
+        return super().sleep(level)
+
+
+def _wait_renewals(client: RefitClient, member_id: str, count: int) -> None:
+    """Until the coordinator renewed `member_id`'s lease `count` more times."""
+    seen: list[float] = []
+
+    def renewed() -> bool:
+        (m,) = [m for m in client.topology("job").members if m.member_id == member_id]
+        if not seen or m.lease_expires_unix != seen[-1]:
+            seen.append(m.lease_expires_unix)
+        return len(seen) > count
+
+    wait_until(renewed, what=f"{count} lease renewals")
+
+
+def _replica_version(client: RefitClient) -> int:
+    (replica,) = client.topology("job").replicas
+    return replica.version
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_level_2_sleep_by_the_rl_loop_drops_the_replica_version(coordinator, level):
+    """After a commit at N the RL loop puts the engine to sleep through vLLM's own verb.
+    Level 2: the worker holds no version at once, the coordinator shows the replica at 0
+    (so the next refit has no delta base: its ranks' records are not at the trainers' base)
+    and the sidecar is not ready; the next refit wakes, commits N+1 and all is back.
+    Level 1: the weights come back exactly, the replica stays at N."""
+    from refitplane.agent import AgentSession, MemberInfo
+    from refitplane.agent.simulated import SimulatedAgent
+
+    cluster_target = coordinator.grpc_target
+    trainer_agent = SimulatedAgent(Role.TRAINER)
+    trainer = AgentSession(
+        cluster_target,
+        MemberInfo(job="job", role=Role.TRAINER, rank=0, world_size=1, host="127.0.0.1"),
+        trainer_agent,
+        token=None,
+        tls_ca=None,
+        timeout_s=10,
+    )
+    rank_engine = _rank_engine()
+    rank_agent = SimulatedAgent(Role.GENERATOR)
+    rank = AgentSession(
+        cluster_target,
+        MemberInfo(
+            job="job",
+            role=Role.GENERATOR,
+            rank=0,
+            world_size=1,
+            replica_id="a",
+            host="127.0.0.1",
+            device="cpu",
+        ),
+        rank_agent,
+        token=None,
+        tls_ca=None,
+        timeout_s=10,
+        # What the vLLM worker's engine registers and renews with (vllm_engine._init).
+        held_version=lambda: rank_engine.version,
+        serving=rank_engine._serves_held,
+    )
+    trainer_agent.session = trainer
+    rank_agent.session = rank
+    engine = _WorkersEngine(level, rank_engine)
+    engine.resident = {"weights": True, "kv_cache": True}  # awake, serving
+    engine.paused = False
+    client = RefitClient(cluster_target)
+    member = SidecarMember(
+        engine, client, job="job", replica_id="a", default_pause_mode="keep", sleep_level=level
+    )
+    session = member.connect(cluster_target, host="127.0.0.1", token=None, tls_ca=None)
+    # The sidecar's /readyz is also false while this is (`Sidecar.ready`).
+    ready = member.engines_hold_version
+    try:
+        for s in (trainer, rank, session):
+            s.start()
+        trainer.publish_layout(row_layout(0, 1))
+        rank.publish_layout(row_layout(0, 1))
+        first = _refit(client)
+        assert first.state.value == "COMMITTED", first.message
+        assert rank_engine.version == first.version
+        assert _replica_version(client) == first.version
+        assert ready()
+
+        engine.sleep(level)  # the RL loop: /sleep?level=N (vLLM's verb, not the sidecar's)
+        if level == 2:
+            assert rank_engine.version == 0  # at once, in the worker
+            wait_until(lambda: _replica_version(client) == 0, what="the replica shown at 0")
+            assert not ready()
+            assert member.state.version == 0
+        else:
+            # Past the two renewals that lower a record: this one holds its bytes.
+            _wait_renewals(client, rank.member_id, 3)
+            assert rank_engine.version == first.version
+            assert ready()
+            assert member.state.version == first.version
+
+        second = _refit(client)
+        assert second.state.value == "COMMITTED", second.message
+        assert rank_engine.version == second.version
+        assert "wake_up weights" in engine.calls
+        assert _replica_version(client) == second.version
+        assert ready()
+    finally:
+        for s in (session, rank, trainer):
+            s.close()
+        client.close()

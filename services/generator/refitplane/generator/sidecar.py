@@ -142,7 +142,13 @@ class Sidecar:
         self._http: ThreadingHTTPServer | None = None
 
     def ready(self) -> bool:
-        return self.alive and not self.member.state.degraded and self.control.healthy()
+        return (
+            self.alive
+            and not self.member.state.degraded
+            and self.control.healthy()
+            # Never ready at a version its weights lost (vLLM's sleep at level 2).
+            and self.member.engines_hold_version()
+        )
 
     def listen(self) -> None:
         """Serve /healthz, /readyz, /status and /metrics; StartupError if the port is taken."""

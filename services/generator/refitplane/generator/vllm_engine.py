@@ -25,6 +25,10 @@ Registered under the backend name "refitplane" by the `vllm.general_plugins` ent
   or incomplete update leaves the version it held. It reports that version on every
   registration and lease renewal (`AgentSession(held_version=, serving=)`), so after a
   coordinator restart or a wiped store the replica comes back at the version it serves.
+- vLLM's sleep at level 2 (or a discard of the "weights" memory) drops the weights: the
+  worker holds no version (0) from that moment (`weights_discarded`, called by the
+  `vllm_sleep_guard` wrappers of vLLM's worker), so its next lease renewal says so and the
+  next refit is a full one. Level 1 restores the bytes exactly: the version is kept.
 - `update_weights({"refit_id": ..., "action": "discard"})` (or the status channel's
   "discard"): forget a refit that failed elsewhere in the replica (vLLM needs every started
   update finished; this makes that finish apply nothing).
@@ -54,6 +58,7 @@ from refitplane.agent.dataplane import local_address, placement_of
 from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
 from refitplane.errors import RefitError
+from refitplane.generator import vllm_sleep_guard
 from refitplane.generator.checkpoint_index import checkpoint_specs
 from refitplane.generator.vllm_contract import (
     EngineStatus,
@@ -100,6 +105,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
     ) -> None:
         super().__init__(config, vllm_config, device, model)
+        # vLLM's worker builds the engine (load_model): its class is loaded by now.
+        vllm_sleep_guard.install()
         self.session: AgentSession | None = None
         self.member: WorkerMember | None = None
         self.shards: LocalShards | None = None
@@ -423,6 +430,19 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         if version:
             self.version = version  # held now: verified and applied
         self._end("applied", f"refit {updates[-1]['refit_id']}")
+
+    def weights_discarded(self, why: str) -> None:
+        """vLLM is discarding this worker's weights (sleep level 2): it holds no version from
+        now on, and an open update session applies nothing (what it received is gone)."""
+        if self.version:
+            log.warning("refitplane: version %d no longer held: %s", self.version, why)
+        self.version = 0
+        # Whatever memory wakes up holds no version: not serving, and vLLM's
+        # /update_weight_version refused (as after a failed live receive), until an update
+        # applies.
+        self._incomplete = True
+        self._last_message = why
+        self._discard(why)
 
     def _drop_staging(self) -> None:
         """Forget whatever is staged (nothing of it is applied any more) and its memory."""

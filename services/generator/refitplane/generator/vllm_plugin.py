@@ -2,7 +2,9 @@
 on both sides of vLLM's weight-transfer API.
 
 - worker side: `WeightTransferEngineFactory` → `refitplane.generator.vllm_engine.
-  RefitplaneEngine` (each vLLM worker becomes a generator rank);
+  RefitplaneEngine` (each vLLM worker becomes a generator rank); building it wraps the
+  worker's `sleep` / `discard` (`vllm_sleep_guard`), so weights vLLM discards (sleep
+  level 2) are never reported as a version;
 - trainer side: `WeightTransferTrainerFactory` (vLLM >= 0.28) → `refitplane.trainer.
   vllm_engine.RefitplaneTrainerEngine`, so `WeightTransferTrainerFactory.trainer_init(...)`
   and vLLM's HTTP / Ray weight-sync clients drive refitplane refits;

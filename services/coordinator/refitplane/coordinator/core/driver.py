@@ -66,6 +66,8 @@ class JobDriver:
         self._endings = RefitEndings(ctx, self.groups, self.replicas)
         # Generator member id → (version, serving) it reported, for unverified replicas.
         self._held: dict[str, Held] = {}
+        # Generator member id → the lower version it reported holding once (`_lower_to_held`).
+        self._below: dict[str, int] = {}
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -107,9 +109,11 @@ class JobDriver:
         refit targeting the replica decides it instead."""
         replica = member.replica_id
         run = self.current
-        if not self.replicas.unverified(replica) or (
-            run is not None and replica in run.cast.replica_ranks
-        ):
+        if run is not None and replica in run.cast.replica_ranks:
+            self._below.pop(member.member_id, None)
+            return
+        if not self.replicas.unverified(replica):
+            await self._lower_to_held(member, version)
             return
         self._held[member.member_id] = (version, serving)
         ranks = [
@@ -125,6 +129,28 @@ class JobDriver:
                 self._held.pop(m.member_id, None)
         if adopted:
             log.info("replica %r adopted version %d, which its ranks hold", replica, adopted)
+
+    async def _lower_to_held(self, member: MemberRecord, version: int) -> None:
+        """A rank that holds less than its record says lost weights outside any refit (vLLM's
+        sleep at level 2 discards them; the engine then holds version 0): the record takes
+        what the rank holds, so its replica is not shown at a version it lacks and the next
+        refit is a full one (no delta base). On the second report in a row: one renewal,
+        read before a finish and answered after the commit, can be stale; the next one is
+        read after it. Never raised here: only a commit raises a version."""
+        if version >= member.version:
+            self._below.pop(member.member_id, None)
+            return
+        if self._below.get(member.member_id) != version:
+            self._below[member.member_id] = version
+            return
+        del self._below[member.member_id]
+        await self._ctx.membership.update(member.model_copy(update={"version": version}))
+        log.warning(
+            "%s holds version %d, not %d (weights discarded outside a refit)",
+            member.describe(),
+            version,
+            member.version,
+        )
 
     async def store_lost(self) -> None:
         """The store lost its state (core/lost_state.py): write back what this driver knows
