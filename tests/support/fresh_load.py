@@ -14,9 +14,10 @@ the old weights, docs/models.md). So the tests load the checkpoint in a second, 
   position whose top-2 margin is below `TIE_MARGIN` ends the token comparison (a near-tie
   may flip on any difference of summation order; the bytes above already cover the rest).
 
-Tensors that generation itself writes (KV cache, SSM state: found by digesting the fresh
-engine before and after it generates, not by name) are runtime state, not weights, and are
-left out.
+Generation's state is not weights and is left out: the KV and state caches vLLM's KV-cache
+manager allocated (`model_runner.kv_caches`; never read: on a GPU they fill most of its
+memory), and whatever else generation writes (found by digesting the fresh engine before and
+after it generates, not by name: gpt-oss's growing YaRN cache).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ LOGPROB_TOLERANCE = 1e-3
 TOP_K = 5
 # How deep `kernel_tensors` looks into a module's helper objects (quant_method.moe_kernel.x).
 _OBJECT_DEPTH = 3
+# Bytes copied to the host at a time while digesting (large expert tensors on a GPU).
+_DIGEST_CHUNK_BYTES = 256 << 20
 
 
 def kernel_tensors(worker: Any) -> dict[str, str]:
@@ -48,22 +51,55 @@ def kernel_tensors(worker: Any) -> dict[str, str]:
     read: each module's parameters, buffers and plain tensor attributes, and the tensors of
     the helper objects it holds (lists, dicts, quant methods and their kernels)."""
     model = worker.model_runner.get_model()
+    caches = _cache_storages(worker)
     out: dict[str, str] = {}
     seen: set[int] = set()
+
+    def keep(where: str, tensor: torch.Tensor) -> None:
+        if where not in out and _storage_address(tensor) not in caches:
+            out[where] = _digest(tensor)
+
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
         for name, tensor in module._parameters.items():
             if tensor is not None:
-                out[f"{prefix}{name}"] = _digest(tensor)
+                keep(f"{prefix}{name}", tensor)
         for name, tensor in module._buffers.items():
             if tensor is not None:
-                out[f"{prefix}{name}"] = _digest(tensor)
+                keep(f"{prefix}{name}", tensor)
         for name, value in vars(module).items():
             if name in ("_parameters", "_buffers", "_modules"):
                 continue
             for where, tensor in _tensors_in(value, f"{prefix}{name}", _OBJECT_DEPTH, seen):
-                out.setdefault(where, _digest(tensor))
+                keep(where, tensor)
     return out
+
+
+def _cache_storages(worker: Any) -> set[int]:
+    """Storage addresses of the KV and state caches vLLM's KV-cache manager allocated and
+    bound (`model_runner.kv_caches`, views of which the attention and Mamba layers hold):
+    generation's state, not weights. On a GPU they fill most of its memory, so they are
+    never read (copying one to digest it ran a worker out of memory on an H100)."""
+    found: set[int] = set()
+    pending: list[Any] = [getattr(worker.model_runner, "kv_caches", None)]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            address = _storage_address(value)
+            if address is not None:
+                found.add(address)
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+    return found
+
+
+def _storage_address(tensor: torch.Tensor) -> int | None:
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # meta, or a tensor without storage
+        return None
 
 
 def _tensors_in(
@@ -111,11 +147,15 @@ def _cell(cell: Any) -> Any:
 
 
 def _digest(tensor: torch.Tensor) -> str:
+    """ "dtype [shape] sha256" of a tensor's bytes, read to the host a chunk at a time."""
     data = tensor.detach()
     if data.is_meta:
         return f"{data.dtype} {list(data.shape)} meta"
-    raw = data.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-    return f"{data.dtype} {list(data.shape)} {hashlib.sha256(raw).hexdigest()}"
+    flat = data.contiguous().reshape(-1).view(torch.uint8)
+    digest = hashlib.sha256()
+    for start in range(0, flat.numel(), _DIGEST_CHUNK_BYTES):
+        digest.update(flat[start : start + _DIGEST_CHUNK_BYTES].cpu().numpy().tobytes())
+    return f"{data.dtype} {list(data.shape)} {digest.hexdigest()}"
 
 
 @dataclass(frozen=True)
