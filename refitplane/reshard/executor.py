@@ -47,7 +47,6 @@ refit.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -221,11 +220,6 @@ class _Prepared:
         # so equal addresses mean the same memory).
         return shards.fingerprint() == self.fingerprint
 
-
-# REFIT_DEVICE_REUSE=0 gives staging back only after a host wait, as on Gloo, even where
-# the transport can order its reuse on the device (to measure what it saves, or to rule it
-# out).
-DEVICE_REUSE = os.environ.get("REFIT_DEVICE_REUSE", "1") != "0"
 
 # Post a channel's batched ops once they reach this many bucket sizes (or ops): fewer,
 # larger NCCL groups cost fewer launches; batching never delays a wait (all pending ops
@@ -647,7 +641,7 @@ class _Run:
             with self.t.beside(channel, after_transfer=receives):
                 self._after_transfer(group)
             handle = self.t.fence(handle)
-            if self.t.device_reuse and DEVICE_REUSE:
+            if self.t.device_reuse:
                 # Its staging slices come back now: their next users follow `handle` on the
                 # device (`_follow`), so the host never waits for staging space.
                 for token in group.slices:

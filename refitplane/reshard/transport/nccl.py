@@ -11,6 +11,7 @@ contiguous buffers.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -151,8 +152,11 @@ class NcclTransport(StreamedTransport):
             self.wait(handle, deadline)
         self._connected.update(missing)
 
-    # A handle's events are recorded when it is posted: a channel can wait for them.
-    device_reuse = True
+    # A handle's events are recorded when it is posted: a channel can wait for them, so
+    # staging could come back without a host wait. Opt-in (REFIT_DEVICE_REUSE=1) until a GPU
+    # run has verified it: on 2026-11-26 its ordering was proven on CPU only
+    # (tests/integration/reshard/test_device_reuse_order.py, the device-ordered Gloo test).
+    device_reuse = os.environ.get("REFIT_DEVICE_REUSE", "0") == "1"
 
     def order_after(self, channel: int, handles: Sequence[Handle]) -> None:
         pack = self._channels.pack[channel]
