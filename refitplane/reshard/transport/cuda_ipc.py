@@ -133,14 +133,7 @@ class CudaIpcTransport(StreamedTransport):
     def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
         if self._aborted:
             raise TransferError("transport was aborted; a new group is needed")
-        for op in ops:
-            buf = op.buffer
-            if buf.dtype != torch.uint8 or buf.device != self.device or not buf.is_contiguous():
-                raise InvalidArgument(
-                    f"rank {self.rank}: CUDA IPC buffers must be contiguous uint8 on "
-                    f"{self.device}, got {buf.dtype} on {buf.device}",
-                    field="buffer",
-                )
+        self._check_buffers(ops, "CUDA IPC")
         pg = self._pgs[channel]
         state = _State()
         sends = [op for op in ops if op.send]

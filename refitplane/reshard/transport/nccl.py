@@ -169,14 +169,7 @@ class NcclTransport(StreamedTransport):
     def issue(self, channel: int, ops: Sequence[P2POp], deadline: float) -> Handle:
         if not self._comms:
             raise TransferError("transport was aborted; a new group is needed")
-        for op in ops:
-            buf = op.buffer
-            if buf.dtype != torch.uint8 or buf.device != self.device or not buf.is_contiguous():
-                raise InvalidArgument(
-                    f"rank {self.rank}: NCCL buffers must be contiguous uint8 on {self.device}, "
-                    f"got {buf.dtype} on {buf.device}",
-                    field="buffer",
-                )
+        self._check_buffers(ops, "NCCL")
         comm = self._comms[channel]
         self._streams[channel].wait_stream(self._channels.pack[channel])
         stream = self._streams[channel].cuda_stream

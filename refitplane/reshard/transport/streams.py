@@ -12,12 +12,13 @@ higher; torch maps values beyond the device's range to its end.)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from refitplane.reshard.transport.base import Transport
+from refitplane.errors import InvalidArgument
+from refitplane.reshard.transport.base import P2POp, Transport
 
 _HIGH = -8
 
@@ -81,6 +82,17 @@ class StreamedTransport(Transport):
 
     def begin(self) -> None:
         self._channels.begin()
+
+    def _check_buffers(self, ops: Sequence[P2POp], what: str) -> None:
+        """Refuse, before anything is posted, a buffer the GPU transports cannot move."""
+        for op in ops:
+            buf = op.buffer
+            if buf.dtype != torch.uint8 or buf.device != self.device or not buf.is_contiguous():
+                raise InvalidArgument(
+                    f"rank {self.rank}: {what} buffers must be contiguous uint8 on "
+                    f"{self.device}, got {buf.dtype} on {buf.device}",
+                    field="buffer",
+                )
 
     def end(self) -> None:
         self._channels.end()
