@@ -16,7 +16,7 @@ from torch import nn
 from refitplane.errors import LayoutError
 from refitplane.trainer.layouts import MegatronParallel, ModelDims, megatron_shards
 from refitplane.trainer.layouts.megatron import glu_interleave_from_config
-from refitplane.trainer.layouts.megatron_params import GluInterleave
+from refitplane.trainer.layouts.megatron_slicing import GluInterleave
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,8 @@ from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import to_slices
 from refitplane.trainer.layouts.dims import ModelDims
 from refitplane.trainer.layouts.held import HeldSlice, register
-from refitplane.trainer.layouts.megatron_params import MegatronParallel, megatron_param_slices
+from refitplane.trainer.layouts.megatron_params import megatron_param_slices
+from refitplane.trainer.layouts.megatron_slicing import MegatronParallel
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ from refitplane.trainer.layouts.megatron import (
     parallel_from_model,
     parallel_from_parallel_state,
 )
-from refitplane.trainer.layouts.megatron_params import GluInterleave, MegatronParallel
+from refitplane.trainer.layouts.megatron_slicing import GluInterleave, MegatronParallel
 from refitplane.trainer.layouts.names import strip_wrapper_prefixes
 
 __all__ = [

@@ -26,11 +26,8 @@ from refitplane.errors import LayoutError
 from refitplane.reshard.shards import LocalShards
 from refitplane.trainer.layouts.dims import ModelDims
 from refitplane.trainer.layouts.held import HeldSlice, register
-from refitplane.trainer.layouts.megatron_params import (
-    GluInterleave,
-    MegatronParallel,
-    megatron_param_slices,
-)
+from refitplane.trainer.layouts.megatron_params import megatron_param_slices
+from refitplane.trainer.layouts.megatron_slicing import GluInterleave, MegatronParallel
 
 # Buffers that are checkpoint weights; every other buffer (rotary tables, token counters)
 # is derived state the generator rebuilds itself.
