@@ -28,7 +28,8 @@ from typing import Any
 
 from refitplane.protocol import MemberState, RefitState
 from refitplane.protocol.models import Refit
-from refitplane.testing.cluster.proc_cluster import AgentProc, ProcCluster, wait_for
+from refitplane.testing.cluster.proc_cluster import ProcCluster
+from refitplane.testing.cluster.processes import AgentProc, wait_for
 from refitplane.testing.cluster.synthetic_state import expected_digests
 
 INTACT = "intact"

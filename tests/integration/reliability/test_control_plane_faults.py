@@ -20,7 +20,7 @@ import pytest
 
 from refitplane.errors import Unavailable
 from refitplane.protocol import RefitState
-from refitplane.testing.cluster.proc_cluster import wait_for
+from refitplane.testing.cluster.processes import wait_for
 from tests.integration.reliability.conftest import start_world
 from tests.integration.reliability.support import World, note
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from refitplane.protocol import MemberState, RefitState
-from refitplane.testing.cluster.proc_cluster import wait_for
+from refitplane.testing.cluster.processes import wait_for
 from tests.integration.reliability.conftest import (
     LEASE_TTL_S,
     PREPARE_TIMEOUT_S,

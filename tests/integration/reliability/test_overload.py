@@ -27,7 +27,8 @@ import pytest
 from refitplane._generated.refit.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from refitplane.protocol import Role
 from refitplane.protocol.channel import member_metadata
-from refitplane.testing.cluster.proc_cluster import ProcCluster, wait_for
+from refitplane.testing.cluster.proc_cluster import ProcCluster
+from refitplane.testing.cluster.processes import wait_for
 from tests.integration.conftest import row_layout
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

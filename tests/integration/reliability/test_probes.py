@@ -26,7 +26,8 @@ import redis
 
 from refitplane._generated.refit.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from refitplane.protocol import Role
-from refitplane.testing.cluster.proc_cluster import ProcCluster, wait_for
+from refitplane.testing.cluster.proc_cluster import ProcCluster
+from refitplane.testing.cluster.processes import wait_for
 from refitplane.testing.coordinator import start_coordinator
 from tests.integration.conftest import row_layout
 

@@ -27,12 +27,8 @@ import pytest
 
 from refitplane._generated.refit.v1 import agent_pb2, orchestrator_pb2
 from refitplane.errors import RateLimited
-from refitplane.testing.cluster.proc_cluster import (
-    CoordinatorProc,
-    ProcCluster,
-    RedisProc,
-    wait_for,
-)
+from refitplane.testing.cluster.proc_cluster import ProcCluster
+from refitplane.testing.cluster.processes import CoordinatorProc, RedisProc, wait_for
 from tests.integration.coordinator.test_process import _self_signed
 from tests.integration.reliability.conftest import FAULT_ENV
 from tests.integration.reliability.support import World

@@ -38,7 +38,8 @@ import redis
 from refitplane.errors import RefitError
 from refitplane.generator.offline_control import OfflineLLMControl
 from refitplane.protocol import MemberState, RefitState, Role
-from refitplane.testing.cluster.proc_cluster import ProcCluster, wait_for
+from refitplane.testing.cluster.proc_cluster import ProcCluster
+from refitplane.testing.cluster.processes import wait_for
 from tests.integration.vllm_marks import VLLM_CPU
 
 pytestmark = VLLM_CPU
