@@ -19,11 +19,12 @@ from refitplane.coordinator.core.delta import DeltaBases
 from refitplane.coordinator.core.endings import RefitEndings
 from refitplane.coordinator.core.failures import RefitFailed, list_some
 from refitplane.coordinator.core.groups import GroupEpochs, is_group_report
+from refitplane.coordinator.core.held_versions import HeldVersions
 from refitplane.coordinator.core.membership import Departure
 from refitplane.coordinator.core.plan_delivery import PlanDelivery
 from refitplane.coordinator.core.planning import PlannedRefit, Roster
 from refitplane.coordinator.core.records import MemberRecord, RefitRecord
-from refitplane.coordinator.core.replicas import Held, ReplicaHealth
+from refitplane.coordinator.core.replicas import ReplicaHealth
 from refitplane.coordinator.core.report_check import transfer_done_mismatch
 from refitplane.coordinator.core.run import Cast, RefitRun, phase_seconds
 from refitplane.coordinator.core.topology import DriverView
@@ -64,10 +65,7 @@ class JobDriver:
         self.delivery = PlanDelivery(ctx.settings, ctx.outbox, ctx.metrics)
         self.delta_bases = DeltaBases()
         self._endings = RefitEndings(ctx, self.groups, self.replicas)
-        # Generator member id → (version, serving) it reported, for unverified replicas.
-        self._held: dict[str, Held] = {}
-        # Generator member id → the lower version it reported holding once (`_lower_to_held`).
-        self._below: dict[str, int] = {}
+        self.held = HeldVersions(job, ctx, self.replicas)
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -104,53 +102,9 @@ class JobDriver:
         self._wake.set()
 
     async def on_held(self, member: MemberRecord, version: int, serving: bool) -> None:
-        """A generator rank reported what it holds (RenewLease.held). Settles a replica a
-        coordinator restart left unverified (the kill -9 rule, `ReplicaHealth.adopt`); a
-        refit targeting the replica decides it instead."""
-        replica = member.replica_id
-        run = self.current
-        if run is not None and replica in run.cast.replica_ranks:
-            self._below.pop(member.member_id, None)
-            return
-        if not self.replicas.unverified(replica):
-            await self._lower_to_held(member, version)
-            return
-        self._held[member.member_id] = (version, serving)
-        ranks = [
-            m
-            for m in self._ctx.membership.of_job(self.job)
-            if m.alive and m.role is Role.GENERATOR and m.replica_id == replica
-        ]
-        adopted = await self.replicas.adopt(replica, ranks, self._held)
-        for m in ranks:
-            if adopted and m.version != adopted:
-                await self._ctx.membership.update(m.model_copy(update={"version": adopted}))
-            if not self.replicas.unverified(replica):
-                self._held.pop(m.member_id, None)
-        if adopted:
-            log.info("replica %r adopted version %d, which its ranks hold", replica, adopted)
-
-    async def _lower_to_held(self, member: MemberRecord, version: int) -> None:
-        """A rank that holds less than its record says lost weights outside any refit (vLLM's
-        sleep at level 2 discards them; the engine then holds version 0): the record takes
-        what the rank holds, so its replica is not shown at a version it lacks and the next
-        refit is a full one (no delta base). On the second report in a row: one renewal,
-        read before a finish and answered after the commit, can be stale; the next one is
-        read after it. Never raised here: only a commit raises a version."""
-        if version >= member.version:
-            self._below.pop(member.member_id, None)
-            return
-        if self._below.get(member.member_id) != version:
-            self._below[member.member_id] = version
-            return
-        del self._below[member.member_id]
-        await self._ctx.membership.update(member.model_copy(update={"version": version}))
-        log.warning(
-            "%s holds version %d, not %d (weights discarded outside a refit)",
-            member.describe(),
-            version,
-            member.version,
-        )
+        """A generator rank reported what it holds (RenewLease.held); `HeldVersions` decides
+        what that changes, knowing which refit is in flight."""
+        await self.held.report(member, version, serving, self.current)
 
     async def store_lost(self) -> None:
         """The store lost its state (core/lost_state.py): write back what this driver knows
