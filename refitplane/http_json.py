@@ -1,6 +1,7 @@
-"""The small stdlib HTTP servers beside the main process (the sidecar's health and metrics
-port, the test harness's control port) answer the same way: a JSON body or raw bytes with
-their content type and length, and request lines logged at debug level, never on stderr."""
+"""The small stdlib HTTP servers beside the main process (the coordinator's probe port, the
+sidecar's health and metrics port, the test harness's control port) answer the same way: a
+JSON body or raw bytes with their content type and length (the head alone to a HEAD), and
+request lines logged at debug level, never on stderr."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:
         self.log.debug(f"{self.log_name}: {format}", *args)

@@ -6,6 +6,8 @@ loop proves.
   benchmarks/admission.py's job: tests assert no timings);
 * liveness is true: a wedged event loop (blocked longer than REFIT_PROBE_LOOP_STALL_S) turns
   /healthz 503 naming the stall, and 200 again once the loop runs;
+* a probe connection is bounded as a whole: a slow-loris client is dropped unanswered
+  while it still trickles bytes (probes meanwhile answered), a head over 4 KiB is refused;
 * readiness is true: Redis down → /readyz 503 (liveness stays 200: restarting the
   coordinator would not bring Redis back); Redis wiped → 503 while the store is re-seeded
   (the incarnation sentinel); 200 again after each.
@@ -14,6 +16,8 @@ loop proves.
 from __future__ import annotations
 
 import asyncio
+import select
+import socket
 import threading
 import time
 from collections import Counter
@@ -138,5 +142,56 @@ def test_liveness_fails_while_the_event_loop_is_wedged() -> None:
         wait_for("probe /healthz 200 once the loop runs", lambda: _status(healthz) == 200, 30)
         not_found = httpx.get(f"http://127.0.0.1:{coordinator.server.probe_port}/x", timeout=5)
         assert not_found.status_code == 404
+    finally:
+        coordinator.stop()
+
+
+def _dropped_while_trickling(port: int, max_bytes: int) -> tuple[bool, bytes]:
+    """A slow-loris client: a request line, then one header byte every 50 ms, never ending
+    the head. (True, b"") once the server closed the connection before `max_bytes` were
+    sent; what it answered, if anything, is returned too."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as loris:
+        loris.sendall(b"GET /healthz HTTP/1.1\r\nX-Slow: ")
+        for _ in range(max_bytes):
+            try:
+                loris.sendall(b"a")
+                readable, _, _ = select.select([loris], [], [], 0.05)
+                if readable:
+                    answer = loris.recv(4096)
+                    return not answer, answer
+            except OSError:  # reset: dropped with the byte just sent unread
+                return True, b""
+    return False, b""
+
+
+def test_a_slow_or_oversized_request_is_bounded() -> None:
+    coordinator = start_coordinator(probe_port=0)
+    try:
+        port = coordinator.server.probe_port
+        healthz = f"http://127.0.0.1:{port}/healthz"
+        wait_for("probe /healthz 200", lambda: _status(healthz) == 200, 30)
+        result: list[tuple[bool, bytes]] = []
+        loris = threading.Thread(target=lambda: result.append(_dropped_while_trickling(port, 400)))
+        loris.start()
+        try:
+            # Probes are answered while the slow client holds its connection open.
+            assert [_status(healthz) for _ in range(5)] == [200] * 5
+        finally:
+            loris.join(timeout=60)
+        # 400 bytes at 50 ms take 20 s: the server's whole-request deadline ends it first,
+        # however steadily the client sends.
+        assert result == [(True, b"")], result
+
+        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 5000 + b"\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as big:
+            big.sendall(head)
+            answer = b""
+            while chunk := big.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.0 431 "), answer[:200]
+        assert b'"too large"' in answer, answer
+
+        head_only = httpx.head(healthz, timeout=5)
+        assert (head_only.status_code, head_only.content) == (200, b"")
     finally:
         coordinator.stop()

@@ -10,27 +10,37 @@ answers from what the loop proves:
   every `store_check_s` checks the store as `/readyz` on the REST port does (a ping, and the
   incarnation sentinel of `core/lost_state.py`: not ready while a store that lost its state
   is re-seeded), recording the outcome.
-* `ProbeServer` (a plain HTTP/1.1 listener on REFIT_PROBE_PORT, one thread, no TLS: it
-  carries no data) answers `GET /healthz` 200 while the loop ticked within `stall_s`, else
-  503 naming how long it has been stuck; `GET /readyz` 200 only while the loop is live and
-  the last store check, at most `stale_s` old, passed; else 503 with the reason.
+* `ProbeServer` (the standard library's `ThreadingHTTPServer` on REFIT_PROBE_PORT with
+  the project's `JsonRequestHandler`, no TLS: it carries no data) answers `GET /healthz`
+  200 while the loop ticked within `stall_s`, else 503 naming how long it has been stuck;
+  `GET /readyz` 200 only while the loop is live and the last store check, at most
+  `stale_s` old, passed; else 503 with the reason.
 
-Connections are served one at a time, each bounded by `_CLIENT_TIMEOUT_S` (a probe sends
-one short request); the port is for the kubelet, not for the Service.
+A probe sends one short request, so each connection is bounded as a whole: at most
+`_MAX_REQUEST_BYTES` (more is answered 431) and `_CLIENT_TIMEOUT_S` from its accept to the
+end of its head (a slow-loris client is dropped unanswered then, however often it sends a
+byte). Each connection has a thread of its own, so a slow one never delays another probe,
+and lives at most that long. The port is for the kubelet, not for the Service.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import io
 import logging
 import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 from refitplane.errors import RefitError
+from refitplane.http_json import JsonRequestHandler
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 log = logging.getLogger(__name__)
 
@@ -98,40 +108,116 @@ class LoopHeartbeat:
             await asyncio.sleep(self.store_check_s)
 
 
+class _BoundedRequest(io.RawIOBase):
+    """A probe connection's bytes as the handler reads them, within one deadline and one
+    size cap for the whole request: a client that trickles a byte at a time (slow loris)
+    is cut off at the deadline however often it sends (a per-read timeout would not), and
+    one that sends more than the cap reads as ended there (`exhausted`)."""
+
+    def __init__(self, sock: socket.socket, *, deadline: float, limit: int) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._left = limit
+        self.exhausted = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        if self._left <= 0:
+            self.exhausted = True
+            return 0
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            # BaseHTTPRequestHandler drops the connection on a TimeoutError, unanswered.
+            raise TimeoutError(f"no whole request within {_CLIENT_TIMEOUT_S:g} s")
+        self._sock.settimeout(remaining)
+        received = self._sock.recv_into(memoryview(buffer).cast("B")[: self._left])
+        self._left -= received
+        return received
+
+
+class _ProbeHandler(JsonRequestHandler):
+    """GET (or HEAD) /healthz and /readyz, one request per connection (HTTP/1.0)."""
+
+    log_name = "probes"
+    log = log
+    # The socket's timeout until the first read; reads then get what is left of the
+    # request's deadline, and the answer (a few hundred bytes) this again (`do_GET`).
+    timeout = _CLIENT_TIMEOUT_S
+    probes: ProbeServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # read through the bounds instead
+        self.request_bytes = _BoundedRequest(
+            self.connection,
+            deadline=time.monotonic() + _CLIENT_TIMEOUT_S,
+            limit=_MAX_REQUEST_BYTES,
+        )
+        self.rfile = io.BufferedReader(self.request_bytes)
+
+    def do_GET(self) -> None:
+        self.connection.settimeout(_CLIENT_TIMEOUT_S)
+        if self.request_bytes.exhausted:
+            message = f"a probe request has at most {_MAX_REQUEST_BYTES} bytes"
+            self._reply(431, {"status": "too large", "message": message})
+            return
+        self._reply(*self.probes.answer(self.path))
+
+    do_HEAD = do_GET
+
+
+class _ProbeHttpServer(ThreadingHTTPServer):
+    request_queue_size = 64
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A client that went away mid-answer is no error of the coordinator's.
+        log.debug("probe connection from %s failed", client_address, exc_info=True)
+
+
+class _ProbeHttpServer6(_ProbeHttpServer):
+    address_family = socket.AF_INET6
+
+
 class ProbeServer:
-    """`/healthz` and `/readyz` from `heartbeat`, on a listener thread of its own."""
+    """`/healthz` and `/readyz` from `heartbeat`, served from a thread of its own."""
 
     def __init__(self, heartbeat: LoopHeartbeat, *, stall_s: float, stale_s: float) -> None:
         self.heartbeat = heartbeat
         self.stall_s = stall_s
         self.stale_s = stale_s
         self.port = 0
-        self._sock: socket.socket | None = None
+        self._http: _ProbeHttpServer | None = None
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
 
     def bind(self, host: str, port: int) -> int:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(64)
-        sock.settimeout(0.5)  # so that stop() is noticed
-        self._sock = sock
-        self.port = sock.getsockname()[1]
+        server_class = _ProbeHttpServer6 if ":" in host else _ProbeHttpServer
+        handler = type("ProbeHandler", (_ProbeHandler,), {"probes": self})
+        self._http = server_class((host, port), handler)
+        self.port = self._http.server_address[1]
         return self.port
 
     def start(self) -> None:
-        assert self._sock is not None, "bind() first"
-        self._thread = threading.Thread(target=self._serve, name="probes", daemon=True)
+        if self._http is None:
+            raise RuntimeError("ProbeServer.bind() first")
+        self._thread = threading.Thread(
+            target=self._http.serve_forever,
+            kwargs={"poll_interval": 0.5},
+            name="probes",
+            daemon=True,
+        )
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        if self._http is None:
+            return
         if self._thread is not None:
+            self._http.shutdown()
             self._thread.join(timeout=2.0)
-        if self._sock is not None:
-            self._sock.close()
+        self._http.server_close()
+        self._http = None
+        self._thread = None
 
     # -- the answers ------------------------------------------------------------------------
 
@@ -155,56 +241,11 @@ class ProbeServer:
             return 503, {"status": "not ready", "message": message}
         return 200, {"status": "ready"}
 
-    def answer(self, request_line: str) -> tuple[int, dict[str, object]]:
-        parts = request_line.split()
-        if len(parts) != 3 or parts[0] not in ("GET", "HEAD"):
-            return 400, {"status": "bad request", "message": "GET /healthz or /readyz"}
-        path = parts[1].split("?", 1)[0]
+    def answer(self, target: str) -> tuple[int, dict[str, object]]:
+        """The answer to a GET of `target` (a path, with or without a query)."""
+        path = target.split("?", 1)[0]
         if path == "/healthz":
             return self.liveness()
         if path == "/readyz":
             return self.readiness()
         return 404, {"status": "not found", "message": f"no route {path}"}
-
-    # -- the listener -----------------------------------------------------------------------
-
-    def _serve(self) -> None:
-        assert self._sock is not None
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                time.sleep(0.05)  # e.g. out of file descriptors: do not spin
-                continue
-            with conn:
-                try:
-                    self._handle(conn)
-                except OSError:
-                    pass  # the client went away or was too slow: nothing to answer
-
-    def _handle(self, conn: socket.socket) -> None:
-        conn.settimeout(_CLIENT_TIMEOUT_S)
-        deadline = time.monotonic() + _CLIENT_TIMEOUT_S
-        data = b""
-        # The whole head (a probe sends no body): closing with unread bytes would reset the
-        # connection, and the client could lose the answer.
-        while b"\r\n\r\n" not in data and len(data) < _MAX_REQUEST_BYTES:
-            if time.monotonic() > deadline:
-                return
-            chunk = conn.recv(_MAX_REQUEST_BYTES)
-            if not chunk:
-                return
-            data += chunk
-        line = data.split(b"\r\n", 1)[0].decode("latin-1")
-        status, body = self.answer(line)
-        payload = json.dumps(body).encode()
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 503: "Service Unavailable"}
-        head = (
-            f"HTTP/1.1 {status} {reason[status]}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-        ).encode()
-        conn.sendall(head if line.startswith("HEAD ") else head + payload)
