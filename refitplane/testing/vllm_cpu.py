@@ -70,21 +70,29 @@ def vllm_cpu_engine(
 
         before = _child_pids()
         llm = None
+        # The engine's own processes: children that appeared while it started (its engine
+        # core; at TP > 1 the workers are the core's children). Processes the caller starts
+        # while the engine runs (a coordinator, trainer agents) are not the engine's to stop:
+        # waiting for them to exit held every such test's teardown for SHUTDOWN_TIMEOUT_S.
+        engine_pids: set[int] = set()
         try:
-            llm = LLM(
-                model=str(model),
-                skip_tokenizer_init=True,
-                enforce_eager=True,
-                max_model_len=max_model_len,
-                tensor_parallel_size=tensor_parallel_size,
-                enable_expert_parallel=enable_expert_parallel,
-                **llm_kwargs,
-            )
+            try:
+                llm = LLM(
+                    model=str(model),
+                    skip_tokenizer_init=True,
+                    enforce_eager=True,
+                    max_model_len=max_model_len,
+                    tensor_parallel_size=tensor_parallel_size,
+                    enable_expert_parallel=enable_expert_parallel,
+                    **llm_kwargs,
+                )
+            finally:
+                engine_pids = _child_pids() - before
             yield llm
         finally:
             if llm is not None:
                 shutdown_engine(llm)
-            _reap_children(_child_pids() - before, SHUTDOWN_TIMEOUT_S)
+            _reap_children(engine_pids, SHUTDOWN_TIMEOUT_S)
 
 
 def greedy_tokens(llm: Any, prompt_token_ids: Sequence[int], max_tokens: int) -> list[int]:
