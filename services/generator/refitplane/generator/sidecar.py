@@ -16,7 +16,9 @@ written resumes the engine on its old weights; one that may have written some (a
 layerwise receive had started — every `receive_mode` but "staged" writes weights during
 the transfer — or a reload at finish) leaves it paused and the sidecar not ready
 (`/readyz` 503) until a later refit commits — the replica never serves a version it does
-not fully hold.
+not fully hold. `/readyz` answers from what vLLM last said (its health, the version every
+worker holds), asked on a thread of its own (`sidecar_readiness.WorkerCheck`), so a slow
+vLLM never holds a probe.
 
 `/metrics` (Prometheus) exports `refit_generator_staging_peak_bytes{replica, rank}`: each
 worker's staging memory peak during the last refit (checkpoint tensors it staged, not the
@@ -33,16 +35,22 @@ from http.server import ThreadingHTTPServer
 from typing import Any, Literal
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from refitplane.agent.settings import AgentSettings
 from refitplane.client.sync import RefitClient
 from refitplane.errors import Unavailable
+from refitplane.generator.sidecar_readiness import WorkerCheck
 from refitplane.generator.vllm_http_control import VllmControl
 from refitplane.http_json import JsonRequestHandler
 from refitplane.lifecycle import StartupError, bind_failure
 from refitplane.protocol import RefitState
-from refitplane.replica.control import EngineControl, succeeded, wait_replica_ranks
+from refitplane.replica.control import (
+    CallerPausedControl,
+    EngineControl,
+    succeeded,
+    wait_replica_ranks,
+)
 from refitplane.replica.controller import SidecarMember
 
 log = logging.getLogger("refitplane.sidecar")
@@ -70,6 +78,20 @@ class SidecarSettings(AgentSettings):
     log_level: str = "INFO"
     # One JSON object per log line, as the coordinator's REFIT_LOG_JSON.
     log_json: bool = False
+    # How often vLLM's health and workers' versions are asked (a thread of its own), and
+    # how old that answer may be before /readyz says not ready (sidecar_readiness.py).
+    worker_check_interval_s: float = Field(default=2.0, gt=0)
+    worker_check_max_age_s: float = Field(default=10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _worker_check_bounds(self) -> SidecarSettings:
+        if self.worker_check_max_age_s <= self.worker_check_interval_s:
+            raise ValueError(
+                f"REFIT_WORKER_CHECK_MAX_AGE_S ({self.worker_check_max_age_s:g}) must exceed "
+                f"REFIT_WORKER_CHECK_INTERVAL_S ({self.worker_check_interval_s:g}): every answer "
+                "would be too old before the next one"
+            )
+        return self
 
 
 class StagingMetrics:
@@ -102,10 +124,12 @@ class _HealthHandler(JsonRequestHandler):
         if self.path == "/healthz":
             self._reply(200 if s.alive else 503, {"alive": s.alive})
         elif self.path == "/readyz":
-            ready = s.ready()
-            self._reply(200 if ready else 503, {"ready": ready, **s.member.state.as_dict()})
+            ready, why = s.readiness()
+            body = {"ready": ready, "message": why, **s.member.state.as_dict()}
+            self._reply(200 if ready else 503, body)
         elif self.path == "/status":
-            self._reply(200, {"ready": s.ready(), **s.member.state.as_dict()})
+            ready, why = s.readiness()
+            self._reply(200, {"ready": ready, "message": why, **s.member.state.as_dict()})
         elif self.path == "/metrics":
             self._reply_bytes(200, generate_latest(s.registry), CONTENT_TYPE_LATEST)
         else:
@@ -140,15 +164,35 @@ class Sidecar:
         )
         self.alive = False
         self._http: ThreadingHTTPServer | None = None
+        self.workers = WorkerCheck(
+            self._ask_workers,
+            interval_s=settings.worker_check_interval_s,
+            max_age_s=settings.worker_check_max_age_s,
+            # An in-process LLM is driven from its caller's thread only: asked at /readyz.
+            poll=not isinstance(self.control, CallerPausedControl),
+        )
+
+    def readiness(self) -> tuple[bool, str]:
+        """Whether the replica can serve now, and why not: from what this sidecar knows and
+        vLLM's last answer (`WorkerCheck`), never waiting for vLLM."""
+        if not self.alive:
+            return False, "starting or stopping"
+        if self.member.state.degraded:
+            return False, self.member.state.last_error or "the replica holds incomplete weights"
+        return self.workers.ready()
 
     def ready(self) -> bool:
-        return (
-            self.alive
-            and not self.member.state.degraded
-            and self.control.healthy()
-            # Never ready at a version its weights lost (vLLM's sleep at level 2).
-            and self.member.engines_hold_version()
-        )
+        return self.readiness()[0]
+
+    def _ask_workers(self) -> str:
+        """vLLM's answer for `WorkerCheck`: empty when it can serve."""
+        if not self.control.healthy():
+            return f"vLLM at {self.settings.vllm_url} is not healthy (/health)"
+        # Never ready at a version its weights lost (vLLM's sleep at level 2); this also
+        # lowers the sidecar's version to what the workers hold.
+        if not self.member.engines_hold_version():
+            return "a vLLM worker holds incomplete weights (discarded by a level-2 sleep?)"
+        return ""
 
     def listen(self) -> None:
         """Serve /healthz, /readyz, /status and /metrics; StartupError if the port is taken."""
@@ -185,6 +229,8 @@ class Sidecar:
                 f"vLLM answered HTTP {status} to /init_weight_transfer_engine; see the vLLM log"
             )
         self._wait_workers_registered()
+        self.workers.refresh()
+        self.workers.start()
         self.alive = True
         log.info("replica %s ready for refits", self.settings.replica_id)
 
@@ -193,6 +239,7 @@ class Sidecar:
         wait_replica_ranks(self.client, s.job, s.replica_id, s.register_timeout_s)
 
     def close(self) -> None:
+        self.workers.stop()
         self.session.close()
         self.client.close()
         self.control.close()

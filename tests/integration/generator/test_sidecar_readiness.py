@@ -1,0 +1,131 @@
+"""The sidecar's `/readyz` answers from vLLM's last answer, asked on a thread of its own
+(`sidecar_readiness.WorkerCheck`): a vLLM whose `/collective_rpc` hangs never holds a probe
+(not ready once the answer is older than REFIT_WORKER_CHECK_MAX_AGE_S, ready again once vLLM
+answers), and a worker that reports incomplete weights (vLLM's sleep at level 2) makes it
+not ready and drops the sidecar's version to the one the workers hold.
+
+vLLM is a stand-in HTTP server with the dev-mode routes the sidecar calls here (`/health`,
+`/init_weight_transfer_engine`, `/collective_rpc`), because a real vLLM cannot be made to
+hang on demand; the sidecar, its HTTP control, the coordinator and the registrations are
+real. The sidecar against a real vLLM: tests/integration/reliability/test_vllm_sidecar_policy.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+
+from refitplane.demo.processes import free_port
+from refitplane.protocol import Role
+from tests.integration.conftest import row_layout, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+class _VllmStandIn:
+    """vLLM's dev-mode routes the sidecar calls outside refits; `/collective_rpc` answers
+    `statuses` (every worker's engine status), or hangs while `answering` is clear."""
+
+    def __init__(self) -> None:
+        self.statuses: list[dict[str, Any]] = []
+        self.answering = threading.Event()
+        self.answering.set()
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self._json(200 if self.path == "/health" else 404, {})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path == "/collective_rpc":
+                    stand_in.answering.wait(timeout=120)
+                    self._json(200, {"results": stand_in.statuses})
+                else:
+                    self._json(200 if self.path == "/init_weight_transfer_engine" else 404, {})
+
+            def _json(self, code: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.answering.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def vllm() -> Iterator[_VllmStandIn]:
+    stand_in = _VllmStandIn()
+    yield stand_in
+    stand_in.close()
+
+
+def _readyz(url: str) -> tuple[int, dict[str, Any]]:
+    # A probe that waited for vLLM would run into this timeout (its RPC allows 30 s).
+    response = httpx.get(url, timeout=10)
+    return response.status_code, response.json()
+
+
+def test_readyz_answers_from_the_last_worker_answer(coordinator, sim_cluster, vllm) -> None:
+    from refitplane.generator.sidecar import Sidecar, SidecarSettings
+
+    cluster = sim_cluster(coordinator)
+    cluster.add(Role.GENERATOR, replica="a", layout=row_layout(0, 1))
+    # A sidecar restarted next to a vLLM whose worker holds version 3.
+    vllm.statuses = [{"rank": 0, "version": 3, "incomplete": False}]
+    port = free_port()
+    sidecar = Sidecar(
+        SidecarSettings(
+            coordinator=coordinator.grpc_target,
+            job="job",
+            replica_id="a",
+            vllm_url=vllm.url,
+            sidecar_host="127.0.0.1",
+            sidecar_port=port,
+            worker_check_interval_s=0.2,
+            worker_check_max_age_s=2.0,
+        )
+    )
+    readyz = f"http://127.0.0.1:{port}/readyz"
+    try:
+        sidecar.start()
+        assert _readyz(readyz)[0] == 200
+        assert sidecar.member.state.version == 3
+
+        # vLLM stops answering: every probe is still answered, first from the last answer,
+        # then not ready once that answer is too old.
+        vllm.answering.clear()
+        wait_until(lambda: _readyz(readyz)[0] == 503, timeout_s=30, what="/readyz 503")
+        assert "last answered" in _readyz(readyz)[1]["message"]
+        vllm.answering.set()
+        wait_until(lambda: _readyz(readyz)[0] == 200, timeout_s=30, what="/readyz 200 again")
+
+        # vLLM's sleep at level 2 (the RL loop's verb): the worker holds no version.
+        vllm.statuses = [{"rank": 0, "version": 0, "incomplete": True}]
+        wait_until(lambda: _readyz(readyz)[0] == 503, timeout_s=30, what="/readyz 503 (lost)")
+        status, body = _readyz(readyz)
+        assert status == 503, body
+        assert "incomplete weights" in body["message"], body
+        assert sidecar.member.state.version == 0
+        assert body["version"] == 0
+    finally:
+        vllm.answering.set()
+        sidecar.close()
