@@ -58,7 +58,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "client": VOCABULARY - {"reshard"},
     # The replica controller: an agent that watches refits through the client API.
     "replica": VOCABULARY | {"agent", "client"},
-    "coordinator": VOCABULARY | {"version", "lifecycle", "logs"},
+    # http_json: the probe port answers with the handler every small stdlib server shares.
+    "coordinator": VOCABULARY | {"version", "lifecycle", "logs", "http_json"},
     # Trainer ranks trigger refits themselves (`TrainerAgent.refit`) and the sidecar watches
     # topology and refits: both through the public client API.
     "trainer": CORE | VOCABULARY | {"agent", "client", "replica"},
