@@ -38,12 +38,22 @@ class AgentSettings(ClientSettings):
     # may use.
     rule_check_skip: str = ""
     rule_check_max_bytes: int = 16 << 30
+    # vLLM engines serving a speculative-decoding draft: "keep" it as loaded or "refit" it
+    # with the target (init_info.draft wins; docs/vllm-integration.md, Draft models).
+    draft: str = "keep"
 
     @field_validator("sleep_level")
     @classmethod
     def _sleep_level(cls, value: int) -> int:
         if value not in (0, 1, 2):
             raise ValueError(f"REFIT_SLEEP_LEVEL must be 0, 1 or 2, got {value}")
+        return value
+
+    @field_validator("draft")
+    @classmethod
+    def _draft(cls, value: str) -> str:
+        if value not in ("keep", "refit"):
+            raise ValueError(f"REFIT_DRAFT must be keep or refit, got {value!r}")
         return value
 
     def fallback_layer_names(self) -> list[str]:

@@ -35,16 +35,23 @@ _OBJECT_DEPTH = 3
 _DIGEST_CHUNK_BYTES = 256 << 20
 
 
-def kernel_tensors(worker: Any, digest: str = "sha256") -> dict[str, str]:
+def kernel_tensors(worker: Any, digest: str = "sha256", with_draft: bool = False) -> dict[str, str]:
     """In a vLLM worker: name → "dtype [shape] <digest>" of every tensor the forward pass
     may read (the module walk above), KV and state caches left out. `digest`: "sha256" or
-    "sums" (module docstring)."""
+    "sums" (module docstring). `with_draft`: the speculative-decoding draft's too, named
+    `draft.<name>`."""
     digest_of = _DIGESTS[digest]
     caches = _cache_storages(worker)
+    runner = worker.model_runner
+    models = [("", runner.get_model())]
+    if with_draft:
+        models.append(("draft.", runner.get_draft_model()))
     out: dict[str, str] = {}
-    for where, tensor in walk_kernel_tensors(worker.model_runner.get_model()):
-        if where not in out and _storage_address(tensor) not in caches:
-            out[where] = digest_of(tensor)
+    for prefix, model in models:
+        for name, tensor in walk_kernel_tensors(model):
+            where = prefix + name
+            if where not in out and _storage_address(tensor) not in caches:
+                out[where] = digest_of(tensor)
     return out
 
 

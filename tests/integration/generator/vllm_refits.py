@@ -63,6 +63,7 @@ class RefitSession:
         generates: bool,
         settings: Mapping[str, Any] | None = None,
         receive_mode: str = "auto",
+        draft: bool = False,
     ):
         from refitplane.client import RefitClient
         from refitplane.coordinator.settings import Settings
@@ -73,6 +74,8 @@ class RefitSession:
         from tests.support.vllm_reference import record_applied
 
         self.llm = llm
+        # The replica refits its speculative draft too (init_info draft "refit").
+        self.draft = draft
         self.prompt, self.new_tokens, self.generates = list(prompt), new_tokens, generates
         settings = Settings(
             _env_file=None,  # type: ignore[call-arg]
@@ -95,6 +98,7 @@ class RefitSession:
                 sidecar_port=free_port(),
                 register_timeout_s=120.0,
                 receive_mode=receive_mode,
+                draft="refit" if draft else "keep",
             ),
             control=OfflineLLMControl(llm),
         )
@@ -119,22 +123,31 @@ class RefitSession:
         *,
         checkpoint_dir: Path | None = None,
         timeout_s: float = 300,
+        draft_state: Mapping[str, torch.Tensor] | None = None,
+        draft_dir: Path | None = None,
     ) -> RefitRun:
-        """One refit from trainers holding `state`; workers check it against
-        `checkpoint_dir` (the directory `state` was read from) when given."""
+        """One refit from trainers holding `state` (and the draft's `draft_state`, in the
+        same layout); workers check it against `checkpoint_dir` (the directory `state` was
+        read from; `draft_dir`, the draft's) when given."""
         from tests.support.fresh_load import kernel_tensors, served_output
         from tests.support.refit_checks import check_refit
 
-        with self._trainers(state, policy, ranks):
+        with self._trainers(state, policy, ranks, draft_state):
             final = self.client.wait(self.client.trigger(JOB).refit_id, timeout_s=timeout_s)
             # Generate first: the checks below run load_weights into scratch copies.
             output = (
                 served_output(self.llm, self.prompt, self.new_tokens) if self.generates else None
             )
             committed = final.state.value == "COMMITTED"
-            tensors = self.llm.collective_rpc(kernel_tensors) if committed else []
+            tensors = (
+                self.llm.collective_rpc(kernel_tensors, kwargs={"with_draft": self.draft})
+                if committed
+                else []
+            )
             reports = (
-                self.llm.collective_rpc(check_refit, args=(str(checkpoint_dir),))
+                self.llm.collective_rpc(
+                    check_refit, args=(str(checkpoint_dir), str(draft_dir or ""))
+                )
                 if checkpoint_dir is not None and committed
                 else []
             )
@@ -162,7 +175,11 @@ class RefitSession:
 
     @contextlib.contextmanager
     def _trainers(
-        self, state: Mapping[str, torch.Tensor], policy: str, ranks: int
+        self,
+        state: Mapping[str, torch.Tensor],
+        policy: str,
+        ranks: int,
+        draft_state: Mapping[str, torch.Tensor] | None = None,
     ) -> Iterator[None]:
         """Trainer agents (threads) holding `state` in `policy` layout, registered and
         published."""
@@ -176,6 +193,11 @@ class RefitSession:
                 rank=r,
                 world_size=ranks,
                 shards=trainer_shards(state, r, ranks, policy),
+                draft_shards=(
+                    trainer_shards(draft_state, r, ranks, policy)
+                    if draft_state is not None
+                    else None
+                ),
             )
             for r in range(ranks)
         ]

@@ -37,6 +37,7 @@ def _status(**overrides: Any) -> c.EngineStatus:
         "incomplete": False,
         "applied_sessions": 0,
         "receive_mode": "staged",
+        "draft": "none",
     }
     status.update(overrides)
     return status  # type: ignore[return-value]
@@ -137,6 +138,25 @@ def test_verbs_out_of_order_are_refused_before_the_rpc() -> None:
     assert isinstance(outcome, c.StateConflict)
     _, outcome = _run(c.start_flow(draft=True), _workers(idle))
     assert isinstance(outcome, c.DraftUnsupported)
+
+
+def test_a_draft_update_is_an_ordinary_update_where_every_rank_refits_its_draft() -> None:
+    """/start_draft_weight_update: vLLM's own draft session (the draft alone) never opens;
+    where every rank refits its draft with the target, the ordinary update starts (one
+    refit, one version); elsewhere a 501 that says why, before any RPC."""
+    refit = [_status(rank=r, session=False, draft="refit") for r in range(2)]
+    steps, outcome = _run(c.start_flow(draft=True), _workers(*refit))
+    assert steps == [c.STATUS, c.Rpc("start_weight_update")]
+    assert isinstance(outcome, c.FlowOutcome)
+    for draft, says in (("keep", 'init_info.draft "keep"'), ("none", "serves no draft")):
+        mixed = [_status(rank=0, session=False, draft="refit"), _status(rank=1, draft=draft)]
+        steps, outcome = _run(c.start_flow(draft=True), _workers(*mixed))
+        assert steps == [c.STATUS]
+        assert isinstance(outcome, c.DraftUnsupported)
+        assert "rank 1" in outcome.message, outcome.message
+        assert says in outcome.message, outcome.message
+    _, problems = c.parse_init_info({**GOOD_INIT, "draft": "always"})
+    assert [p.field for p in problems] == ["init_info.draft"]
 
 
 def test_an_update_fails_when_any_rank_did_not_verify() -> None:

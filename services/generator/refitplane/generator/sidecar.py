@@ -222,6 +222,7 @@ class Sidecar:
                 "job": self.settings.job,
                 "replica_id": self.settings.replica_id,
                 "mode": self.settings.receive_mode,
+                "draft": self.settings.draft,
             }
         )
         if not succeeded(status):

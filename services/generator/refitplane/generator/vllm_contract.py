@@ -35,6 +35,10 @@ from refitplane.protocol import Reason
 # resolves it on every worker (vLLM looks methods up with getattr on the worker) and calls
 # the engine, which answers with its status instead of raising.
 ENGINE_ATTR: Final = "weight_transfer_engine"
+# Where a worker's model runner keeps a speculative-decoding draft: the getter (vLLM 0.32's
+# GPU and CPU runners; it unwraps CUDA-graph wrappers), else the proposer's `model`.
+DRAFT_GETTER: Final = "get_draft_model"
+DRAFTER_ATTR: Final = "drafter"
 # What /weight_info reports while the replica holds weights that no complete, verified
 # update produced (an update failed after some received bytes landed in live parameters,
 # or a staged reload failed half-way): it is not a version, so no client mistakes it for one.
@@ -64,6 +68,10 @@ class RefitInitInfo:
     # path existed for them: a way around a fast-path rule that is wrong for some model.
     # Default: REFIT_FALLBACK_LAYERS (comma-separated).
     fallback_layers: list[str] = field(default_factory=list)
+    # A speculative-decoding draft the worker serves: "keep" it as loaded, or "refit" it
+    # with the target, one version for both (its tensors published as "draft.<name>",
+    # `vllm_draft`). Default: REFIT_DRAFT, else "keep".
+    draft: str = ""
 
 
 @dataclass
@@ -89,6 +97,7 @@ _KINDS: Final[dict[type[Any], dict[str, tuple[type[Any], ...]]]] = {
         "tls_ca": (str,),
         "mode": (str,),
         "fallback_layers": (list,),
+        "draft": (str,),
     },
     RefitUpdateInfo: {
         "refit_id": (str,),
@@ -98,6 +107,8 @@ _KINDS: Final[dict[type[Any], dict[str, tuple[type[Any], ...]]]] = {
     },
 }
 _MODES: Final = ("auto", "layerwise", "staged")
+# What a replica does with the draft it serves (`RefitInitInfo.draft`).
+DRAFT_POLICIES: Final = ("keep", "refit")
 _ACTIONS: Final = ("receive", "discard")
 
 
@@ -148,6 +159,10 @@ def parse_init_info(
     env = AgentSettings() if env is None else env
     if init.mode not in _MODES:
         problems.append(Problem(f"{where}.mode", f"must be one of {_MODES}, got {init.mode!r}"))
+    if init.draft and init.draft not in DRAFT_POLICIES:
+        problems.append(
+            Problem(f"{where}.draft", f"must be one of {DRAFT_POLICIES}, got {init.draft!r}")
+        )
     if not all(isinstance(name, str) for name in init.fallback_layers):
         problems.append(Problem(f"{where}.fallback_layers", "must be a list of layer class names"))
     for name, variable in (
@@ -229,6 +244,9 @@ class EngineStatus(TypedDict):
     # (`vllm_rule_check.RuleCheck.as_dict`): status verified / mismatch / skipped, the layers
     # checked, the reason a class moved to the fallback path, seconds and bytes it cost.
     rule_checks: list[dict[str, Any]]
+    # The speculative-decoding draft: "" before init, "none" (no draft with weights served),
+    # "keep" (served as loaded) or "refit" (described and refit with the target).
+    draft: str
 
 
 def read_statuses(replies: Any) -> list[EngineStatus]:
@@ -279,7 +297,7 @@ class EngineFailed(TransferError):
 
 
 class DraftUnsupported(RefitError):
-    """Draft (speculative / MTP) weight updates are not implemented (HTTP 501)."""
+    """This replica does not refit a draft (speculative / MTP) model (HTTP 501)."""
 
     reason: str = Reason.UNIMPLEMENTED
 
@@ -341,13 +359,13 @@ def init_flow(init_info: Any) -> Flow:
 
 
 def start_flow(*, draft: bool = False) -> Flow:
-    if draft:
-        raise DraftUnsupported(
-            "the refitplane engine does not refit draft (speculative decoding / MTP) models "
-            "yet: the draft's weights would need their own layout and trainer-side shards; "
-            "see docs/vllm-integration.md"
-        )
+    """`draft`: vLLM's /start_draft_weight_update. Where every rank refits its draft, the
+    session is an ordinary one (the coordinator's refit moves target and draft together,
+    one version); vLLM's own draft session, which would load only the draft, is not
+    opened."""
     statuses = read_statuses((yield STATUS))
+    if draft:
+        _check_draft_refit(statuses)
     uninitialised = [s for s in statuses if not s["initialized"]]
     if uninitialised:
         raise StateConflict(
@@ -363,6 +381,22 @@ def start_flow(*, draft: bool = False) -> Flow:
         )
     yield Rpc("start_weight_update")
     return FlowOutcome()
+
+
+def _check_draft_refit(statuses: Sequence[EngineStatus]) -> None:
+    not_refit = [s for s in statuses if s["initialized"] and s["draft"] != "refit"]
+    if not not_refit:
+        return
+    why = {
+        "none": "it serves no draft model with weights (no speculative_config model)",
+        "keep": 'its engine keeps the draft as loaded (init_info.draft "keep", the default; '
+        'init with "refit" to refit it with the target)',
+    }.get(not_refit[0]["draft"], "its engine did not describe a draft")
+    raise DraftUnsupported(
+        f"draft weight updates: {_who(not_refit)} cannot take one: {why}. refitplane refits "
+        "a draft only together with its target, in the ordinary weight update "
+        "(docs/vllm-integration.md, Draft models)"
+    )
 
 
 def update_flow(update_info: Any) -> Flow:

