@@ -354,3 +354,49 @@ def check_attention_refresh(worker: Any) -> dict[str, Any]:
     after = tensors()
     changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
     return {"layers": len(layers), "processed": processed, "changed": changed}
+
+
+def receive_with_draft(worker: Any, target_dir: str, draft_dir: str) -> dict[str, Any]:
+    """In a worker serving a speculative draft: describe target and draft exactly as the
+    engine does with `init_info.draft = "refit"` (`vllm_draft.draft_part`: the worker's own
+    draft, same rules and start-up check, shared parameters left to the target, names
+    under `draft.`), bind both for receive as the engine does, fill every view from the
+    target's checkpoint and the draft's (`draft_dir`; the same directory for MTP) and apply
+    as the transfer and `finish_weight_update` do. Returns the mode, the draft's summary and
+    what the worker reports about its draft."""
+    from refitplane.generator.vllm_draft import draft_part, find_draft, install
+    from refitplane.generator.vllm_rule_check import RuleCheckPolicy
+    from refitplane.protocol.draft import draft_name
+
+    target = worker.model_runner.get_model()
+    device = next(target.parameters()).device
+    layout = describe_vllm_model(
+        target, checkpoint=safetensors_specs(target_dir), vllm_config=worker.vllm_config
+    )
+    served = find_draft(worker)
+    state, part = draft_part(
+        lambda: served,
+        "refit",
+        target=target,
+        target_layout=layout,
+        skip_rules=[],
+        rule_check=RuleCheckPolicy(),
+    )
+    assert part is not None
+    binding = bind_receive(
+        [ModelPart(target, layout, worker.vllm_config), part], device=device, requested="auto"
+    )
+    tensors = {n: t.to(device) for n, t in load_checkpoint(target_dir).items()}
+    tensors.update({draft_name(n): t.to(device) for n, t in load_checkpoint(draft_dir).items()})
+    buckets = receive_without_transfer(binding, tensors)
+    return {
+        "mode": binding.mode,
+        "buckets": buckets,
+        "draft": state,
+        "draft_class": type(served.model).__name__ if served is not None else "",
+        "method": served.method if served is not None else "",
+        "draft_summary": part.layout.summary(),
+        "draft_fallback": sorted({p.reason for p in part.layout.fallback.values()}),
+        # The worker verb the engine needs to find its draft is wrapped (vllm_draft.install).
+        "verb_wrapped": install(),
+    }

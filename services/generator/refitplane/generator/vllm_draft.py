@@ -100,13 +100,8 @@ def describe_draft(
 ) -> VllmLayout:
     """The draft's layout as published: described and checked like the target, less what it
     shares with `target`, every canonical name (and rule class) under `DRAFT_PREFIX`."""
-    model_config = draft.vllm_config.model_config
-    layout = describe_vllm_model(
-        draft.model,
-        checkpoint=lambda: checkpoint_specs(model_config),
-        vllm_config=draft.vllm_config,
-        skip_rules=skip_rules,
-        rule_check=rule_check,
+    layout = describe_served(
+        draft.model, draft.vllm_config, skip_rules=skip_rules, rule_check=rule_check
     )
     shared = shared_parameters(draft.model, target)
     if shared:
@@ -117,6 +112,25 @@ def describe_draft(
             ", ".join(sorted(shared)[:4]),
         )
     return prefixed(without_params(layout, shared), DRAFT_PREFIX)
+
+
+def describe_served(
+    model: torch.nn.Module,
+    vllm_config: Any,
+    *,
+    skip_rules: list[str],
+    rule_check: RuleCheckPolicy,
+) -> VllmLayout:
+    """A model the worker serves (its target, or its draft), described as the engine
+    publishes it: fallback layers traced with the checkpoint `vllm_config` loaded."""
+    model_config = vllm_config.model_config
+    return describe_vllm_model(
+        model,
+        checkpoint=lambda: checkpoint_specs(model_config),
+        vllm_config=vllm_config,
+        skip_rules=skip_rules,
+        rule_check=rule_check,
+    )
 
 
 def shared_parameters(draft: torch.nn.Module, target: torch.nn.Module) -> frozenset[str]:

@@ -60,7 +60,6 @@ from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
 from refitplane.errors import RefitError
 from refitplane.generator import vllm_draft, vllm_sleep_guard
-from refitplane.generator.checkpoint_index import checkpoint_specs
 from refitplane.generator.vllm_contract import (
     EngineStatus,
     Problem,
@@ -71,7 +70,7 @@ from refitplane.generator.vllm_contract import (
     parse_init_info,
     parse_update_info,
 )
-from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_ranks
+from refitplane.generator.vllm_layout import VllmLayout, vllm_ranks
 from refitplane.generator.vllm_rule_check import RuleCheckPolicy
 from refitplane.generator.vllm_staging import ModelPart, ReceiveBinding, bind_receive
 from refitplane.generator.vllm_worker_member import WorkerMember, registration
@@ -250,17 +249,12 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
                 "init_info needs coordinator, job and replica_id (or REFIT_* env)",
                 field="init_info",
             )
-        model_config = self.model_config
         forced = info.fallback_layers or env.fallback_layer_names()
         rule_check = RuleCheckPolicy(
             skip=frozenset(env.rule_check_skip_names()), max_bytes=env.rule_check_max_bytes
         )
-        layout = describe_vllm_model(
-            self._target,
-            checkpoint=lambda: checkpoint_specs(model_config),
-            vllm_config=self.vllm_config,
-            skip_rules=forced,
-            rule_check=rule_check,
+        layout = vllm_draft.describe_served(
+            self._target, self.vllm_config, skip_rules=forced, rule_check=rule_check
         )
         self.layout = layout
         _log_paths(layout)

