@@ -36,7 +36,8 @@ def test_a_draft_received_with_its_target_equals_a_fresh_load(kind: str, tmp_pat
     )
     from tests.support.vllm_checks import receive_with_draft
 
-    c = draft_case(kind, tmp_path, dtype="bfloat16")
+    # The GPU engine helper serves 1,024 positions; the tiny models default to 512.
+    c = draft_case(kind, tmp_path, dtype="bfloat16", max_position_embeddings=1024)
     draft = {"with_draft": True}
     with _vllm(
         c.trainer,

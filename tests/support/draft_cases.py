@@ -37,10 +37,10 @@ class Checkpoints:
     draft_state: dict[str, torch.Tensor]
 
 
-def _draft_model(root: Path, tp: int, dtype: str) -> Checkpoints:
+def _draft_model(root: Path, tp: int, dtype: str, config: dict[str, Any]) -> Checkpoints:
     """A tiny Qwen3 target with a tiny Qwen3 draft of its own (method draft_model)."""
     paths = [
-        write_tiny_model(root / name, "dense", seed=seed, dtype=dtype)
+        write_tiny_model(root / name, "dense", seed=seed, dtype=dtype, **config)
         for name, seed in (("target-a", 1), ("draft-a", 2), ("target-b", 3), ("draft-b", 4))
     ]
 
@@ -57,7 +57,7 @@ def _draft_model(root: Path, tp: int, dtype: str) -> Checkpoints:
     )
 
 
-def _mtp(root: Path, tp: int, dtype: str) -> Checkpoints:
+def _mtp(root: Path, tp: int, dtype: str, config: dict[str, Any]) -> Checkpoints:
     """A tiny DeepSeek-V3 with one MTP layer in its own checkpoint (method mtp). The MTP
     layer is the draft: its `model.layers.<L>.*` tensors go out as `draft.*`; the two it
     shares with the target in vLLM (its embedding copy, `shared_head.head`: vLLM serves the
@@ -68,7 +68,7 @@ def _mtp(root: Path, tp: int, dtype: str) -> Checkpoints:
 
     dirs = []
     for name, seed in (("a", 1), ("b", 3)):
-        path = write_zoo_model(root / name, "deepseek_v3", seed=seed, dtype=dtype)
+        path = write_zoo_model(root / name, "deepseek_v3", seed=seed, dtype=dtype, **config)
         mtp = add_mtp_layer(path, seed=seed + 10)
         dirs.append(path)
     layer = mtp[0].split(".")[2]
@@ -92,6 +92,9 @@ def _mtp(root: Path, tp: int, dtype: str) -> Checkpoints:
 _CASES = {"draft_model": _draft_model, "mtp": _mtp}
 
 
-def draft_case(kind: str, root: Path, *, tp: int = 1, dtype: str = "float32") -> Checkpoints:
-    """The checkpoints of case `kind` ("draft_model" or "mtp") written under `root`."""
-    return _CASES[kind](root, tp, dtype)
+def draft_case(
+    kind: str, root: Path, *, tp: int = 1, dtype: str = "float32", **config: Any
+) -> Checkpoints:
+    """The checkpoints of case `kind` ("draft_model" or "mtp") written under `root`;
+    `config` overrides the models' config (e.g. `max_position_embeddings`)."""
+    return _CASES[kind](root, tp, dtype, config)

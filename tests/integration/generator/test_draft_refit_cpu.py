@@ -62,6 +62,8 @@ class DraftRun:
     tensors_before: list[dict[str, str]]
     refit: RefitRun
     fresh: FreshLoad
+    # Every rank's engine after vLLM's `start_draft_weight_update` (through the API guard).
+    draft_session: list[dict[str, Any]]
 
 
 @pytest.fixture(scope="module", params=_cases())
@@ -102,9 +104,13 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                 draft_state=c.draft_state,
                 draft_dir=c.trainer_draft,
             )
+            # vLLM's draft verb, between refits: an ordinary session on every rank.
+            llm.start_draft_weight_update()
+            draft_session = llm.collective_rpc(_engine_status)
+            llm.finish_weight_update()
         finally:
             session.close()
-    return DraftRun(kind, reports, statuses, before, tensors_before, refit, fresh)
+    return DraftRun(kind, reports, statuses, before, tensors_before, refit, fresh, draft_session)
 
 
 def _engine_status(worker: Any) -> dict[str, Any]:
@@ -150,6 +156,14 @@ def test_one_refit_moves_target_and_draft_under_one_version(run: DraftRun) -> No
         assert report["failures"] == [], report["failures"][:5]
     names = {n for rank in refit.kernel_tensors for n in rank}
     assert any(n.startswith("draft.") for n in names)
+
+
+def test_vllms_draft_verb_opens_an_ordinary_update(run: DraftRun) -> None:
+    """`LLM.start_draft_weight_update()` (the API guard's flow): where every rank refits its
+    draft, the refitplane session opens on every rank (the next refit moves target and
+    draft together); vLLM's own draft session, which would load the draft alone, is not."""
+    assert [s["session"] for s in run.draft_session] == [True] * len(run.draft_session)
+    assert all(s["draft"] == "refit" for s in run.draft_session)
 
 
 def test_target_and_draft_equal_a_fresh_load(run: DraftRun) -> None:
