@@ -251,13 +251,17 @@ class DataPlaneMember(NullHandler):
         assert config is not None
         session = self._session()
         received = [0]
-        last = [0.0]
+        # Progress reports are synchronous round trips to the coordinator, made from the
+        # transfer's own loop: none in the first _PROGRESS_EVERY_S and none at the end
+        # (TransferDone follows at once with the totals), so a transfer shorter than that
+        # makes none and the last group's completion goes straight on to verifying.
+        last = [time.monotonic()]
         sent_side = prepared.held.send_bytes > 0
 
         def progress(done: int, total: int) -> None:
             received[0] = done
             now = time.monotonic()
-            if now - last[0] >= _PROGRESS_EVERY_S or done == total:
+            if now - last[0] >= _PROGRESS_EVERY_S and done < total:
                 last[0] = now
                 session.report_progress(
                     refit_id,

@@ -102,6 +102,9 @@ class SidecarMember(NullHandler):
         self._touches_live = False
         self._ranks_epoch: tuple[int, int] = (-1, 0)
         self.metrics = metrics
+        # The ranks' epoch whose staging gauge cannot change: every worker's status said it
+        # stages nothing (`_export_staging`).
+        self._gauge_fixed_epoch: tuple[int, int] | None = None
         self.sleep_level = sleep_level
 
     def attach(self, session: AgentSession) -> None:
@@ -264,7 +267,8 @@ class SidecarMember(NullHandler):
             self.state.version = cmd.version
             self.state.last_error = ""
         # Before the report: once it commits, the caller may use the engine again.
-        self._export_staging()
+        if self._export_staging():
+            steps.mark("metrics")
         assert self.session is not None
         self.session.report_replica_updated(cmd.refit_id, cmd.version)
         steps.mark("reported")
@@ -331,17 +335,25 @@ class SidecarMember(NullHandler):
         # Last: once the update reads closed, this sidecar makes no more vLLM calls for it.
         self.state.update_open = False
 
-    def _export_staging(self) -> None:
-        """Refresh the staging gauge after a refit (never fails one: metrics only)."""
-        if self.metrics is None:
-            return
+    def _export_staging(self) -> bool:
+        """Refresh the staging gauge after a refit (never fails one: metrics only); whether
+        the engines were asked. Workers that stage nothing (live receive without fallback
+        layers) report 0 for as long as they are registered: once their statuses said so,
+        later refits of the same ranks skip this round trip through vLLM (~1 ms between the
+        last byte and COMMITTED, measured on vLLM 0.26)."""
+        if self.metrics is None or self._gauge_fixed_epoch == self._ranks_epoch:
+            return False
         try:
             statuses = self.control.engine_status()
         except Exception:  # a metric must not fail a refit
             log.debug("reading the engines' status for metrics failed", exc_info=True)
-            return
+            return True
         if statuses:
             self.metrics.update(statuses)
+            # `stages` absent (an older worker): assume it does, ask every time.
+            if not any(s.get("stages", True) for s in statuses):
+                self._gauge_fixed_epoch = self._ranks_epoch
+        return True
 
     def _replica_ranks(self) -> list[Any]:
         topo = self.client.topology(self.job)

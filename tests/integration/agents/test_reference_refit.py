@@ -82,6 +82,12 @@ def test_refit_commits_and_bytes_match(
         final = client.wait(refit.refit_id, timeout_s=60)
         assert final.state == RefitState.COMMITTED, final
         assert final.tensors_verified == final.tensors_total > 0
+        # Every rank's bytes add up to its plan's total: its TransferDone says so (ranks send
+        # no Progress at the end of a transfer, and none during one this short).
+        assert final.ranks
+        assert all(r.bytes_total == r.bytes_sent + r.bytes_received > 0 for r in final.ranks), (
+            final.ranks
+        )
         for g in gens:
             assert g.version == final.version
             for name, t in truth.items():

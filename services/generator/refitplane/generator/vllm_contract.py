@@ -240,6 +240,9 @@ class EngineStatus(TypedDict):
     # at most during the last transfer; 0 for a live receive without fallback layers.
     staging_bytes: int
     staging_peak_bytes: int
+    # Whether the worker stages any checkpoint tensors at all (a registry of staged ones):
+    # if not, both numbers above stay 0 for as long as it is registered.
+    stages: bool
     # What the start-up check of the fast-path rules found, per layer class
     # (`vllm_rule_check.RuleCheck.as_dict`): status verified / mismatch / skipped, the layers
     # checked, the reason a class moved to the fallback path, seconds and bytes it cost.

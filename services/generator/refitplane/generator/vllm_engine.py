@@ -191,6 +191,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             receive_mode=self.mode,
             staging_bytes=staged.staging_bytes if staged is not None else 0,
             staging_peak_bytes=staged.staging_peak_bytes if staged is not None else 0,
+            stages=staged is not None,
             rule_checks=[c.as_dict() for layout in self._layouts() for c in layout.rule_checks],
             draft=self.draft,
         )

@@ -471,7 +471,8 @@ class JobDriver:
                     mid,
                     sent=body.bytes_sent,
                     received=body.bytes_received,
-                    total=0,
+                    # Ranks send no Progress at the end of a transfer: this is their total.
+                    total=plan.send_bytes + plan.recv_bytes,
                     verified=body.tensors_verified,
                     tensors=body.tensors_total,
                 )
