@@ -40,6 +40,7 @@ import torch
 
 from refitplane.errors import InvalidArgument
 from refitplane.generator.vllm_aliases import WeightAlias, find_weight_aliases
+from refitplane.generator.vllm_kv_scales import attention_scale_sources, fold_attention_scales
 from refitplane.generator.vllm_layout import VllmLayout
 from refitplane.generator.vllm_live import live_storage
 from refitplane.generator.vllm_reload import refresh_attention_layers, reload_layers
@@ -75,6 +76,9 @@ class LayerReloader:
     # What the canonical names of this model carry on the wire (a draft's "draft."): taken
     # off before the model's own loader sees them.
     prefix: str = ""
+    # Checkpoint KV-cache scale → (attention layer, scale parameter): folded again after
+    # each reload that carries them, as a fresh load folds them (`vllm_kv_scales`).
+    kv_scales: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     def units(self, names: Iterable[str]) -> list[frozenset[str]]:
         """`names` grouped by the vLLM layer they feed (each group applied together)."""
@@ -101,6 +105,7 @@ class LayerReloader:
             partial=self.live,
             aliases=self.aliases,
         )
+        fold_attention_scales(self.model, self.vllm_config, self.kv_scales, tensors)
         self.applied_roots.update(roots)
         log.debug("refitplane: applied %s into %d layer(s)", bucket.describe(), len(roots))
 
@@ -215,6 +220,7 @@ def bind_receive(
                 live=in_place,
                 aliases=found,
                 prefix=p.prefix,
+                kv_scales=attention_scale_sources(p.model, p.layout),
             )
             for p, found in zip(parts, aliases, strict=True)
         ]
