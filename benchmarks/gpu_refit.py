@@ -138,7 +138,7 @@ def run_ours(
     shape: str,
     layout: GpuLayout,
     device: str,
-    sweep: list[tuple[int, int, int]],
+    sweep: list[tuple[int, int, int, int]],
     repeats: int,
     workdir: Path,
     gpu_memory_utilization: float,
@@ -163,15 +163,16 @@ def run_ours(
         workdir=workdir,
         quant=quant,
         model_dir=model_dir,
-        settings={"num_channels": max(s for s, _, _ in sweep)},
+        settings={"num_channels": max(point[0] for point in sweep)},
         gpu_memory_utilization=gpu_memory_utilization,
     ) as world:
         world.refit()  # warm up: group formation, plan, first-touch allocations
-        for streams, bucket, direct in sweep:
+        for streams, bucket, direct, inflight in sweep:
+            inflight = inflight or max(4 * bucket, 256)
             world.configure(
                 num_channels=streams,
                 bucket_bytes=bucket * MiB,
-                max_inflight_bytes=max(4 * bucket, 256) * MiB,
+                max_inflight_bytes=inflight * MiB,
                 direct_min_bytes=direct * MiB,
             )
             # Untimed: a new config means a new executor (staging) or a new group, whose
@@ -201,6 +202,7 @@ def run_ours(
                     "streams": streams,
                     "bucket_mib": bucket,
                     "direct_mib": direct,
+                    "inflight_mib": inflight,
                     "total_s": [r.seconds for r in results],
                     "transfer_s": [r.transfer_s for r in results],
                     "phases": [r.phases for r in results],
@@ -212,7 +214,7 @@ def run_ours(
                 }
             )
             print(
-                f"  refitplane streams={streams} bucket={bucket}MiB direct>={direct}MiB: total {statistics.median(rows[-1]['total_s']):.3f} s, data plane {statistics.median(rows[-1]['transfer_s']):.3f} s, {rows[-1]['verified']} verified, gen +{gen_extra / MiB:.0f} MiB, trainer +{trainer_extra / MiB:.0f} MiB",
+                f"  refitplane streams={streams} bucket={bucket}MiB direct>={direct}MiB staging={inflight}MiB: total {statistics.median(rows[-1]['total_s']):.3f} s, data plane {statistics.median(rows[-1]['transfer_s']):.3f} s, {rows[-1]['verified']} verified, gen +{gen_extra / MiB:.0f} MiB, trainer +{trainer_extra / MiB:.0f} MiB",
                 flush=True,
             )
             print(
@@ -375,6 +377,13 @@ def main() -> int:
         default=[16],
         help="MiB: chunks at least this large travel alone (REFIT_DIRECT_MIN_BYTES)",
     )
+    parser.add_argument(
+        "--inflight",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="MiB of staging per rank (REFIT_MAX_INFLIGHT_BYTES); 0: 4 buckets, at least 256",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
         "--quant",
@@ -432,7 +441,13 @@ def main() -> int:
     ceiling = args.device == "cuda" and not args.no_ceiling
     if ceiling and not args.ceiling_last:
         _measure_ceiling(out, links, layout, args.repeats)
-    sweep = [(s, b, d) for s in args.streams for b in args.buckets for d in args.direct]
+    sweep = [
+        (s, b, d, i)
+        for s in args.streams
+        for b in args.buckets
+        for d in args.direct
+        for i in args.inflight
+    ]
     out["ours"] = run_ours(
         args.model,
         layout,
@@ -448,9 +463,7 @@ def main() -> int:
     if args.quant:
         # Staged receive: the generator's extra memory stays within the ring and one bucket.
         for row in out["ours"]["rows"]:
-            bound = max(4 * row["bucket_mib"], 256) * MiB + largest_layer_bytes(
-                args.model, args.quant
-            )
+            bound = row["inflight_mib"] * MiB + largest_layer_bytes(args.model, args.quant)
             row["generator_bound_mib"] = bound / MiB
             print(
                 f"  generator extra {row['generator_extra_mib']:.0f} MiB, bound (REFIT_MAX_INFLIGHT_BYTES + largest layer) {bound / MiB:.0f} MiB",
@@ -523,14 +536,14 @@ def _summary(out: dict[str, Any]) -> None:
         f"\n{out['model']} {out['layout']} ({out['bytes'] / 2**30:.2f} GiB) on {out.get('gpu', out['device'])}"
     )
     print(
-        f"  {'streams':>7} {'bucket':>7} {'direct':>7} {'data s':>8} {'total s':>8} {'GB/s/dst':>9} {'% ceil':>7} {'gen +MiB':>9} {'trn +MiB':>9} {'verified':>9}"
+        f"  {'streams':>7} {'bucket':>7} {'direct':>7} {'staging':>8} {'data s':>8} {'total s':>8} {'GB/s/dst':>9} {'% ceil':>7} {'gen +MiB':>9} {'trn +MiB':>9} {'verified':>9}"
     )
     for r in rows:
         d = statistics.median(r["transfer_s"])
         gbs = per_dest_gbs(links, d)
         pct = 100 * out["ceiling_s"] / d if "ceiling_s" in out else float("nan")
         print(
-            f"  {r['streams']:>7} {r['bucket_mib']:>5}Mi {r['direct_mib']:>5}Mi {d:>8.3f} {statistics.median(r['total_s']):>8.3f} {gbs:>9.1f} {pct:>6.1f}% {r['generator_extra_mib']:>9.0f} {r['trainer_extra_mib']:>9.0f} {r['verified']:>9}"
+            f"  {r['streams']:>7} {r['bucket_mib']:>5}Mi {r['direct_mib']:>5}Mi {r['inflight_mib']:>6}Mi {d:>8.3f} {statistics.median(r['total_s']):>8.3f} {gbs:>9.1f} {pct:>6.1f}% {r['generator_extra_mib']:>9.0f} {r['trainer_extra_mib']:>9.0f} {r['verified']:>9}"
         )
     phases = {
         name: statistics.median(p.get(name, 0.0) for p in best["phases"])
