@@ -13,8 +13,14 @@ sums in the payload arena. Per group the host writes the group's rows (plain int
 into the next free slice, copies it asynchronously, and launches the kernels; the kernels
 are compiled and loaded by the room, before anything is in flight.
 
-Row (8 int64): first program, kind (1 index, 2 bitmap), image address, image words, index
-or bitmap address, values address, changed words, prefix-sum address (bitmap). A launch's
+Row (9 int64): first program, kind (1 index, 2 bitmap), image address, image words, index
+or bitmap address, values address, changed words, prefix-sum address (bitmap), checksum-row
+address or 0. Where a message's row is given, the scatter adds to it what each word it
+writes changes in the image's checksum sums (`checksum.py`: S0 and S1 are sums over the
+image's 64-bit words, so replacing a word changes them by its difference, shifted to its
+place in its 64-bit word): a receiver that summed its base image before the transfer (while
+the sender scanned) then holds the sums of what the image holds afterwards without reading it
+again. A launch's
 programs find their row by a fixed-depth binary search on the first-program column (one
 compiled variant whatever the table's length, `triton_rows`). Per word size, up to three
 launches per group: bitmap popcounts per block of words, their exclusive prefix sums per
@@ -39,7 +45,7 @@ from refitplane.errors import InvalidArgument
 from refitplane.reshard.delta import DeltaHeader, Encoding
 
 BLOCK = 4096  # words (or values) per program; a multiple of 8: bitmap bytes stay in one
-ROW = 8
+ROW = 9
 _PREFIX_CHUNK = 1024  # block counts summed per step of a message's prefix program
 _SEARCH_STEPS = 20  # rows per launch below 2^20
 _kernels: Any = None
@@ -58,17 +64,18 @@ def _compile() -> Any:
 
     @triton.jit
     def row_bits(row, local, BLOCK: tl.constexpr):
-        """This block's bitmap bytes (rows of 8 words), flags past the image's end cleared,
-        and the word offsets of its rows as [rows, 8]. Rows keep every step within a thread
-        or a 512-long scan (a 4096-long one costs several shared-memory passes)."""
-        words = tl.load(row + 3)
-        rows = local * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-        bitmap = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
-        packed = tl.load(bitmap + rows, mask=rows < (words + 7) // 8, other=0).to(tl.int32)
-        offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
+        """This block's bitmap bytes (rows of 8 words) with flags past the image's end
+        cleared, and its words as [rows, 8] int32 offsets from the block's first word. Rows
+        keep every step within a thread or a 512-long scan (a 4096-long one costs several
+        shared-memory passes); 32-bit offsets keep register use low."""
+        left = tl.minimum(tl.load(row + 3) - local * BLOCK, BLOCK).to(tl.int32)
+        rows = tl.arange(0, BLOCK // 8)
+        bitmap = tl.load(row + 4).to(tl.pointer_type(tl.uint8)) + local * (BLOCK // 8)
+        packed = tl.load(bitmap + rows, mask=rows < (left + 7) // 8, other=0).to(tl.int32)
+        inner = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
         # Bits of the last byte past the last word (a bad payload) count for nothing.
-        valid = tl.sum((offs < words).to(tl.int32) << tl.arange(0, 8)[None, :], axis=1)
-        return packed & valid, offs
+        valid = tl.sum((inner < left).to(tl.int32) << tl.arange(0, 8)[None, :], axis=1)
+        return packed & valid, inner
 
     @triton.jit(do_not_specialize=["tab", "n"])
     def popcount(tab, n, STEPS: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr):
@@ -94,44 +101,127 @@ def _compile() -> Any:
             tl.store(starts + offs, carry + tl.cumsum(counts, axis=0) - counts, mask=inside)
             carry += tl.sum(counts, axis=0)
 
+    @triton.jit
+    def word_change(where, old, new, inside, WORD_BYTES: tl.constexpr):
+        """(S0, S1) change of the checksum sums when the words at `where` (word indices in
+        the image) go from `old` to `new` where `inside`: each word's difference, unsigned,
+        shifted to its bytes' place in its 64-bit word; wrapping int64 arithmetic."""
+        at = where.to(tl.int64) * WORD_BYTES
+        if WORD_BYTES == 8:
+            diff = new.to(tl.int64) - old.to(tl.int64)
+        else:
+            mask = (1 << (8 * WORD_BYTES)) - 1
+            diff = (new.to(tl.int64) & mask) - (old.to(tl.int64) & mask)
+        diff = tl.where(inside, diff << ((at % 8) * 8), 0)
+        return tl.sum(diff, axis=0), tl.sum(diff * (at // 8), axis=0)
+
+    @triton.jit
+    def add_sums(sums_at, d0, d1):
+        out = sums_at.to(tl.pointer_type(tl.int64))
+        tl.atomic_add(out, d0)
+        tl.atomic_add(out + 1, d1)
+
+    @triton.jit
+    def scatter_index(
+        row,
+        local,
+        dst,
+        words,
+        values,
+        nvalues,
+        sums_at,
+        WORD_BYTES: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Values and indices from this block's first; indices are under 2^31 (index
+        payloads only for messages below 2^31 words, `choose_encoding`)."""
+        j = tl.arange(0, BLOCK)
+        inside = j < tl.minimum(nvalues - local * BLOCK, BLOCK).to(tl.int32)
+        index = tl.load(row + 4).to(tl.pointer_type(tl.int32)) + local * BLOCK
+        where = tl.load(index + j, mask=inside, other=0)
+        inside = inside & (where >= 0) & (where < words)
+        v = tl.load(values + local * BLOCK + j, mask=inside, other=0)
+        if sums_at != 0:
+            old = tl.load(dst + where, mask=inside, other=0)
+            d0, d1 = word_change(where, old, v, inside, WORD_BYTES)
+            add_sums(sums_at, d0, d1)
+        tl.store(dst + where, v, mask=inside)
+
+    @triton.jit
+    def scatter_bitmap(
+        row, local, dst, values, nvalues, sums_at, WORD_BYTES: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """The i-th flagged word takes the i-th value: the block's prefix, the flags in
+        earlier rows of the block, the set bits below its own in its row; one bit (word
+        column) at a time, [rows] vectors: few registers, many programs resident."""
+        packed, _ = row_bits(row, local, BLOCK)
+        per_row = popc(packed)
+        before = tl.cumsum(per_row, axis=0) - per_row
+        starts = tl.load(row + 7).to(tl.pointer_type(tl.int64))
+        start = tl.load(starts + local)
+        rows = tl.arange(0, BLOCK // 8)
+        d0 = local * 0
+        d1 = local * 0
+        for k in tl.static_range(8):
+            rank = before + popc(packed & ((1 << k) - 1))
+            changed = (((packed >> k) & 1) != 0) & (rank < nvalues - start)
+            v = tl.load(values + start + rank, mask=changed, other=0)
+            where = local * BLOCK + rows * 8 + k
+            if sums_at != 0:
+                old = tl.load(dst + where, mask=changed, other=0)
+                c0, c1 = word_change(where, old, v, changed, WORD_BYTES)
+                d0 += c0
+                d1 += c1
+            tl.store(dst + where, v, mask=changed)
+        if sums_at != 0:
+            add_sums(sums_at, d0, d1)
+
     @triton.jit(do_not_specialize=["tab", "n"])
     def scatter(
-        tab, n, WORD: tl.constexpr, STEPS: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr
+        tab,
+        n,
+        WORD: tl.constexpr,
+        WORD_BYTES: tl.constexpr,
+        STEPS: tl.constexpr,
+        ROW: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
         row = program_row_of(tab, n, pid, STEPS, ROW)
         local = pid - tl.load(row)
         dst = tl.load(row + 2).to(tl.pointer_type(WORD))
-        words = tl.load(row + 3)
         values = tl.load(row + 5).to(tl.pointer_type(WORD))
         nvalues = tl.load(row + 6)
+        sums_at = tl.load(row + 8)
+        # Each encoding in a function of its own: Triton types a name set in both branches
+        # of a runtime `if` once, and the two work on vectors of different lengths.
         if tl.load(row + 1) == 1:
-            at = local * BLOCK + tl.arange(0, BLOCK)
-            inside = at < nvalues
-            index = tl.load(row + 4).to(tl.pointer_type(tl.int32))
-            where = tl.load(index + at, mask=inside, other=0).to(tl.int64)
-            inside = inside & (where >= 0) & (where < words)
-            tl.store(dst + where, tl.load(values + at, mask=inside, other=0), mask=inside)
-        else:
-            packed, offs = row_bits(row, local, BLOCK)
-            # The i-th flagged word takes the i-th value: the block's prefix, the flags in
-            # earlier rows of the block, the set bits below its own in its row.
-            per_row = popc(packed)
-            before = tl.cumsum(per_row, axis=0) - per_row
-            bit = tl.arange(0, 8)[None, :]
-            starts = tl.load(row + 7).to(tl.pointer_type(tl.int64))
-            pos = (
-                tl.load(starts + local) + before[:, None] + popc(packed[:, None] & ((1 << bit) - 1))
+            scatter_index(
+                row, local, dst, tl.load(row + 3), values, nvalues, sums_at, WORD_BYTES, BLOCK
             )
-            changed = (((packed[:, None] >> bit) & 1) != 0) & (pos < nvalues)
-            tl.store(dst + offs, tl.load(values + pos, mask=changed, other=0), mask=changed)
+        else:
+            scatter_bitmap(row, local, dst, values, nvalues, sums_at, WORD_BYTES, BLOCK)
 
     # The kernels call the helpers by name: Triton's interpreter (TRITON_INTERPRET=1, how the
     # CPU tests run these kernels) looks names up in the module's globals.
-    globals().update(popc=popc, row_bits=row_bits, program_row_of=program_row_of)
+    globals().update(
+        popc=popc,
+        row_bits=row_bits,
+        program_row_of=program_row_of,
+        word_change=word_change,
+        add_sums=add_sums,
+        scatter_index=scatter_index,
+        scatter_bitmap=scatter_bitmap,
+    )
     _TL_WORDS.update({1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64})
     _kernels = (popcount, prefix, scatter)
     return _kernels
+
+
+# (image, header, word size, payload, bitmap prefix sums, checksum row to keep current)
+ApplyItem = tuple[
+    torch.Tensor, DeltaHeader, int, torch.Tensor, torch.Tensor | None, torch.Tensor | None
+]
 
 
 def prefix_blocks(words: int) -> int:
@@ -155,19 +245,17 @@ class ApplyRoom:
         for word in sorted(set(words)):
             _load(device, word)
 
-    def apply(
-        self,
-        items: Sequence[tuple[torch.Tensor, DeltaHeader, int, torch.Tensor, torch.Tensor | None]],
-    ) -> None:
-        """Launch the applies of (image, header, word, payload, prefix sums) on the current
-        stream: the images (1-D contiguous uint8) end holding the sender's bytes. No host
-        wait, no allocation (the prefix sums are the room's, `prefix_blocks` int64 for a
-        bitmap payload)."""
+    def apply(self, items: Sequence[ApplyItem]) -> None:
+        """Launch the applies of (image, header, word, payload, prefix sums, checksum row)
+        on the current stream: the images (1-D contiguous uint8) end holding the sender's
+        bytes, and a given checksum row (two int64, the image's sums before) changes with
+        them. No host wait, no allocation (the prefix sums are the room's, `prefix_blocks`
+        int64 for a bitmap payload)."""
         # Per word size: bitmap rows, then index rows (so the popcount launch, over bitmap
         # blocks only, sees the same first programs as the scatter over every row).
         bitmap_rows: dict[int, list[list[int]]] = {}
         index_rows: dict[int, list[list[int]]] = {}
-        for image, header, word, payload, starts in items:
+        for image, header, word, payload, starts, sums in items:
             if header.encoding is Encoding.DENSE:
                 raise InvalidArgument("a dense message is received in place, not applied")
             if payload.numel() != header.nbytes:
@@ -180,6 +268,7 @@ class ApplyRoom:
             values = payload[header.nbytes - header.changed * word :]
             row = [0, int(header.encoding), image.data_ptr(), words, payload.data_ptr()]
             row += [values.data_ptr(), header.changed, 0]
+            row.append(sums.data_ptr() if sums is not None else 0)
             if header.encoding is Encoding.BITMAP:
                 if starts is None or starts.numel() < prefix_blocks(words):
                     raise InvalidArgument("a bitmap apply needs room for its prefix sums")
@@ -193,7 +282,7 @@ class ApplyRoom:
         }
         if not by_word:
             return
-        popcount, prefix, scatter = _compile()
+        popcount, prefix, _ = _compile()
         count = sum(len(rows) for rows in by_word.values()) * ROW
         start = self._used
         if start + count > self._capacity:
@@ -225,9 +314,21 @@ class ApplyRoom:
                     tab, nbitmap, STEPS=_SEARCH_STEPS, ROW=ROW, BLOCK=BLOCK
                 )
                 prefix[(nbitmap,)](tab, ROW=ROW, BLOCK=BLOCK, CHUNK=_PREFIX_CHUNK)
-            scatter[(programs,)](
-                tab, n, WORD=_TL_WORDS[word], STEPS=_SEARCH_STEPS, ROW=ROW, BLOCK=BLOCK
-            )
+            _scatter(tab, n, programs, word)
+
+
+def _scatter(table: torch.Tensor, rows: int, programs: int, word: int) -> None:
+    """One scatter launch over `rows` rows of `table` (`word`-byte words)."""
+    scatter = _compile()[2]
+    scatter[(programs,)](
+        table,
+        rows,
+        WORD=_TL_WORDS[word],
+        WORD_BYTES=word,
+        STEPS=_SEARCH_STEPS,
+        ROW=ROW,
+        BLOCK=BLOCK,
+    )
 
 
 def _load(device: torch.device, word: int) -> None:
@@ -236,21 +337,22 @@ def _load(device: torch.device, word: int) -> None:
     happen. A probe applies one changed word of each kind to a scratch buffer."""
     if (device, word) in _loaded:
         return
-    popcount, prefix, scatter = _compile()
+    popcount, prefix, _ = _compile()
     image = torch.zeros(2 * 8, dtype=torch.uint8, device=device)
     payload = torch.zeros(64, dtype=torch.uint8, device=device)
     starts = torch.zeros(1, dtype=torch.int64, device=device)
     words = 8 // word
+    sums = torch.zeros(2, dtype=torch.int64, device=device)
     rows = [
         [0, 2, image.data_ptr(), words, payload.data_ptr(), payload[8:].data_ptr(), 1],
         [1, 1, image[8:].data_ptr(), words, payload[16:].data_ptr(), payload[24:].data_ptr()],
     ]
-    rows[0].append(starts.data_ptr())
-    rows[1] += [1, 0]
+    rows[0] += [starts.data_ptr(), sums.data_ptr()]
+    rows[1] += [1, 0, 0]
     table = torch.tensor([v for row in rows for v in row], dtype=torch.int64).to(device)
     popcount[(1,)](table, 1, STEPS=_SEARCH_STEPS, ROW=ROW, BLOCK=BLOCK)
     prefix[(1,)](table, ROW=ROW, BLOCK=BLOCK, CHUNK=_PREFIX_CHUNK)
-    scatter[(2,)](table, 2, WORD=_TL_WORDS[word], STEPS=_SEARCH_STEPS, ROW=ROW, BLOCK=BLOCK)
+    _scatter(table, 2, 2, word)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     _loaded.add((device, word))
@@ -261,9 +363,11 @@ def apply_many(
     headers: Sequence[DeltaHeader],
     word: int,
     payloads: Sequence[torch.Tensor],
+    sums: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
     """Apply each payload in place to its image (1-D contiguous uint8, one device, `word`-byte
-    words) through a room of its own (outside transfers; tests)."""
+    words) through a room of its own (outside transfers; tests); `sums`: checksum rows that
+    follow the images' changes (`ApplyRoom.apply`)."""
     if not images:
         return
     device = images[0].device
@@ -274,10 +378,11 @@ def apply_many(
         for image, h in zip(images, headers, strict=True)
     ]
     room = ApplyRoom(device, len(images), [word])
+    rows = sums if sums is not None else [None] * len(images)
     room.apply(
         [
-            (image, h, word, p, s)
-            for image, h, p, s in zip(images, headers, payloads, starts, strict=True)
+            (image, h, word, p, s, row)
+            for image, h, p, s, row in zip(images, headers, payloads, starts, rows, strict=True)
             if h.encoding is not Encoding.DENSE
         ]
     )

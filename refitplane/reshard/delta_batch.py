@@ -9,11 +9,12 @@ of one word size are one launch: a table (built on the host, one int32 per block
 tables hold the addresses (`data_ptr`) of the message's memory.
 
 Sender: `scan_many` reads current and base once (per block: the changed count, a bitmap of
-the changed words into one scratch buffer, and, with `update`, the changed words written
-into the base); `gather_many` reads only the bitmap and the changed words and writes every
-payload (index or bitmap section, values) at its block's prefix sum: the same bytes as
-`delta.encode_into`. Receivers apply payloads with `delta_apply`, group by group while
-the transfer runs.
+the changed words into one scratch buffer, with `update` the changed words written into the
+base, and with `sums` the current bytes' checksum sums); `prepare_gather` reads only the
+bitmap and the changed words and writes every payload (index or bitmap section, values) at
+its block's prefix sum, the same bytes as `delta.encode_into`, in launches over runs of
+messages (`Gather.launch`) so sends can follow part by part. Receivers apply payloads with
+`delta_apply`, group by group while the transfer runs.
 """
 
 # Triton reads the kernels' signatures: they carry no annotations.
@@ -47,16 +48,19 @@ def _compile() -> Any:
     from refitplane.reshard.triton_rows import popc
 
     @triton.jit
-    def locate(block_msg, blk0, ns, BLOCK: tl.constexpr):
-        """This program's message, its block within it, the block's bitmap bytes (rows of 8
-        words: `rows`, within the message), its word offsets as [rows, 8] and which of them
-        lie inside the message. Working on rows keeps every step within a thread or a
-        512-long scan: a 1-D 4096-long scan or reshape costs several shared-memory passes."""
-        m = tl.load(block_msg + tl.program_id(0))
-        local = tl.program_id(0).to(tl.int64) - tl.load(blk0 + m)
-        rows = local * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-        offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
-        return m, rows, offs, offs < tl.load(ns + m)
+    def locate(pid, block_msg, blk0, ns, BLOCK: tl.constexpr):
+        """This program's message, its block within it, the block's first word (int64) and
+        its words as rows of 8 (one bitmap byte each), [rows, 8] int32 offsets from the
+        first word, with which of them lie inside the message. Rows keep every step within
+        a thread or a 512-long scan (a 1-D 4096-long scan or reshape costs several shared
+        memory passes); 32-bit offsets from a 64-bit block start keep register use low (a
+        program's latency is hidden only by many programs resident at once)."""
+        m = tl.load(block_msg + pid)
+        local = pid.to(tl.int64) - tl.load(blk0 + m)
+        first = local * BLOCK
+        left = tl.minimum(tl.load(ns + m) - first, BLOCK).to(tl.int32)
+        inner = tl.arange(0, BLOCK // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+        return m, local, first, inner, inner < left
 
     @triton.jit
     def scan(
@@ -68,24 +72,63 @@ def _compile() -> Any:
         bits_at,
         bits,
         counts,
+        sums,
         UPDATE: tl.constexpr,
         WORD: tl.constexpr,
+        WORD_BYTES: tl.constexpr,
         BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        SUMS: tl.constexpr,
     ):
-        m, rows, offs, inside = locate(block_msg, blk0, ns, BLOCK)
+        m, local, first, inner, inside = locate(tl.program_id(0), block_msg, blk0, ns, BLOCK)
         cur = tl.load(curs + m).to(tl.pointer_type(WORD))
         base = tl.load(bases + m).to(tl.pointer_type(WORD))
-        a = tl.load(cur + offs, mask=inside, other=0)
-        b = tl.load(base + offs, mask=inside, other=0)
+        if ALIGNED:
+            # An address read from a table tells the compiler nothing, and it then loads word
+            # by word instead of 16 bytes at a time (the scan is a pass over both images):
+            # where every image of the launch is 16-byte aligned, say so.
+            cur = tl.multiple_of(cur, 16)
+            base = tl.multiple_of(base, 16)
+        cur += first
+        base += first
+        full = tl.load(ns + m) - first >= BLOCK
+        # A block wholly inside its message (all but a message's last) loads unmasked: a
+        # mask per word would keep Triton from loading 16 bytes at a time too.
+        if full:
+            a = tl.load(cur + inner)
+            b = tl.load(base + inner)
+        else:
+            a = tl.load(cur + inner, mask=inside, other=0)
+            b = tl.load(base + inner, mask=inside, other=0)
         changed = ((a != b) & inside).to(tl.int32)
         packed = tl.sum(changed << tl.arange(0, 8)[None, :], axis=1)
         tl.store(counts + tl.program_id(0), tl.sum(tl.sum(changed, axis=1), axis=0))
-        tl.store(bits + tl.load(bits_at + m) + rows, packed.to(tl.uint8))
+        here = bits + tl.load(bits_at + m) + local * (BLOCK // 8)
+        tl.store(here + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
         if UPDATE:
-            tl.store(base + offs, a, mask=changed != 0)
+            tl.store(base + inner, a, mask=changed != 0)
+        if SUMS:
+            # The sender's checksum of the message (`checksum.py`'s S0, S1 over its 64-bit
+            # words) from the same pass: the block's bytes again as int64, from the cache.
+            out_at = tl.load(sums + m)
+            if out_at != 0:
+                w0 = first * WORD_BYTES // 8  # the block's first 64-bit word in the message
+                k = tl.arange(0, BLOCK * WORD_BYTES // 8)
+                words64 = cur.to(tl.pointer_type(tl.int64), bitcast=True) + k
+                if full:
+                    x = tl.load(words64)
+                else:
+                    left64 = tl.load(ns + m) * WORD_BYTES // 8 - w0
+                    x = tl.load(words64, mask=k < left64, other=0)
+                out = out_at.to(tl.pointer_type(tl.int64))
+                tl.atomic_add(out, tl.sum(x, axis=0))
+                tl.atomic_add(out + 1, tl.sum(x * (w0 + k), axis=0))
 
-    @triton.jit
+    # `first`: the launch's first block (a gather runs in parts, `Gather.launch`); not
+    # specialized, so every part runs the one compiled variant.
+    @triton.jit(do_not_specialize=["first_block"])
     def gather(
+        first_block,
         block_msg,
         blk0,
         ns,
@@ -101,28 +144,38 @@ def _compile() -> Any:
         WORD: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        m, rows, offs, _ = locate(block_msg, blk0, ns, BLOCK)
+        pid = tl.program_id(0) + first_block
+        m, local, first, _, _ = locate(pid, block_msg, blk0, ns, BLOCK)
         kind = tl.load(kinds + m)
         if kind != 0:
             # The scan left no flag past the message's end.
-            packed = tl.load(bits + tl.load(bits_at + m) + rows).to(tl.int32)
+            rows = tl.arange(0, BLOCK // 8)
+            here = bits + tl.load(bits_at + m) + local * (BLOCK // 8)
+            packed = tl.load(here + rows).to(tl.int32)
             if kind == 2:
-                out = tl.load(maps + m).to(tl.pointer_type(tl.uint8))
-                tl.store(out + rows, packed.to(tl.uint8), mask=rows < tl.load(map_bytes + m))
+                out = tl.load(maps + m).to(tl.pointer_type(tl.uint8)) + local * (BLOCK // 8)
+                left = tl.load(map_bytes + m) - local * (BLOCK // 8)
+                tl.store(out + rows, packed.to(tl.uint8), mask=rows < left)
             # Each changed word's place: the block's start, the words changed in earlier
-            # rows of the block, then the set bits below its own in its row.
+            # rows of the block, then the set bits below its own in its row. One bit (word
+            # column) at a time: [rows] vectors keep few registers per thread, so many
+            # programs stay resident to hide each one's chain of table loads.
             per_row = popc(packed)
             before = tl.cumsum(per_row, axis=0) - per_row
-            bit = tl.arange(0, 8)[None, :]
-            changed = ((packed[:, None] >> bit) & 1) != 0
-            below = popc(packed[:, None] & ((1 << bit) - 1))
-            at = tl.load(starts + tl.program_id(0)) + before[:, None] + below
-            cur = tl.load(curs + m).to(tl.pointer_type(WORD))
-            a = tl.load(cur + offs, mask=changed, other=0)
-            if kind == 1:
-                index = tl.load(indexes + m).to(tl.pointer_type(tl.int32))
-                tl.store(index + at, offs.to(tl.int32), mask=changed)
-            tl.store(tl.load(values + m).to(tl.pointer_type(WORD)) + at, a, mask=changed)
+            start = tl.load(starts + pid)
+            cur = tl.load(curs + m).to(tl.pointer_type(WORD)) + first
+            out_values = tl.load(values + m).to(tl.pointer_type(WORD)) + start
+            # Index payloads only for messages under 2^31 words (`choose_encoding`).
+            index = tl.load(indexes + m).to(tl.pointer_type(tl.int32)) + start
+            first32 = first.to(tl.int32)
+            for k in tl.static_range(8):
+                changed = ((packed >> k) & 1) != 0
+                rank = before + popc(packed & ((1 << k) - 1))
+                word = rows * 8 + k
+                a = tl.load(cur + word, mask=changed, other=0)
+                if kind == 1:
+                    tl.store(index + rank, first32 + word, mask=changed)
+                tl.store(out_values + rank, a, mask=changed)
 
     # The kernels call the helpers by name: Triton's interpreter (TRITON_INTERPRET=1, how the
     # CPU tests run these kernels) looks names up in the module's globals.
@@ -191,7 +244,7 @@ def _local_starts(counts: torch.Tensor, blocks: Blocks) -> torch.Tensor:
 @dataclass
 class ScanBatch:
     """What `scan_many` found for messages of one word size: per-message changed counts
-    (`counts`, int64 on the device) and what `gather_many` needs."""
+    (`counts`, int64 on the device) and what `prepare_gather` needs."""
 
     word: int
     blocks: Blocks
@@ -200,13 +253,24 @@ class ScanBatch:
     bits_at: torch.Tensor
     block_counts: torch.Tensor
     counts: torch.Tensor
+    # Which messages' checksum sums the scan added into their rows (`scan_many`'s `sums`).
+    summed: tuple[bool, ...] = ()
 
 
 def scan_many(
-    currents: Sequence[torch.Tensor], bases: Sequence[torch.Tensor], word: int, *, update: bool
+    currents: Sequence[torch.Tensor],
+    bases: Sequence[torch.Tensor],
+    word: int,
+    *,
+    update: bool,
+    sums: Sequence[torch.Tensor | None] | None = None,
 ) -> ScanBatch:
     """One pass over every (current, base) image pair (1-D contiguous uint8 on one CUDA
-    device, `word`-byte words); with `update` the bases end holding the current bytes."""
+    device, `word`-byte words); with `update` the bases end holding the current bytes. With
+    `sums` (per message a row of two int64, or None), the pass also adds each current image's
+    checksum sums (S0, S1, as `checksum.accumulate_sums`) into its row, where the image is
+    whole 8-byte words at an 8-byte aligned address (`ScanBatch.summed` says which), so the
+    sender reads its bytes once for the scan and its checksum together."""
     scan, _ = _compile()
     device = currents[0].device
     blocks = blocks_of([c.numel() // word for c in currents], device)
@@ -214,6 +278,12 @@ def scan_many(
     bits_at = blocks.blk0 * _BITS
     bits = torch.empty(blocks.count * _BITS, dtype=torch.uint8, device=device)
     block_counts = torch.empty(blocks.count, dtype=torch.int32, device=device)
+    aligned = all(t.data_ptr() % 16 == 0 for t in (*currents, *bases))
+    rows: list[torch.Tensor | None] = [
+        row if row is not None and not c.numel() % 8 and not c.data_ptr() % 8 else None
+        for c, row in zip(currents, sums or [None] * len(currents), strict=True)
+    ]
+    summed = tuple(row is not None for row in rows)
     scan[(blocks.count,)](
         blocks.block_msg,
         blocks.blk0,
@@ -223,13 +293,17 @@ def scan_many(
         bits_at,
         bits,
         block_counts,
+        _addresses(rows, device) if any(summed) else block_counts,
         UPDATE=update,
         WORD=_TL_WORDS[word],
+        WORD_BYTES=word,
         BLOCK=BLOCK,
+        ALIGNED=aligned,
+        SUMS=any(summed),
     )
     counts = torch.zeros(len(currents), dtype=torch.int64, device=device)
     counts.index_add_(0, blocks.block_msg.long(), block_counts.long())
-    return ScanBatch(word, blocks, list(currents), bits, bits_at, block_counts, counts)
+    return ScanBatch(word, blocks, list(currents), bits, bits_at, block_counts, counts, summed)
 
 
 def _sections(
@@ -242,11 +316,34 @@ def _sections(
     return None, payload[: (words + 7) // 8], values
 
 
-def gather_many(
+@dataclass(frozen=True)
+class Gather:
+    """A batch's gather with its tables on the device, launched in parts (`launch`): a
+    sender can then start sending the first messages' payloads while the later ones are
+    still being written."""
+
+    args: tuple[Any, ...]
+    word: int
+    # Each message's first block, and the total: message i's blocks are
+    # [first_blocks[i], first_blocks[i + 1]).
+    first_blocks: tuple[int, ...]
+
+    def launch(self, first: int = 0, end: int | None = None) -> None:
+        """Write the payloads of messages [first, end) (of the batch's order) on the
+        current stream."""
+        _, gather = _compile()
+        end = len(self.first_blocks) - 1 if end is None else end
+        b0, b1 = self.first_blocks[first], self.first_blocks[end]
+        if b1 > b0:
+            gather[(b1 - b0,)](b0, *self.args, WORD=_TL_WORDS[self.word], BLOCK=BLOCK)
+
+
+def prepare_gather(
     batch: ScanBatch, headers: Sequence[DeltaHeader], payloads: Sequence[torch.Tensor | None]
-) -> None:
-    """Write every non-dense message's payload (zero-filled buffers of `header.nbytes`)."""
-    _, gather = _compile()
+) -> Gather | None:
+    """The gather of every non-dense message's payload (zero-filled buffers of
+    `header.nbytes`), its tables on the device, ready to launch; None if every message
+    goes dense."""
     device = batch.bits.device
     kinds: list[int] = []
     map_bytes: list[int] = []
@@ -276,8 +373,8 @@ def gather_many(
         indexes.append(index)
         values.append(vals)
     if not any(kinds):
-        return
-    gather[(batch.blocks.count,)](
+        return None
+    args = (
         batch.blocks.block_msg,
         batch.blocks.blk0,
         batch.blocks.ns,
@@ -290,6 +387,8 @@ def gather_many(
         _table(map_bytes, torch.int64, device),
         _addresses(indexes, device),
         _addresses(values, device),
-        WORD=_TL_WORDS[batch.word],
-        BLOCK=BLOCK,
     )
+    firsts = [0]
+    for n in batch.blocks.per_message:
+        firsts.append(firsts[-1] + n)
+    return Gather(args, batch.word, tuple(firsts))

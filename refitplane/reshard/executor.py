@@ -480,8 +480,13 @@ class _Run:
         deltas.encode(
             ((m, io) for step in self.steps for m, io in step if m.src == self.rank and io),
             specs,
+            (lambda m: self.sums[(m.src, m.dst)][m.round]) if self.verify else None,
         )
-        deltas.expect(m for step in self.steps for m, _ in step if m.dst == self.rank)
+        recvs = [(m, io) for step in self.steps for m, io in step if m.dst == self.rank]
+        deltas.expect(m for m, _ in recvs)
+        # While the senders scan: the sums of this rank's in-place images, kept current by
+        # the applies (no pass over them after the transfer).
+        deltas.presum(((m, io) for m, io in recvs if io is not None), self.sums)
         ops = [
             P2POp(True, dst, table.view(-1).view(torch.uint8))
             for dst, table in sorted(deltas.headers_out.items())
@@ -489,9 +494,12 @@ class _Run:
             P2POp(False, src, table.view(-1).view(torch.uint8))
             for src, table in sorted(deltas.headers_in.items())
         ]
-        if self.t.device.type == "cuda":
-            # The payloads were encoded on the current stream; channels send them.
+        if self.t.device.type == "cuda" and deltas.headers_out:
+            # The scan's counts and the header tables are on the device before they go (a
+            # receiver does not wait here for its `presum`).
             torch.cuda.current_stream(self.t.device).synchronize()
+        # The payloads, in parts the sends wait for on the device (`_flush`).
+        deltas.launch_payloads()
         if ops:
             with self.t.channel_context(0):
                 handle = self.t.fence(self.t.issue(0, ops, self.deadline))
@@ -523,7 +531,9 @@ class _Run:
             if follow:
                 self._follow(m.channel, follow)
         group = self.pending.setdefault(m.channel, _Group())
-        summed = False
+        # Its checksum sums may be taken care of already: the sender's scan added them, or
+        # the receiver summed its image before and the apply keeps them current.
+        summed = self.delta is not None and (m.src, m.dst, m.round) in self.delta.summed
         if encoded is not None:
             pass
         elif io.direct is None and io.copy is not None and (delta is None or not sending):
@@ -615,6 +625,9 @@ class _Run:
         if group is None or not group.ops:
             return
         t0 = time.perf_counter()
+        if self.delta is not None:
+            with self.t.channel_context(channel):
+                self.delta.before_send(group.messages)
         # Set before posting: a failure while posting may follow a receive already posted.
         self.receives_posted |= any(not op.send for op in group.ops)
         if group.pack_dst or group.pack_tables:

@@ -1,6 +1,7 @@
 """A receiver's delta applies through one transfer's room (`delta_apply.ApplyRoom`): several
-groups in turn, index and bitmap payloads, 2- and 4-byte words in one group, end exact; a
-payload pointing outside its message writes nothing there.
+groups in turn, index and bitmap payloads, 2- and 4-byte words in one group, end exact, and
+the checksum rows they keep current equal the sums of the images afterwards; a payload
+pointing outside its message writes nothing there.
 
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before Triton is
 imported, so in a child process); the GPU suite runs `check_apply("cuda")` compiled."""
@@ -53,6 +54,7 @@ def check_apply(device: str) -> None:
 
 
 def _check_apply(device: str) -> None:
+    from refitplane.reshard.checksum import accumulate_sums
     from refitplane.reshard.delta_apply import ApplyRoom, prefix_blocks
 
     messages = [
@@ -61,7 +63,7 @@ def _check_apply(device: str) -> None:
     ]
     words = [word for group in messages for *_, word, _ in group]
     room = ApplyRoom(torch.device(device), sum(len(g) for g in messages), words)
-    images = []
+    images, rows = [], []
     for group in messages:
         items = []
         for old, _, header, word, payload in group:
@@ -70,12 +72,20 @@ def _check_apply(device: str) -> None:
             if header.encoding is Encoding.BITMAP:
                 blocks = prefix_blocks(image.numel() // word)
                 starts = torch.empty(blocks, dtype=torch.int64, device=device)
-            items.append((image, header, word, payload.to(device), starts))
+            # The image's sums before (the receiver's pre-transfer pass), kept current.
+            row = torch.zeros(2, dtype=torch.int64)
+            accumulate_sums(old, row, use_triton=False)
+            row = row.to(device)
+            items.append((image, header, word, payload.to(device), starts, row))
             images.append(image)
+            rows.append(row)
         room.apply(items)
     expected = [new for group in messages for _, new, *_ in group]
-    for i, (image, new) in enumerate(zip(images, expected, strict=True)):
+    for i, (image, new, row) in enumerate(zip(images, expected, rows, strict=True)):
         assert torch.equal(image.cpu(), new), i
+        want = torch.zeros(2, dtype=torch.int64)
+        accumulate_sums(new, want, use_triton=False)
+        assert torch.equal(row.cpu(), want), (i, row, want)
 
     # An index past the message's end is dropped: nothing outside the image changes.
     arena = torch.zeros(4096, dtype=torch.int16, device=device)
@@ -84,9 +94,14 @@ def _check_apply(device: str) -> None:
     payload = torch.zeros(header.nbytes, dtype=torch.uint8)
     payload[:8].view(torch.int32).copy_(torch.tensor([3, 1500], dtype=torch.int32))
     payload[8:].view(torch.int16).fill_(7)
-    ApplyRoom(torch.device(device), 1, [2]).apply([(image, header, 2, payload.to(device), None)])
+    row = torch.zeros(2, dtype=torch.int64, device=device)
+    ApplyRoom(torch.device(device), 1, [2]).apply(
+        [(image, header, 2, payload.to(device), None, row)]
+    )
     assert int(arena[1024 + 3]) == 7
     assert int(arena.count_nonzero()) == 1
+    # Only the word written counts: 7 in the fourth 16-bit lane of the first 64-bit word.
+    assert row.tolist() == [7 << 48, 0]
 
 
 def test_a_dense_message_is_not_applied() -> None:
@@ -96,7 +111,7 @@ def test_a_dense_message_is_not_applied() -> None:
     room = ApplyRoom.__new__(ApplyRoom)  # no kernels needed to refuse it
     dense = DeltaHeader(Encoding.DENSE, 1, 8)
     with pytest.raises(InvalidArgument, match="dense"):
-        room.apply([(torch.zeros(8, dtype=torch.uint8), dense, 2, torch.zeros(8), None)])
+        room.apply([(torch.zeros(8, dtype=torch.uint8), dense, 2, torch.zeros(8), None, None)])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")

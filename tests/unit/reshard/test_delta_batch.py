@@ -26,8 +26,11 @@ FRACTIONS = (0.001, 0.3, 1.0, 0.0, 0.02, 0.6)
 
 def check_batch(device: str) -> None:
     """Messages of several sizes and changed fractions (dense, index and bitmap; one with
-    nothing changed) through `scan_many` (base advanced), `gather_many` and `apply_many`."""
+    nothing changed) through `scan_many` (base advanced, the current images' checksum sums
+    added where they are whole 8-byte words), `prepare_gather` (launched in three parts) and
+    `apply_many`."""
     from refitplane.reshard import delta_apply, delta_batch
+    from refitplane.reshard.checksum import accumulate_sums
 
     g = torch.Generator().manual_seed(0)
     bases, currents = [], []
@@ -39,8 +42,21 @@ def check_batch(device: str) -> None:
         currents.append(current.view(torch.uint8))
     cur = [c.to(device) for c in currents]
     snapshot = [b.clone().to(device) for b in bases]
-    batch = delta_batch.scan_many(cur, snapshot, 2, update=True)
+    rows = torch.full((len(cur), 2), 7, dtype=torch.int64, device=device)
+    rows[:4] = 0  # rows are zeroed tables; the last two must stay untouched
+    sums: list[torch.Tensor | None] = [rows[i] for i in range(len(cur) - 1)] + [None]
+    batch = delta_batch.scan_many(cur, snapshot, 2, update=True, sums=sums)
     counts = [int(n) for n in batch.counts.tolist()]
+    # Sizes in bytes 20000, 8192, 6, 18000, 100000, 8194: 6 is no whole word, the last has
+    # no row, and the fifth's row was not zero (added to as given).
+    assert batch.summed == (True, True, False, True, True, False)
+    for i, c in enumerate(currents):
+        want = torch.zeros(2, dtype=torch.int64)
+        if batch.summed[i]:
+            accumulate_sums(c, want, use_triton=False)
+        if i >= 4:
+            want += 7
+        assert torch.equal(rows[i].cpu(), want), (i, rows[i], want)
     assert counts == [
         int((c.view(torch.int16) != b.view(torch.int16)).sum())
         for c, b in zip(currents, bases, strict=True)
@@ -59,16 +75,35 @@ def check_batch(device: str) -> None:
         else torch.zeros(h.nbytes, dtype=torch.uint8, device=device)
         for h in headers
     ]
-    delta_batch.gather_many(batch, headers, payloads)
+    gather = delta_batch.prepare_gather(batch, headers, payloads)
+    assert gather is not None
+    for first, end in ((0, 2), (2, 5), (5, 6)):  # as a sender sends them, part by part
+        gather.launch(first, end)
     sent = [i for i, p in enumerate(payloads) if p is not None]
     for i in sent:
         want = torch.empty(headers[i].nbytes, dtype=torch.uint8)
         encode_into(currents[i], bases[i], headers[i], 2, want)
         assert torch.equal(payloads[i].cpu(), want), (i, headers[i])
     images = [bases[i].clone().to(device) for i in sent]
-    delta_apply.apply_many(images, [headers[i] for i in sent], 2, [payloads[i] for i in sent])
-    for image, i in zip(images, sent, strict=True):
+    # Checksum rows of the images before the apply, which the apply keeps current (the last
+    # message, 8194 bytes, ends in a partial 64-bit word).
+    before = torch.zeros((len(sent), 2), dtype=torch.int64)
+    for row, image in zip(before, images, strict=True):
+        accumulate_sums(image.cpu(), row, use_triton=False)
+    kept = before.to(device)
+    delta_apply.apply_many(
+        images,
+        [headers[i] for i in sent],
+        2,
+        [payloads[i] for i in sent],
+        [kept[k] for k in range(len(sent))],
+    )
+    for k, (image, i) in enumerate(zip(images, sent, strict=True)):
         assert torch.equal(image.cpu(), currents[i]), i
+        want = torch.zeros(2, dtype=torch.int64)
+        accumulate_sums(currents[i], want, use_triton=False)
+        assert torch.equal(kept[k].cpu(), want), (i, kept[k], want)
+    assert currents[sent[-1]].numel() % 8
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
