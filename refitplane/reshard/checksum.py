@@ -211,6 +211,29 @@ def _accumulate_torch(buf: torch.Tensor, out: torch.Tensor) -> None:
         out += torch.stack((last, last * nwords))
 
 
+def _split(
+    kernel: Any, bufs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(buffer, row) pairs the kernel takes (8-byte aligned, on one CUDA device), and the
+    rest (the torch path)."""
+    fast: list[tuple[torch.Tensor, torch.Tensor]] = []
+    slow: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for buf, out in zip(bufs, outs, strict=True):
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError("checksum needs a contiguous 1-D uint8 tensor")
+        if (
+            kernel is not None
+            and buf.is_cuda
+            and not buf.data_ptr() % 8
+            and out.is_contiguous()
+            and (not fast or buf.device == fast[0][0].device)
+        ):
+            fast.append((buf, out))
+        else:
+            slow.append((buf, out))
+    return fast, slow
+
+
 def accumulate_sums_many(
     bufs: Sequence[torch.Tensor],
     outs: Sequence[torch.Tensor],
@@ -225,25 +248,37 @@ def accumulate_sums_many(
     torch path. Called once per group of messages, so the per-buffer work here is a
     handful of attribute reads. Inside a transfer, pass its `LaunchTables` (see there why)."""
     kernel = _triton_kernel() if use_triton else None
-    fast_bufs: list[torch.Tensor] = []
-    fast_outs: list[torch.Tensor] = []
-    for buf, out in zip(bufs, outs, strict=True):
-        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-            raise ValueError("checksum needs a contiguous 1-D uint8 tensor")
-        if (
-            kernel is not None
-            and buf.is_cuda
-            and not buf.data_ptr() % 8
-            and out.is_contiguous()
-            and (not fast_bufs or buf.device == fast_bufs[0].device)
-        ):
-            fast_bufs.append(buf)
-            fast_outs.append(out)
-        else:
-            _accumulate_torch(buf, out)
-    table, programs = _table(fast_bufs, fast_outs)
+    fast, slow = _split(kernel, bufs, outs)
+    for buf, out in slow:
+        _accumulate_torch(buf, out)
+    table, programs = _table([b for b, _ in fast], [o for _, o in fast])
     if programs:
-        _launch_table(kernel, table, programs, fast_bufs[0].device, tables)
+        _launch_table(kernel, table, programs, fast[0][0].device, tables)
+
+
+class PreparedSums:
+    """`accumulate_sums_many` over buffers and rows whose memory stays the same from one
+    launch to the next (a CUDA IPC link's chunks, refit after refit): the launch table is
+    uploaded once, so a launch costs no host work per buffer."""
+
+    def __init__(self, bufs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        self._kernel = _triton_kernel()
+        fast, self._slow = _split(self._kernel, bufs, outs)
+        table, self._programs = _table([b for b, _ in fast], [o for _, o in fast])
+        self._entries = len(table) // 4
+        self._table = (
+            torch.tensor(table, dtype=torch.int64).to(fast[0][0].device) if self._programs else None
+        )
+        self._keep = fast  # the table points into these
+
+    def launch(self) -> None:
+        """Add every buffer's sums into its row (asynchronous on CUDA)."""
+        for buf, out in self._slow:
+            _accumulate_torch(buf, out)
+        if self._table is not None:
+            self._kernel[(self._programs,)](
+                self._table, self._entries, BLOCK=_BLOCK, ITERS=_ITERS, STEPS=_SEARCH_STEPS
+            )
 
 
 def accumulate_sums(buf: torch.Tensor, out: torch.Tensor, *, use_triton: bool = True) -> None:

@@ -52,6 +52,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -82,7 +83,17 @@ from refitplane.reshard.staged import StagedBucket, StagedShards
 from refitplane.reshard.staging import StagingRing
 from refitplane.reshard.transport.base import Handle, P2POp, Transport
 
+if TYPE_CHECKING:
+    from refitplane.reshard.ipc_run import LinkCopies
+    from refitplane.reshard.transport.cuda_ipc import CudaIpcTransport
+
 ProgressFn = Callable[[int, int], None]
+
+
+def link_copies_enabled() -> bool:
+    from refitplane.reshard.ipc_run import ENABLED
+
+    return ENABLED
 
 
 @dataclass
@@ -244,6 +255,8 @@ class Executor:
         # bytes may change (they land as they arrive), whatever the run's outcome.
         self.receives_posted = False
         self._prepared: _Prepared | None = None
+        # Link copies (`ipc_run.py`): the links of the prepared plan, kept with it.
+        self._links: LinkCopies | None = None
 
     def run(
         self,
@@ -271,6 +284,13 @@ class Executor:
                 f"rank {plan.rank} stages its weights: it cannot apply a delta in place",
                 field="delta_peers",
             )
+        if self.transport.copies_links and link_copies_enabled():
+            # Link copies only where every rank of the group can take them (staged
+            # receivers and delta refits run messages): agreed once per group.
+            can = staged is None and (delta is None or not delta.peers)
+            deadline = started + self.config.timeout_s
+            if cast("CudaIpcTransport", self.transport).link_copies(can, deadline):
+                return self._run_links(prepared, progress, cancel, started)
         run = _Run(self, prepared, progress, cancel, started, staged, delta)
         run.report.prepared_seconds = time.monotonic() - started
         try:
@@ -290,6 +310,55 @@ class Executor:
         if staged is not None:
             # A staged receiver holds no transfer memory between refits.
             self.ring.free()
+        return report
+
+    def _run_links(
+        self,
+        prepared: _Prepared,
+        progress: ProgressFn | None,
+        cancel: threading.Event | None,
+        started: float,
+    ) -> TransferReport:
+        """The transport reads peers' memory itself (CUDA IPC): each link is one copy of all
+        its chunks, straight between the two ends' tensors (`ipc_run.py`)."""
+        from refitplane.reshard.ipc_run import LinkCopies, LinkCopyRun
+        from refitplane.reshard.transport.cuda_ipc import CudaIpcTransport
+
+        plan = prepared.plan
+        if self._links is None or self._links.key is not prepared:
+            self._links = LinkCopies.build(prepared, prepared.steps, plan.rank)
+        report = TransferReport(tensors_total=prepared.tensors_received)
+        report.prepared_seconds = time.monotonic() - started
+
+        def receiving() -> None:
+            self.receives_posted = True
+
+        run = LinkCopyRun(
+            cast(CudaIpcTransport, self.transport),
+            self._links,
+            rank=plan.rank,
+            specs=dict(plan.specs),
+            report=report,
+            deadline=started + self.config.timeout_s,
+            budget=self.config.max_inflight_bytes,
+            verify=self.config.verify_checksums,
+            cancel=cancel,
+            on_receive=receiving,
+        )
+        try:
+            with transfer_profile(plan.rank):
+                run.execute()
+        except BaseException:
+            self._links = None
+            self.transport.abort()
+            raise
+        if self.config.verify_checksums:
+            report.tensors_verified = report.tensors_total
+        report.seconds = report.posted_seconds = time.monotonic() - started
+        if progress is not None:
+            total = plan.send_bytes + plan.recv_bytes
+            progress(total, total)
+        write_report(plan.rank, report)
         return report
 
     def _prepare(self, plan: RankPlan, shards: LocalShards) -> _Prepared:

@@ -1,5 +1,7 @@
-"""CUDA IPC transport + executor: two processes on one GPU (colocated) and across two GPUs;
-a handle whose sender exited is a clear failure of the receiver, not a crash."""
+"""CUDA IPC transport + executor: two processes on one GPU (colocated) and across two GPUs,
+through link copies (one manifest, the receiver's copies, one completion: `ipc_run.py`) and
+through messages (what staged receivers take); the sender's weights changing between
+refits; a handle whose sender exited is a clear failure of the receiver, not a crash."""
 
 from __future__ import annotations
 
@@ -43,9 +45,15 @@ def _check(results: dict[int, tuple[str, dict[str, Any]]]) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case_name", ["whole", "tp2"])
-def test_two_processes_on_one_gpu_arrive_bit_exact(case_name: str) -> None:
-    _check(_run([0, 0], case_name))
+@pytest.mark.parametrize("case_name", ["whole", "tp2", "tp2-messages"])
+def test_two_processes_on_one_gpu_arrive_bit_exact(
+    case_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if case_name.endswith("-messages"):
+        # Messages (records, acknowledgements, the sender's ring), as staged receivers take
+        # them: both spawned ranks read the switch at import.
+        monkeypatch.setenv("REFIT_IPC_LINK_COPIES", "0")
+    _check(_run([0, 0], case_name.removesuffix("-messages")))
 
 
 @pytest.mark.gpu(count=2)
@@ -75,9 +83,123 @@ def _stale_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> dic
     return {"error": None, "sevens": int((out == 7).sum())}
 
 
+def _changing_worker(
+    *, rank: int, world: int, transport: Any, barrier: Any, case_name: str
+) -> dict[str, Any]:
+    """Three refits of link copies, the sender's weights changed in place before each: the
+    receiver's cached views (same manifest) must copy the new bytes every time."""
+    import torch
+
+    from refitplane.reshard.config import TransferConfig
+    from refitplane.reshard.executor import Executor
+
+    case = pc.make_case(case_name, 0.25)
+    layout = case.source if rank == 0 else case.target
+    shards = pc.make_shards(layout, rank, transport.device, fill=rank == 0)
+    executor = Executor(transport, TransferConfig(bucket_bytes=64 * MiB, timeout_s=60))
+    wrong = []
+    for value in (3, 5, 250):
+        if rank == 0:
+            for sv in shards:
+                sv.tensor.view(torch.uint8).fill_(value)
+        report = executor.run(pc.rank_plan(case, rank), shards)
+        if rank == 1:
+            torch.cuda.synchronize()
+            if report.tensors_verified != report.tensors_total:
+                wrong.append(f"refit {value}: {report.tensors_verified} verified")
+            for sv in shards:
+                if not bool((sv.tensor.view(torch.uint8) == value).all()):
+                    wrong.append(f"refit {value}: {sv.spec.name}")
+    return {"wrong": wrong[:5], "groups": report.groups, "staging": report.staging_peak_bytes}
+
+
 @pytest.mark.gpu
-def test_handle_of_an_exited_sender_is_a_refit_error() -> None:
-    results = run_ipc_world(_stale_worker, [0, 0], timeout_s=20)
+@pytest.mark.parametrize("case_name", ["whole", "tp2"])
+def test_link_copies_follow_the_senders_changes(case_name: str) -> None:
+    results = run_ipc_world(_changing_worker, [0, 0], timeout_s=60, case_name=case_name)
+    for rank in (0, 1):
+        status, detail = results[rank]
+        assert status == "ok", detail
+        assert detail["wrong"] == [], detail
+        assert detail["staging"] == 0, detail  # link copies stage nothing on either end
+
+
+def _realloc_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> dict[str, Any]:
+    """Six refits of link copies; the sender's tensors are new allocations each time (a
+    trainer that offloads its parameters between steps): its shares of the old ones are let
+    go once the receiver moved on, so its GPU memory does not grow refit after refit."""
+    import torch
+
+    from refitplane.reshard.config import TransferConfig
+    from refitplane.reshard.executor import Executor
+
+    case = pc.make_case("whole", 0.25)
+    layout = case.source if rank == 0 else case.target
+    executor = Executor(transport, TransferConfig(bucket_bytes=64 * MiB, timeout_s=60))
+    receiver = pc.make_shards(layout, 1, transport.device, fill=False) if rank == 1 else None
+    allocated, wrong = [], []
+    for value in range(1, 7):
+        if rank == 0:
+            shards = pc.make_shards(layout, 0, transport.device, fill=False)
+            for sv in shards:
+                sv.tensor.view(torch.uint8).fill_(value)
+        else:
+            assert receiver is not None
+            shards = receiver
+        executor.run(pc.rank_plan(case, rank), shards)
+        del shards
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        allocated.append(torch.cuda.memory_allocated())
+        if receiver is not None:
+            wrong += [
+                f"refit {value}"
+                for sv in receiver
+                if not bool((sv.tensor.view(torch.uint8) == value).all())
+            ]
+    return {"allocated": allocated, "wrong": wrong[:5], "case_bytes": case.total_bytes}
+
+
+@pytest.mark.gpu
+def test_a_sender_that_reallocates_its_weights_does_not_grow() -> None:
+    results = run_ipc_world(_realloc_worker, [0, 0], timeout_s=90)
+    for rank in (0, 1):
+        assert results[rank][0] == "ok", results[rank]
+    assert results[1][1]["wrong"] == [], results[1]
+    sender = results[0][1]
+    # Without letting go, every refit would keep one more copy of the weights alive.
+    growth = sender["allocated"][-1] - sender["allocated"][1]
+    assert growth <= sender["case_bytes"], sender
+
+
+def _stale_link_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> dict[str, Any]:
+    """A refit of link copies, then the sender exits: the receiver's next refit must not
+    copy through the mappings it kept (the sender's memory is gone) but fail clearly."""
+    from refitplane.errors import RefitError
+    from refitplane.reshard.config import TransferConfig
+    from refitplane.reshard.executor import Executor
+
+    case = pc.make_case("whole", 0.125)
+    layout = case.source if rank == 0 else case.target
+    shards = pc.make_shards(layout, rank, transport.device, fill=rank == 0)
+    executor = Executor(transport, TransferConfig(bucket_bytes=64 * MiB, timeout_s=10))
+    executor.run(pc.rank_plan(case, rank), shards)
+    if rank == 0:
+        os._exit(0)  # its memory goes with it; the receiver still holds the mappings
+    time.sleep(2.0)
+    try:
+        executor.run(pc.rank_plan(case, 1), shards)
+    except RefitError as exc:
+        return {"error": type(exc).__name__, "message": exc.message, "_aborted": True}
+    return {"error": None}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("worker", [_stale_worker, _stale_link_worker], ids=["message", "link"])
+def test_handle_of_an_exited_sender_is_a_refit_error(worker: Any) -> None:
+    """A record's sender exits before the receiver opens it (messages: staged receivers), or
+    a link's sender exits between refits (link copies: the receiver keeps its mappings)."""
+    results = run_ipc_world(worker, [0, 0], timeout_s=30)
     status, detail = results[1]
     assert status == "ok", detail  # the receiver did not crash
     assert detail["error"] is not None, detail

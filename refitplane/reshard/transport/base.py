@@ -47,6 +47,9 @@ class Transport(ABC):
     # True when `order_after` can order a channel's later work after a handle on the device:
     # the executor then gives staging back when a group is posted, not when it completed.
     device_reuse: bool = False
+    # True when a receiver can read its senders' memory itself (CUDA IPC): the executor then
+    # runs each link as one copy of all its chunks (`ipc_run.py`) instead of messages.
+    copies_links: bool = False
     # Host seconds `issue` spent waiting for the transport to take posted groups (a profile).
     settle_seconds: float = 0.0
 

@@ -34,8 +34,8 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -88,6 +88,7 @@ class _State:
 
 class CudaIpcTransport(StreamedTransport):
     device_ordered = True
+    copies_links = True
 
     def __init__(self, control: GlooTransport, *, device: torch.device) -> None:
         """`control`: the group's Gloo transport (its channels carry the records and
@@ -115,6 +116,7 @@ class CudaIpcTransport(StreamedTransport):
         # Sender: each storage shared once per receiver, kept (and so never freed or reused
         # under the share) until the group ends: (peer, data pointer) → storage, share.
         self._shared: dict[tuple[int, int], tuple[torch.UntypedStorage, tuple[Any, ...]]] = {}
+        self._share_count = 0
         # Receiver: allocations opened, by (handle, storage offset); local index by GPU UUID.
         self._opened: dict[tuple[bytes, int], torch.UntypedStorage] = {}
         self._local_index: dict[str, int] = {}
@@ -124,6 +126,8 @@ class CudaIpcTransport(StreamedTransport):
         # Gloo operations complete only in wait(): receives are waited for on threads.
         self._waits = GlooWaits(name=f"ipc-r{self.rank}")
         self._aborted = False
+        # Whether the group runs link copies (`link_copies`): agreed at its first transfer.
+        self._link_copies: bool | None = None
 
     # -- transfers ----------------------------------------------------------------------------
 
@@ -195,7 +199,20 @@ class CudaIpcTransport(StreamedTransport):
         return Handle(channel, state)
 
     def _export(self, buf: torch.Tensor, peer: int, seq: int, channel: int) -> IpcRecord:
-        storage = buf.untyped_storage()
+        record, fresh = self._share(buf.untyped_storage(), peer, channel)
+        return replace(
+            record,
+            seq=seq,
+            nbytes=buf.numel(),
+            offset=int(buf.storage_offset()) * buf.element_size(),
+            fresh=fresh,
+        )
+
+    def _share(
+        self, storage: torch.UntypedStorage, peer: int, channel: int = 0
+    ) -> tuple[IpcRecord, bool]:
+        """The storage's share with `peer` (made once per group; True: made now), as a record
+        of the whole storage."""
         key = (peer, storage.data_ptr())
         kept = self._shared.get(key)
         fresh = kept is None
@@ -204,11 +221,12 @@ class CudaIpcTransport(StreamedTransport):
                 share = storage._share_cuda_()  # type: ignore[no-untyped-call]
             kept = (storage, tuple(share))
             self._shared[key] = kept
+            self._share_count += 1
         _device, handle, size, storage_offset, ref_counter, rc_offset, event, sync = kept[1]
-        return IpcRecord(
-            seq=seq,
-            nbytes=buf.numel(),
-            offset=int(buf.storage_offset()) * buf.element_size(),
+        record = IpcRecord(
+            seq=0,
+            nbytes=int(size),
+            offset=0,
             storage_size=int(size),
             storage_offset=int(storage_offset),
             ref_counter_offset=int(rc_offset),
@@ -217,8 +235,37 @@ class CudaIpcTransport(StreamedTransport):
             ref_counter_handle=bytes(ref_counter),
             event_handle=bytes(event) if event is not None else None,
             device_uuid=self._uuid,
-            fresh=fresh,
+            fresh=False,
         )
+        return record, fresh
+
+    def share_storage(self, storage: torch.UntypedStorage, peer: int, index: int) -> IpcRecord:
+        """Link copies (`ipc_run`): a record of the whole `storage` for `peer` (`seq` = its
+        index in the manifest). Shared once per group and kept referenced until it ends."""
+        record, _ = self._share(storage, peer)
+        return replace(record, seq=index)
+
+    @property
+    def shares(self) -> int:
+        """How many shares this rank made in this group (a manifest's generation)."""
+        return self._share_count
+
+    def release_shares(self, peer: int, keep: Collection[int]) -> int:
+        """Link copies: let go of the shares with `peer` of storages (by data pointer) not in
+        `keep`, once `peer` completed a refit that no longer names them (it let go of its
+        mappings when it read the new manifest): a trainer that reallocates its parameters
+        (offloading them between steps) does not keep the old memory alive. torch frees the
+        memory once the receiver's reference is gone too. Returns how many went."""
+        stale = [key for key in self._shared if key[0] == peer and key[1] not in keep]
+        for key in stale:
+            del self._shared[key]
+        return len(stale)
+
+    def close_storages(self, records: Iterable[IpcRecord]) -> None:
+        """Link copies: forget the opened storages `records` name (a sender's manifest no
+        longer does); the mapping closes with the last view of it."""
+        for record in records:
+            self._opened.pop((record.handle, record.storage_offset), None)
 
     def _device_index(self, uuid: str, where: str) -> int:
         index = self._local_index.get(uuid)
@@ -235,23 +282,30 @@ class CudaIpcTransport(StreamedTransport):
 
     def _open(self, record: IpcRecord, where: str) -> torch.Tensor:
         """The message's bytes in the sender's memory, as a uint8 tensor of this process."""
-        index = self._device_index(record.device_uuid, where)
         key = (record.handle, record.storage_offset)
-        storage = self._opened.get(key)
-        if storage is not None and record.fresh:
+        if key in self._opened and record.fresh:
             # A share of memory already open here: give its reference back at once.
+            index = self._device_index(record.device_uuid, where)
             torch.UntypedStorage._release_ipc_counter(  # type: ignore[no-untyped-call]
                 record.ref_counter_handle, record.ref_counter_offset, device=index
             )
+        if key not in self._opened and not record.fresh:
+            raise TransferError(
+                f"{where}: the record names a share of the sender's memory this rank never "
+                "opened (the two ranks disagree on the group's history)"
+            )
+        whole = self.open_storage(record, where)
+        return whole[record.offset : record.offset + record.nbytes]
+
+    def open_storage(self, record: IpcRecord, where: str) -> torch.Tensor:
+        """The whole shared storage `record` names, as a uint8 tensor of this process: opened
+        at its first use and held until the group ends (the share's reference then keeps
+        the sender from freeing or reusing the memory)."""
+        index = self._device_index(record.device_uuid, where)
+        key = (record.handle, record.storage_offset)
+        storage = self._opened.get(key)
         if storage is None:
-            if not record.fresh:
-                raise TransferError(
-                    f"{where}: the record names a share of the sender's memory this rank never "
-                    "opened (the two ranks disagree on the group's history)"
-                )
             try:
-                # Holds the share's reference until the group ends (`_quiesce`): the sender
-                # cannot free or reuse the memory meanwhile.
                 storage = torch.UntypedStorage._new_shared_cuda(
                     index,
                     record.handle,
@@ -270,7 +324,58 @@ class CudaIpcTransport(StreamedTransport):
             self._opened[key] = storage
         whole = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
         whole.set_(storage, 0, (record.storage_size,))  # type: ignore[call-overload]
-        return whole[record.offset : record.offset + record.nbytes]
+        return whole
+
+    # -- control messages of link copies (`ipc_run`) -----------------------------------------------
+
+    def link_copies(self, mine: bool, deadline: float) -> bool:
+        """Whether this group's refits run as link copies: every rank must be able to (a
+        receiver that stages its weights takes messages, and so must every rank it links
+        to, and theirs). Agreed by all ranks at the group's first transfer (what a rank can
+        do is fixed while the group lives: its receive mode came with its registration)."""
+        if self._link_copies is None:
+            self._link_copies = self._control.all_agree(mine, deadline)
+        elif self._link_copies and not mine:
+            raise TransferError(
+                f"rank {self.rank}: this CUDA IPC group agreed on link copies, but the rank "
+                "now stages its weights (a new group is needed)"
+            )
+        return self._link_copies
+
+    def copy_stream(self) -> torch.cuda.Stream:
+        """The stream a receiver's link copies run on (channel 0's transfer stream)."""
+        return self._copy[0]
+
+    def sum_stream(self) -> torch.cuda.Stream:
+        """The stream a sender's checksums run on (channel 0's side stream)."""
+        return self._channels.side[0]
+
+    def send_control(self, peer: int, data: bytes, tag: int) -> Any:
+        """Post `data` to `peer` over the control channel; returns what `finish_sends` waits
+        for (the bytes stay referenced until then)."""
+        out = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        try:
+            return (self._pgs[0].send([out], peer, tag), out)
+        except RuntimeError as exc:  # Gloo: the peer's connection is gone
+            raise PeerFailure(
+                f"rank {self.rank}: CUDA IPC control message to rank {peer} failed: {exc}"
+            ) from exc
+
+    def finish_sends(self, sends: Sequence[Any], deadline: float) -> None:
+        """Wait for posted control sends (once the peers answered, they have them)."""
+        for work, _ in sends:
+            where = f"rank {self.rank}: a CUDA IPC control message"
+            self._wait_work(self._waits.submit(work, deadline), deadline, where)
+
+    def recv_control(self, peer: int, nbytes: int, tag: int, deadline: float, where: str) -> bytes:
+        """`nbytes` from `peer` over the control channel, waiting up to `deadline`."""
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            work = self._pgs[0].recv([buf], peer, tag)
+        except RuntimeError as exc:  # Gloo: the peer's connection is gone
+            raise PeerFailure(f"{where}: control message failed: {exc}") from exc
+        self._wait_work(self._waits.submit(work, deadline), deadline, where)
+        return buf.numpy().tobytes()
 
     def _wait_work(self, pending: Pending, deadline: float, where: str) -> None:
         """Wait for one control message, acknowledging completed copies meanwhile."""

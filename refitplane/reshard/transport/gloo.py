@@ -186,6 +186,20 @@ class GlooTransport(Transport):
                     f"rank {self.rank}: a transfer on channel {handle.channel} did not complete in time"
                 )
 
+    def all_agree(self, mine: bool, deadline: float) -> bool:
+        """True when every rank of the group passes True (a MIN all-reduce on channel 0;
+        every rank must call it, as part of the same transfer)."""
+        from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
+
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp(ReduceOp.MIN)
+        work = self._groups[0].allreduce([flag], opts)
+        with self._pending_lock:
+            self._pending.add(work)
+        self._wait_works(Handle(0, [work]), deadline)
+        return bool(flag.item())
+
     def abort(self) -> None:
         self._aborted = True
         with self._pending_lock:
