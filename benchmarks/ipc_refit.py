@@ -17,7 +17,7 @@ Cases (`--case`, one or more):
 - `cross-p2p`: the model's plan GPU 0 → GPU 1 without vLLM, CUDA IPC then NCCL P2P, with
   the peer copy limit.
 
-`--sleep-level N` (colocated): after the awake rows, vLLM is put to sleep before each refit
+`--sleep-level N [N ...]` (colocated): after the awake rows, vLLM is put to sleep before each refit
 and the refit wakes it (docs/generator.md#sleep-mode). vLLM's own `ipc` engine runs last on
 the same replica unless `--no-baseline`.
 
@@ -88,10 +88,27 @@ def _check(world: World, steps: list[Any]) -> dict[str, Any]:
     return {"checked": checked, "failures": failures[:5], "exact": checked > 0 and not failures}
 
 
-def _row(label: str, results: list[RefitResult], checks: list[dict[str, Any]]) -> dict[str, Any]:
+def _receiver_seconds(world: World) -> float:
+    """The vLLM worker's own transfer time of the last refit (its executor: the data plane
+    without the coordinator's command and report round trips)."""
+    from refitplane.testing.refit_world.worker_probes import transfer_report
+
+    reports = world.ask("replica-0", ("rpc", (transfer_report, [])), "rpc", timeout_s=60)
+    return max(float(r.get("seconds", 0.0)) for r in reports)
+
+
+def _row(
+    label: str,
+    results: list[RefitResult],
+    checks: list[dict[str, Any]],
+    receiver_s: list[float] | None = None,
+) -> dict[str, Any]:
     bad = [f"{r.state} {r.reason}" for r in results if r.state != "COMMITTED"]
+    receiver_s = receiver_s or []
     return {
         "label": label,
+        "receiver_s": [round(s, 5) for s in receiver_s],
+        "receiver_median_s": statistics.median(receiver_s) if receiver_s else 0.0,
         "total_s": [round(r.seconds, 4) for r in results],
         "transfer_s": [round(r.transfer_s, 4) for r in results],
         "total_median_s": statistics.median(r.seconds for r in results),
@@ -100,6 +117,11 @@ def _row(label: str, results: list[RefitResult], checks: list[dict[str, Any]]) -
         "verified": all(r.tensors_verified == r.tensors_total > 0 for r in results),
         "exact": all(c["exact"] for c in checks),
         "checked_boxes": checks[-1]["checked"] if checks else 0,
+        # Median seconds per coordinator phase (where trigger -> COMMITTED goes).
+        "phases_median_s": {
+            phase: statistics.median(r.phases.get(phase, 0.0) for r in results)
+            for phase in results[0].phases
+        },
         "failed": bad + [f for c in checks for f in c["failures"]][:5],
     }
 
@@ -109,10 +131,14 @@ def _print(case: str, row: dict[str, Any], limit_s: float) -> None:
     print(
         f"[{case}] {row['label']}: trigger->COMMITTED {row['total_median_s']:.3f} s, data plane "
         f"{row['transfer_median_s']:.3f} s ({gbs:.1f} GB/s, {row['transfer_median_s'] / limit_s:.2f}x "
-        f"the copy limit {limit_s * 1e3:.1f} ms), verified={row['verified']} exact={row['exact']} "
+        f"the copy limit {limit_s * 1e3:.1f} ms), receiver executor "
+        f"{row['receiver_median_s'] * 1e3:.2f} ms ({row['receiver_median_s'] / limit_s:.2f}x), "
+        f"verified={row['verified']} exact={row['exact']} "
         f"({row['checked_boxes']} boxes) {row['failed'] or ''}",
         flush=True,
     )
+    phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["phases_median_s"].items())
+    print(f"[{case}] {row['label']} phases (ms): {phases}", flush=True)
 
 
 def _free_gib() -> float:
@@ -152,7 +178,7 @@ def _refits(
     """`repeats` times: (vLLM to sleep,) an optimizer step, a refit, every live box compared."""
     from refitplane.testing.refit_world.replica import sleep_engine
 
-    results, checks, freed = [], [], []
+    results, checks, freed, receiver = [], [], [], []
     for i in range(repeats):
         if sleep_level:
             awake = _free_gib()
@@ -162,12 +188,25 @@ def _refits(
         world.ask("trainer-0", ("step", step), "step")
         steps.append(step)
         results.append(world.refit(120.0, _watch("refit", label)))
+        receiver.append(_receiver_seconds(world))
         checks.append(_check(world, steps))
-    row = _row(label, results, checks)
+    row = _row(label, results, checks, receiver)
     if sleep_level:
         row["sleep_level"] = sleep_level
         row["freed_gib_while_asleep"] = freed
     return row
+
+
+def _unfused(world: World, steps: list[Any], repeats: int, seed0: int) -> dict[str, Any]:
+    """The receiver copies with `copy_`, then checksums (instead of the kernel that sums as
+    it copies), on the same replica: what the fusion saves."""
+    from refitplane.testing.refit_world.worker_probes import set_fused_copy
+
+    world.ask("replica-0", ("rpc", (set_fused_copy, [False])), "rpc")
+    try:
+        return _refits(world, steps, "ipc copy_ then sums", repeats, seed0)
+    finally:
+        world.ask("replica-0", ("rpc", (set_fused_copy, [True])), "rpc")
 
 
 def _tokens(world: World, min_margin: float = 0.5) -> dict[str, Any]:
@@ -194,9 +233,9 @@ def vllm_ipc_baseline(
     (`worker_probes.vllm_ipc_receive`). End to end: handles asked → worker done. vLLM
     0.26's `ipc_engine.py` imports `ray` at module level: without ray installed (the
     2026-11-26 device) this reports the ImportError instead of a time."""
-    from refitplane.testing.refit_world.worker_probes import vllm_ipc_receive
+    from refitplane.testing.refit_world.worker_probes import stale_views, vllm_ipc_receive
 
-    totals, receives, handles, checks = [], [], [], []
+    totals, receives, handles, checks, stale = [], [], [], [], []
     try:
         for i in range(repeats + 1):
             step = ("flip", 0.01, 900 + i)
@@ -211,6 +250,9 @@ def vllm_ipc_baseline(
             totals.append(total)
             receives.append(max(seconds))
             handles.append(info["seconds"])
+            # Did its loader write into the parameters or replace them (then the byte
+            # compare below reads the old memory, not what vLLM serves)?
+            stale.append(world.ask("replica-0", ("rpc", (stale_views, [])), "rpc")[0])
             checks.append(_check(world, steps))
     except Exception as exc:  # noqa: BLE001 - vLLM 0.26 may not ship the ipc engine
         return {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
@@ -221,11 +263,15 @@ def vllm_ipc_baseline(
         "total_median_s": statistics.median(totals),
         "receive_median_s": statistics.median(receives),
         "exact": all(c["exact"] for c in checks),
+        # The boxes that differ after each of its refits (first 5 each): who is wrong.
+        "failures": [c["failures"] for c in checks],
+        "stale_views": stale,
     }
     print(
         f"[colocated] vLLM ipc engine: end to end {out['total_median_s']:.3f} s, receive + "
         f"load_weights {out['receive_median_s']:.3f} s ({out['receive_median_s'] / limit_s:.2f}x "
-        f"the copy limit), exact={out['exact']}",
+        f"the copy limit), exact={out['exact']} {out['failures'] if not out['exact'] else ''} "
+        f"registered views no longer in the model: {stale[-1] if stale else '?'}",
         flush=True,
     )
     return out
@@ -328,7 +374,9 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         trainer_ranks=1,
         replica_tps=(1,),
         replica_gpus=("0",) if case == "colocated" else ("1,0",),
-        sleep_level=args.sleep_level if case == "colocated" else 0,
+        # The replica's own level (REFIT_SLEEP_LEVEL: what its sidecar assumes a sleep
+        # discards) is the highest one measured.
+        sleep_level=max(args.sleep_level) if case == "colocated" else 0,
         workdir=args.workdir / case,
         settings=settings,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -353,22 +401,28 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                 row = _refits(world, steps, t, args.repeats, 10 * (rnd + 1))
                 rows[t].append(row)
                 _print(case, row, limit_s)
-                if args.sleep_level and case == "colocated":
-                    label = f"{t} sleep level {args.sleep_level}"
-                    row = _refits(world, steps, label, args.repeats, 50 + rnd, args.sleep_level)
+                if args.compare_unfused and t == "ipc":
+                    row = _unfused(world, steps, args.repeats, 30 + rnd)
+                    rows[t].append(row)
+                    _print(case, row, limit_s)
+                for level in args.sleep_level if case == "colocated" else ():
+                    if not level:
+                        continue
+                    label = f"{t} sleep level {level}"
+                    row = _refits(world, steps, label, args.repeats, 50 + 10 * level + rnd, level)
                     rows[t].append(row)
                     _print(case, row, limit_s)
         out["rows"] = rows
         out["trainer_extra_mib"] = max(world.trainer_peak_memory()) / MiB
         print(f"[{case}] trainer extra GPU memory {out['trainer_extra_mib']:.0f} MiB", flush=True)
-        if case == "colocated" and not args.no_baseline:
-            out["vllm_ipc"] = vllm_ipc_baseline(world, steps, args.repeats, limit_s)
-        if args.tokens:
+        if args.tokens:  # after our last refit, before vLLM's engine loads anything
             try:
                 out["tokens"] = _tokens(world)
             except Exception as exc:  # noqa: BLE001 - the refit rows still stand
                 out["tokens"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"[{case}] greedy tokens: {out['tokens']}", flush=True)
+        if case == "colocated" and not args.no_baseline:
+            out["vllm_ipc"] = vllm_ipc_baseline(world, steps, args.repeats, limit_s)
     out["wall_s"] = time.monotonic() - started
     return out
 
@@ -391,14 +445,21 @@ def main() -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's ipc engine")
     parser.add_argument("--tokens", action="store_true", help="greedy tokens vs transformers")
     parser.add_argument(
+        "--compare-unfused",
+        action="store_true",
+        help="colocated: also refit with the receiver copying by copy_, then checksumming",
+    )
+    parser.add_argument(
         "--refit-timeout", type=float, default=60.0, help="s: a refit still running is reported"
     )
     parser.add_argument(
         "--sleep-level",
         type=int,
-        default=0,
+        nargs="+",
+        default=[0],
         choices=[0, 1, 2],
-        help="colocated: vLLM sleeps at this level before every refit, which wakes it",
+        help="colocated: rows with vLLM asleep at each level before every refit, which wakes "
+        "it (one vLLM start; the replica's REFIT_SLEEP_LEVEL is the highest)",
     )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ipc-refit"))
     parser.add_argument("--out", type=Path)

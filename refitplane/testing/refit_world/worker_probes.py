@@ -138,3 +138,41 @@ def kernel_tensor_sums(worker: Any) -> dict[str, str]:
         name: f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} {s0} {s1}"
         for (name, t), (s0, s1) in zip(named, sums, strict=True)
     }
+
+
+def set_fused_copy(worker: Any, on: bool) -> bool:
+    """In a vLLM worker: whether CUDA IPC link copies checksum as they copy (`ipc_run.FUSE`;
+    off: `copy_`, then a checksum launch), for a benchmark's comparison in one vLLM start.
+    The receiver decides alone; its next refit rebuilds its copies."""
+    from refitplane.reshard import ipc_run
+
+    ipc_run.FUSE = on
+    return on
+
+
+def stale_views(worker: Any) -> dict[str, Any]:
+    """In a vLLM worker: the boxes the refitplane engine registered whose memory is no longer
+    inside any tensor the model holds now (a loader that replaced parameters instead of
+    writing into them, e.g. a layerwise reload): `check_replayed_weights` would read old
+    memory there, so its verdict says nothing about what the model serves."""
+    import itertools
+
+    model = worker.model_runner.get_model()
+    spans = sorted(
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        for _, t in itertools.chain(model.named_parameters(), model.named_buffers())
+        if t.device.type != "meta"
+    )
+    engine = worker.weight_transfer_engine
+    stale, checked = [], 0
+    if engine is None or engine.shards is None:
+        return {"checked": 0, "stale": ["no refitplane engine in this worker"]}
+    for name in engine.shards.names():
+        for sv in engine.shards.views_of(name):
+            if sv.tensor.is_meta:
+                continue
+            checked += 1
+            ptr = sv.tensor.data_ptr()
+            if not any(start <= ptr < start + size for start, size in spans):
+                stale.append(name)
+    return {"checked": checked, "stale": stale[:5], "stale_count": len(stale)}

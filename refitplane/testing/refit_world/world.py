@@ -26,6 +26,25 @@ from refitplane.testing.refit_world.trainer import TrainerSpec, trainer_main
 os.environ.update(SAFE_ENV)
 
 
+def physical_gpus(indices: str) -> str:
+    """`indices` (GPUs as this process numbers them, "0,1") as CUDA_VISIBLE_DEVICES for a
+    child: through this process's own CUDA_VISIBLE_DEVICES where it has one, so that a world
+    started on GPU 1 of a shared machine (CUDA_VISIBLE_DEVICES=1) stays there."""
+    parent = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not parent:
+        return indices
+    out = []
+    for k in indices.split(","):
+        if not k.strip():
+            continue
+        if int(k) >= len(parent):
+            raise ValueError(
+                f"GPU {k} of the refit world is not among CUDA_VISIBLE_DEVICES={','.join(parent)}"
+            )
+        out.append(parent[int(k)])
+    return ",".join(out)
+
+
 @dataclass
 class RefitResult:
     version: int
@@ -96,6 +115,7 @@ class World:
             gpu += tp
             if self.replica_gpus:
                 gpus = self.replica_gpus[i]
+            gpus = physical_gpus(gpus) if self.device == "cuda" else gpus
             spec = ReplicaSpec(
                 str(self.model_dir),
                 rid,
@@ -133,7 +153,7 @@ class World:
                 name,
                 trainer_main,
                 (r, tspec),
-                visible=",".join(str(k) for k in range(self.trainer_ranks)),
+                visible=physical_gpus(",".join(str(k) for k in range(self.trainer_ranks))),
             )
         trainers = [str(r) for r in range(self.trainer_ranks)]
         self._wait_ready([*replicas, *trainers] if overlap else trainers, 1800)
