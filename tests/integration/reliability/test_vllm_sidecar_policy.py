@@ -138,8 +138,7 @@ def test_failed_transfer_leaves_vllm_serving_its_previous_weights(setup) -> None
     before = _logprobs(llm)
 
     # The trainers move on to another checkpoint; rank 1 dies in the middle of sending it.
-    for name in ("trainer-0", "trainer-1"):
-        cluster.restart_agent(name, checkpoint=second)
+    cluster.restart_agents(["trainer-0", "trainer-1"], checkpoint=second)
     cluster.wait_ready()
     cluster.agents["trainer-1"].arm(stall_after_bytes=1, stall_until="deadline")
     refit = cluster.trigger(2)
@@ -211,8 +210,7 @@ def test_vllm_replica_comes_back_at_the_version_it_holds(setup) -> None:
     picked by the coordinator — goes above N and commits into vLLM."""
     cluster, llm, sidecar = setup["cluster"], setup["llm"], setup["sidecar"]
     first, second = setup["checkpoints"]
-    for name in ("trainer-0", "trainer-1"):
-        cluster.restart_agent(name, checkpoint=first)
+    cluster.restart_agents(["trainer-0", "trainer-1"], checkpoint=first)
     cluster.wait_ready()
     with cluster.client() as client:
         held = client.wait(client.trigger(cluster.job).refit_id, timeout_s=300)
@@ -257,8 +255,7 @@ def test_vllm_replica_comes_back_at_the_version_it_holds(setup) -> None:
     (replica,) = cluster.topology().replicas
     assert replica.state is MemberState.READY
 
-    for name in ("trainer-0", "trainer-1"):
-        cluster.restart_agent(name, checkpoint=second)
+    cluster.restart_agents(["trainer-0", "trainer-1"], checkpoint=second)
     cluster.wait_ready()
     with cluster.client() as client:
         refit = client.trigger(cluster.job)
