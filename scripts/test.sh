@@ -9,5 +9,10 @@ bash scripts/setup.sh
 . "${REFIT_VENV:-.venv}/bin/activate"
 started=$(date +%s)
 bash scripts/check.sh
-python -m pytest -m "not gpu" -q -p no:cacheprovider --durations=15 "$@"
+# Two pytest workers by default (REFIT_TEST_WORKERS; 0 runs in this process): run one after
+# another, the tests keep about one of CI's two cores busy (engine and process start-ups,
+# waits on real processes). --dist loadscope keeps every module on one worker, so a module's
+# fixtures (a vLLM engine per case, a process cluster per reliability module) start once.
+python -m pytest -m "not gpu" -q -p no:cacheprovider --durations=15 \
+  -n "${REFIT_TEST_WORKERS:-2}" --dist loadscope "$@"
 echo "[test] all checks and tests passed in $(( $(date +%s) - started )) s"
