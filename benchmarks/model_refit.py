@@ -163,8 +163,8 @@ def _message_groups(
     """The executor's messages for `cfg` as P2P ops (direct views and spans, scratch for
     packed ones), on the executor's channels, cut into groups the way it cuts them (4
     buckets or 64 ops)."""
-    from refitplane.reshard.executor import GROUP_BUCKETS, GROUP_MAX_OPS
     from refitplane.reshard.message_io import resolve_message
+    from refitplane.reshard.op_group import GROUP_BUCKETS, GROUP_MAX_OPS
     from refitplane.reshard.schedule import rank_schedule
     from refitplane.reshard.transport.base import P2POp
 

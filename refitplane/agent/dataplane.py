@@ -41,8 +41,9 @@ from refitplane.protocol.messages import (
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.delta_base import DeltaSnapshot
 from refitplane.reshard.delta_exchange import DeltaLinks
-from refitplane.reshard.executor import Executor, TransferReport
+from refitplane.reshard.executor import Executor
 from refitplane.reshard.shards import LocalShards
+from refitplane.reshard.transfer_report import TransferReport
 from refitplane.reshard.transport.base import Transport
 
 log = logging.getLogger(__name__)

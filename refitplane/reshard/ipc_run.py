@@ -73,7 +73,7 @@ from refitplane.reshard.transport.ipc_manifest import (
 from refitplane.reshard.transport.ipc_records import IpcRecord
 
 if TYPE_CHECKING:
-    from refitplane.reshard.executor import TransferReport
+    from refitplane.reshard.transfer_report import TransferReport
     from refitplane.reshard.transport.cuda_ipc import CudaIpcTransport
 
 ENABLED = os.environ.get("REFIT_IPC_LINK_COPIES", "1") != "0"

@@ -16,12 +16,13 @@ import torch
 from refitplane.errors import ChecksumMismatch
 from refitplane.reshard.boxes import full_box
 from refitplane.reshard.config import TransferConfig
-from refitplane.reshard.executor import Executor, TransferReport
+from refitplane.reshard.executor import Executor
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.runs import run_key, run_of
 from refitplane.reshard.schedule import link_messages, rank_schedule
 from refitplane.reshard.shards import LocalShards, torch_dtype
+from refitplane.reshard.transfer_report import TransferReport
 from tests.unit.reshard.loopback import Corrupt, LoopbackHub, LoopbackTransport, pair_plans
 
 pytestmark = pytest.mark.unit

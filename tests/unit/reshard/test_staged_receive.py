@@ -17,12 +17,13 @@ import torch
 from refitplane.errors import ChecksumMismatch, InvalidArgument, LayoutError
 from refitplane.reshard.boxes import Box, full_box, to_slices
 from refitplane.reshard.config import TransferConfig
-from refitplane.reshard.executor import Executor, TransferReport
+from refitplane.reshard.executor import Executor
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.shards import LocalShards, torch_dtype
 from refitplane.reshard.staged import StagedBucket, StagedShards
 from refitplane.reshard.stages import stage_of
+from refitplane.reshard.transfer_report import TransferReport
 from tests.unit.reshard.loopback import Corrupt, LoopbackHub, LoopbackTransport, pair_plans
 
 pytestmark = pytest.mark.unit

@@ -28,9 +28,9 @@ from refitplane.generator.hf_tensor_parallel import tp_boxes
 from refitplane.protocol import Role
 from refitplane.protocol.messages import MemberInfo, PrepareRefitCmd
 from refitplane.reshard.boxes import box_shape, to_slices
-from refitplane.reshard.executor import TransferReport
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.shards import LocalShards, dtype_name, torch_dtype
+from refitplane.reshard.transfer_report import TransferReport
 from refitplane.reshard.transport.base import P2POp, Transport
 
 

@@ -9,8 +9,8 @@ import torch
 from refitplane.agent.dataplane import DataPlaneMember, Prepared
 from refitplane.agent.settings import AgentSettings
 from refitplane.generator.vllm_contract import RefitInitInfo
-from refitplane.reshard.executor import TransferReport
 from refitplane.reshard.shards import LocalShards
+from refitplane.reshard.transfer_report import TransferReport
 
 
 class WorkerMember(DataPlaneMember):

@@ -40,8 +40,8 @@ from refitplane.protocol.draft import with_draft
 from refitplane.protocol.messages import MemberInfo, PrepareRefitCmd
 from refitplane.protocol.models import Refit
 from refitplane.reshard.delta_base import DeltaSnapshot
-from refitplane.reshard.executor import TransferReport
 from refitplane.reshard.shards import LocalShards
+from refitplane.reshard.transfer_report import TransferReport
 
 log = logging.getLogger(__name__)
 

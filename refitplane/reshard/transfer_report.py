@@ -1,0 +1,60 @@
+"""What one rank's transfer did (`TransferReport`: bytes, messages, checksums, host time by
+phase) and the progress callback the executor reports to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    pass
+
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class TransferReport:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    messages: int = 0
+    direct_messages: int = 0
+    packed_messages: int = 0
+    groups: int = 0
+    tensors_total: int = 0
+    tensors_verified: int = 0
+    staging_peak_bytes: int = 0
+    # Delta refits: what a full refit would have sent (bytes_sent is what went on the
+    # wire), and the messages that went as deltas.
+    bytes_full: int = 0
+    delta_messages: int = 0
+    # A sender's delta base was advanced to the bytes sent while encoding (no snapshot copy
+    # needed once the transfer completed; see `DeltaExchange.advanced`).
+    delta_base_advanced: bool = False
+    # Host seconds of the delta exchange before the first message (senders: scan, counts
+    # read back, payloads written; both ends: the header tables swapped).
+    delta_seconds: float = 0.0
+    # Staged receivers (`StagedShards`): buckets of stages, how many were applied during the
+    # transfer (the last one is left to the owner), and the staging arena's size.
+    staged_buckets: int = 0
+    staged_applied: int = 0
+    staged_peak_bytes: int = 0
+    # Host-side timeline, from the start of `run`: schedule and views resolved; every
+    # transfer posted (the rest of `seconds` is waiting for the devices and verifying).
+    prepared_seconds: float = 0.0
+    posted_seconds: float = 0.0
+    # Host time by phase (a profile of the posting loop): adding messages to groups,
+    # posting groups (packing launches, NCCL calls), queueing unpacking and checksums,
+    # waiting for groups to complete, and the final exchange of checksum vectors.
+    host_add_seconds: float = 0.0
+    host_post_seconds: float = 0.0
+    # Parts of posting: packing launches, and the transport's wait after a group's post
+    # until the communicator took it (non-blocking NCCL: `ncclGroupEnd` in progress).
+    host_pack_seconds: float = 0.0
+    host_settle_seconds: float = 0.0
+    host_after_seconds: float = 0.0
+    host_wait_seconds: float = 0.0
+    verify_seconds: float = 0.0
