@@ -1,0 +1,74 @@
+"""The delta kernels compile for a GPU, checked without one: Triton's CUDA backend (with its
+bundled ptxas) compiles each kernel of `delta_batch` and `delta_apply` for sm_90 from CPU.
+
+Triton's interpreter, which runs the kernels in the other CPU tests, accepts code the
+compiler refuses: on 2026-11-26 a scatter whose two branches gave one name vectors of
+different lengths passed every interpreter test and failed to compile on the first GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+
+def _cuda_backend() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from triton.backends import backends
+
+    return "nvidia" in backends
+
+
+pytestmark = pytest.mark.skipif(not _cuda_backend(), reason="needs Triton's CUDA backend")
+
+
+def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any]) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kinds = {name: signature.get(name, "constexpr") for name in fn.arg_names}
+    triton.compile(ASTSource(fn, kinds, constants), target=GPUTarget("cuda", 90, 32))
+
+
+def test_the_senders_kernels_compile() -> None:
+    import triton.language as tl
+
+    from refitplane.reshard import delta_batch
+
+    scan, gather = delta_batch._compile()
+    tables = {"block_msg": "*i32", "blk0": "*i64", "ns": "*i64", "curs": "*i64"}
+    tables |= {"bits_at": "*i64", "bits": "*u8"}
+    _compile(
+        scan,
+        {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
+        {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": delta_batch.BLOCK}
+        | {"ALIGNED": True, "SUMS": True},
+    )
+    per_message = ("kinds", "maps", "map_bytes", "indexes", "values", "starts")
+    _compile(
+        gather,
+        {**tables, "first_block": "i64", "kinds": "*i32"}
+        | {name: "*i64" for name in per_message if name != "kinds"},
+        {"WORD": tl.int16, "BLOCK": delta_batch.BLOCK},
+    )
+
+
+@pytest.mark.parametrize("word", [2, 4])
+def test_the_receivers_kernels_compile(word: int) -> None:
+    import triton.language as tl
+
+    from refitplane.reshard import delta_apply
+
+    popcount, prefix, scatter = delta_apply._compile()
+    shape = {"ROW": delta_apply.ROW, "BLOCK": delta_apply.BLOCK}
+    _compile(popcount, {"tab": "*i64", "n": "i64"}, {"STEPS": 20, **shape})
+    _compile(prefix, {"tab": "*i64"}, {"CHUNK": 1024, **shape})
+    words = {2: tl.int16, 4: tl.int32}
+    _compile(
+        scatter,
+        {"tab": "*i64", "n": "i64"},
+        {"WORD": words[word], "WORD_BYTES": word, "STEPS": 20, **shape},
+    )
