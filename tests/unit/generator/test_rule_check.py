@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from refitplane.errors import LayoutError
-from refitplane.generator.vllm_layer_rules import DescribedParam
 from refitplane.generator.vllm_layout import PaddingRegion, ParamLayout, Placement
 from refitplane.generator.vllm_rule_check import (
     PINNED_RULES,
@@ -20,6 +19,7 @@ from refitplane.generator.vllm_rule_check import (
     reject_unproven,
     role_of,
 )
+from refitplane.generator.vllm_rule_parts import DescribedParam
 from refitplane.reshard.layout import TensorSpec
 
 pytestmark = pytest.mark.unit

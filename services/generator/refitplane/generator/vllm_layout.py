@@ -49,8 +49,8 @@ from refitplane.reshard.shards import LocalShards, dtype_name, torch_dtype
 
 if TYPE_CHECKING:
     from refitplane.generator.vllm_fallback import CheckpointSource
-    from refitplane.generator.vllm_layer_rules import DescribedParam
     from refitplane.generator.vllm_rule_check import RuleCheck, RuleCheckPolicy
+    from refitplane.generator.vllm_rule_parts import DescribedParam
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,13 +352,9 @@ def describe_vllm_model(
     the fallback path.
     """
     from refitplane.generator.vllm_fallback import Layer, plan_fallback, resolve_index
-    from refitplane.generator.vllm_layer_rules import (
-        LayerContext,
-        check_loader_format,
-        describe_layer,
-        has_rule,
-    )
+    from refitplane.generator.vllm_layer_rules import check_loader_format, describe_layer, has_rule
     from refitplane.generator.vllm_rule_check import reject_unproven
+    from refitplane.generator.vllm_rule_parts import LayerContext
 
     index = resolve_index(checkpoint)
     names = frozenset(index.specs) if index is not None and index.exact else None

@@ -43,8 +43,8 @@ from refitplane.reshard.boxes import box_shape, format_box
 from refitplane.reshard.layout import TensorSpec
 
 if TYPE_CHECKING:
-    from refitplane.generator.vllm_layer_rules import DescribedParam
     from refitplane.generator.vllm_layout import ParamLayout
+    from refitplane.generator.vllm_rule_parts import DescribedParam
 
 log = logging.getLogger("refitplane.generator.rule_check")
 
