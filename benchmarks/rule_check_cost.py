@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _describe(worker: Any) -> dict[str, Any]:
     from refitplane.generator.checkpoint_index import checkpoint_specs
-    from refitplane.generator.vllm_layout import describe_vllm_model
+    from refitplane.generator.vllm_describe import describe_vllm_model
 
     model = worker.model_runner.get_model()
     start = time.perf_counter()

@@ -29,7 +29,8 @@ import torch
 
 from refitplane.errors import LayoutError
 from refitplane.generator.checkpoint_index import safetensors_specs
-from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model, vllm_shards
+from refitplane.generator.vllm_describe import describe_vllm_model, vllm_shards
+from refitplane.generator.vllm_layout import VllmLayout
 from refitplane.generator.vllm_live import live_storage
 from refitplane.generator.vllm_reload import reload_weights
 from refitplane.generator.vllm_staging import ModelPart, ReceiveBinding, bind_receive

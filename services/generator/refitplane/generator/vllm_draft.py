@@ -29,7 +29,8 @@ import torch
 from refitplane.errors import RefitError
 from refitplane.generator.checkpoint_index import checkpoint_specs
 from refitplane.generator.vllm_contract import DRAFT_GETTER, DRAFTER_ATTR, ENGINE_ATTR
-from refitplane.generator.vllm_layout import VllmLayout, describe_vllm_model
+from refitplane.generator.vllm_describe import describe_vllm_model
+from refitplane.generator.vllm_layout import VllmLayout
 from refitplane.generator.vllm_rule_check import RuleCheckPolicy
 from refitplane.generator.vllm_staging import ModelPart
 from refitplane.protocol.draft import DRAFT_PREFIX, target_name_problem

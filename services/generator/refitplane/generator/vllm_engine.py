@@ -70,7 +70,8 @@ from refitplane.generator.vllm_contract import (
     parse_init_info,
     parse_update_info,
 )
-from refitplane.generator.vllm_layout import VllmLayout, vllm_ranks
+from refitplane.generator.vllm_describe import vllm_ranks
+from refitplane.generator.vllm_layout import VllmLayout
 from refitplane.generator.vllm_rule_check import RuleCheckPolicy
 from refitplane.generator.vllm_staging import ModelPart, ReceiveBinding, bind_receive
 from refitplane.generator.vllm_worker_member import WorkerMember, registration
