@@ -1,5 +1,8 @@
 """A refit folds FP8 attention's KV-cache scales as a fresh load does (`vllm_kv_scales`),
-through vLLM's own KV-cache quant method, whatever the layer held before."""
+through vLLM's own KV-cache quant method, whatever the layer held before: in a bf16 model
+the received float32 scale is rounded to bf16 first, as the model's own scale parameter
+rounds it on a start (the values a fresh load of a Qwen3 FP8 checkpoint held on an H100,
+vLLM 0.26, 2026-11-26: 0.06578174 → 0.06591797, 0.07717846 → 0.07714844)."""
 
 from __future__ import annotations
 
@@ -66,15 +69,17 @@ def test_received_scales_are_folded_where_the_kernels_read_them() -> None:
     attn._v_scale.fill_(0.5)
     kernel_k = attn._k_scale
     received = {
-        "layers.0.k_proj.k_scale": torch.tensor(0.125),
-        "layers.0.v_proj.v_scale": torch.tensor(0.25),
+        "layers.0.k_proj.k_scale": torch.tensor(0.06578174233436584),
+        "layers.0.v_proj.v_scale": torch.tensor(0.077178455889225),
         "layers.0.proj.weight": torch.zeros(2, 2),
     }
     config = VllmConfig()  # a real config to process under; the layer reads only its dtype
     object.__setattr__(config, "model_config", types.SimpleNamespace(dtype=torch.bfloat16))
     assert fold_attention_scales(model, config, sources, received) == 1
     assert attn._k_scale is kernel_k  # written in place: kernels and CUDA graphs keep it
-    assert (float(attn._k_scale), float(attn._v_scale)) == (0.125, 0.25)
-    assert (float(attn._k_scale_cpu), float(attn._v_scale_cpu)) == (0.125, 0.25)
+    # What the fresh load held on the GPU: the checkpoint's scales rounded to bf16.
+    assert (float(attn._k_scale), float(attn._v_scale)) == (0.06591796875, 0.0771484375)
+    assert (float(attn._k_scale_cpu), float(attn._v_scale_cpu)) == (0.06591796875, 0.0771484375)
+    assert torch.get_default_dtype() == torch.float32
     assert not hasattr(attn, "k_scale")  # the loader-format parameters are gone again
     assert attn.processed == 1

@@ -5,22 +5,25 @@ A quantized attention layer (`quant_method` a vLLM `BaseKVCacheMethod`) creates 
 `v_scale` / `q_scale` / `prob_scale` parameters, loads whichever the checkpoint has, and its
 post-load processing folds them into the scales the kernels read (`_k_scale`, `_v_scale`,
 `_q_scale`, `_prob_scale`, their host copies `_k_scale_cpu` / `_v_scale_cpu` and floats),
-then deletes the parameters. A refit receives the checkpoint's scales through the fallback
-path (`vllm_layout._with_vanished`), but on vLLM 0.26 (one H100, 2026-11-26, a Qwen3 FP8
-checkpoint with KV-cache scales) the replica still held the dummy start's folded scales
-after vLLM's layerwise reload of the layer: every `_k_scale` / `_v_scale` (and host copy)
-differed from a fresh load of the same checkpoint and the served tokens differed from the
-first one (`tests/gpu/fresh_load_probe.py qwen3-fp8-kv`). So after a bucket is reloaded,
-every attention layer it carried scales for is folded again here, the way vLLM's loader
-does it on a start: fresh sentinel parameters (`create_weights`: "not in the checkpoint"),
-the received scales through their loaders, the quant method's processing, then the layer's
-own. The processing writes the kernel-side scales in place (CUDA graphs keep their
-addresses); where vLLM's reload already folded them, this writes the same values again.
+then deletes the parameters. A start builds the model under the model's dtype, so in a bf16
+model those parameters are bf16 and the checkpoint's float32 `k_scale` is rounded by its
+loader before it is folded (0.06578174 → 0.06591797). A refit receives the checkpoint's
+scales through the fallback path (`vllm_layout._with_vanished`), and vLLM 0.26's layerwise
+reload re-creates the parameters (`_reload_attention_scales`) in float32, so it folds the
+value unrounded: on one H100 (2026-11-26, windows WA and WC, `tests/gpu/fresh_load_probe.py
+qwen3-fp8-kv`) every `_k_scale` / `_v_scale` and host copy differed from a fresh load of the
+same checkpoint in exactly that rounding, and the served tokens differed from the first one.
+So after a bucket is reloaded, every attention layer it carried scales for is folded again
+here the way a start does it: fresh sentinel parameters (`create_weights`: "not in the
+checkpoint") created in the model's dtype, the received scales through their loaders
+(rounding them to it), the quant method's processing, then the layer's own. The processing
+writes the kernel-side scales in place (CUDA graphs keep their addresses).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -74,14 +77,29 @@ def fold_attention_scales(
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+    model_dtype = vllm_config.model_config.dtype
     with set_current_vllm_config(vllm_config):
         for path, received in by_layer.items():
             layer: Any = model.get_submodule(path)  # a vLLM attention layer
             method = layer.quant_method
-            method.create_weights(layer)  # every scale back at "not in the checkpoint"
+            # Every scale back at "not in the checkpoint", created in the model's dtype as
+            # on a start (vLLM builds the model under it): the received float32 scale is
+            # rounded to that dtype by its loader before it is folded, as on a fresh load.
+            with _default_dtype(model_dtype):
+                method.create_weights(layer)
             for short, value in received.items():
                 param = getattr(layer, short)
                 getattr(param, "weight_loader", default_weight_loader)(param, value)
             method.process_weights_after_loading(layer)
             layer.process_weights_after_loading(vllm_config.model_config.dtype)
     return len(by_layer)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
