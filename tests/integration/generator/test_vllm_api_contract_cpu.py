@@ -433,7 +433,8 @@ def test_other_weight_sources_sync_too(world: World) -> None:
 
     from refitplane.models.tiny import hf_greedy_tokens, load_hf_model
     from refitplane.trainer.layouts import dtensor_shards
-    from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo, ShardsSource
+    from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
+    from refitplane.trainer.vllm_weight_sources import ShardsSource
 
     model = load_hf_model(world.trained, dtype="float32")
 

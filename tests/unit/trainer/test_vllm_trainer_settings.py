@@ -13,7 +13,7 @@ from vllm.distributed.weight_transfer import (
 )
 
 from refitplane.errors import InvalidArgument
-from refitplane.trainer import vllm_engine
+from refitplane.trainer import vllm_sync_settings
 from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
 
 pytestmark = pytest.mark.unit
@@ -31,20 +31,22 @@ def test_settings_come_from_the_info_then_the_environment(
         monkeypatch.delenv(name, raising=False)
     client = HTTPVLLMWeightSyncClient("http://vllm-0:8000")
     with pytest.raises(InvalidArgument) as missing:
-        vllm_engine._settings(RefitplaneTrainerInitInfo(rank=0), client)
+        vllm_sync_settings.sync_settings(RefitplaneTrainerInitInfo(rank=0), client)
     assert missing.value.field == "coordinator"
     monkeypatch.setenv("REFIT_COORDINATOR", "coord:50051")
     with pytest.raises(InvalidArgument) as missing:
-        vllm_engine._settings(RefitplaneTrainerInitInfo(rank=0), client)
+        vllm_sync_settings.sync_settings(RefitplaneTrainerInitInfo(rank=0), client)
     assert missing.value.field == "job"
     monkeypatch.setenv("REFIT_JOB", "grpo")
-    settings = vllm_engine._settings(RefitplaneTrainerInitInfo(rank=1, job="ppo"), client)
+    settings = vllm_sync_settings.sync_settings(
+        RefitplaneTrainerInitInfo(rank=1, job="ppo"), client
+    )
     assert (settings.coordinator, settings.job, settings.world_size) == ("coord:50051", "ppo", 1)
     # Every rank has the same client, so the same replica id.
-    again = vllm_engine._settings(RefitplaneTrainerInitInfo(rank=0), client)
+    again = vllm_sync_settings.sync_settings(RefitplaneTrainerInitInfo(rank=0), client)
     assert settings.replica_id == again.replica_id
     assert settings.replica_id.startswith("vllm-")
-    other = vllm_engine._settings(
+    other = vllm_sync_settings.sync_settings(
         RefitplaneTrainerInitInfo(rank=0), HTTPVLLMWeightSyncClient("http://vllm-1:8000")
     )
     assert other.replica_id != settings.replica_id
@@ -56,11 +58,13 @@ def test_several_ranks_without_torch_distributed_need_a_run_id(
     monkeypatch.setenv("REFIT_COORDINATOR", "coord:50051")
     monkeypatch.setenv("REFIT_JOB", "grpo")
     client = HTTPVLLMWeightSyncClient("http://vllm-0:8000")
-    settings = vllm_engine._settings(RefitplaneTrainerInitInfo(rank=0, world_size=2), client)
+    settings = vllm_sync_settings.sync_settings(
+        RefitplaneTrainerInitInfo(rank=0, world_size=2), client
+    )
     with pytest.raises(InvalidArgument) as missing:
-        vllm_engine._shared_run_id(settings, rank=0)
+        vllm_sync_settings.shared_run_id(settings, rank=0)
     assert missing.value.field == "run_id"
-    named = vllm_engine._settings(
+    named = vllm_sync_settings.sync_settings(
         RefitplaneTrainerInitInfo(rank=1, world_size=2, run_id="run-7"), client
     )
-    assert vllm_engine._shared_run_id(named, rank=1) == "run-7"
+    assert vllm_sync_settings.shared_run_id(named, rank=1) == "run-7"

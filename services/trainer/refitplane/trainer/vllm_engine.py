@@ -35,36 +35,35 @@ Pausing generation stays the caller's, as with every vLLM backend. Any other
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
 from vllm.distributed.weight_transfer.base import (
-    ParamMeta,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
 )
 
-from refitplane.agent.dataplane import local_address
 from refitplane.agent.session import AgentSession
-from refitplane.agent.settings import AgentSettings
 from refitplane.client.sync import RefitClient
-from refitplane.errors import FailedPrecondition, InvalidArgument, TransferError
+from refitplane.errors import FailedPrecondition, TransferError
 from refitplane.protocol import Reason, Refit, RefitState, Role
 from refitplane.replica import vllm_backend
-from refitplane.replica.control import CallerPausedControl, call_verb, wait_replica_ranks
+from refitplane.replica.control import wait_replica_ranks
 from refitplane.replica.controller import SidecarMember
-from refitplane.reshard.boxes import full_box
-from refitplane.reshard.layout import TensorSpec
-from refitplane.reshard.shards import LocalShards, dtype_name, torch_dtype
+from refitplane.reshard.shards import LocalShards
 from refitplane.trainer.agent import TrainerAgent
+from refitplane.trainer.vllm_client_control import ClientControl
+from refitplane.trainer.vllm_sync_settings import shared_run_id, sync_settings
+from refitplane.trainer.vllm_weight_sources import ShardsSource, StagedSource, module_of
+
+if TYPE_CHECKING:
+    from refitplane.trainer.vllm_sync_settings import SyncSettings
 
 log = logging.getLogger(__name__)
 
@@ -114,203 +113,6 @@ class WeightSyncError(TransferError, RuntimeError):
         self.refit_id = refit_id
 
 
-class ShardsSource(WeightSource):
-    """A `WeightSource` that is this rank's refitplane shards, e.g.
-    `ShardsSource(lambda: megatron_shards(model, hf_config))`.
-
-    Only the refitplane backend reads it: `metadata()` lists the tensors this rank holds
-    part of (with their full shapes), and iterating it is refused — nothing is gathered."""
-
-    def __init__(self, shards: Callable[[], LocalShards]) -> None:
-        self._shards = shards
-
-    def local_shards(self) -> LocalShards:
-        return self._shards()
-
-    def metadata(self) -> list[ParamMeta]:
-        shards = self._shards()
-        specs = [shards.spec(name) for name in shards.names()]
-        return [ParamMeta(s.name, torch_dtype(s.dtype), tuple(s.shape)) for s in specs]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        raise NotImplementedError(
-            "a ShardsSource holds boxes, not whole tensors: only the refitplane backend reads it"
-        )
-
-
-class ClientControl(CallerPausedControl):
-    """The sidecar's engine verbs over a `VLLMWeightSyncClient` (HTTP or Ray). Pausing is
-    the caller's, as for every vLLM backend, so pause/resume do nothing here. A client's
-    exception becomes the HTTP status it carries (the sidecar takes outcomes from the
-    coordinator, but refuses to go on after a failed start)."""
-
-    def __init__(self, client: VLLMWeightSyncClient) -> None:
-        self.client = client
-
-    def init_engine(self, init_info: dict[str, Any]) -> int:
-        return call_verb(
-            "init_weight_transfer_engine",
-            lambda: self.client.init_weight_transfer_engine(init_info),
-        )
-
-    def start_update(self) -> int:
-        return call_verb("start_weight_update", self.client.start_weight_update)
-
-    def update(self, update_info: dict[str, Any]) -> int:
-        return call_verb("update_weights", lambda: self.client.update_weights(update_info))
-
-    def finish(self, version: int | None) -> int:
-        label = None if version is None else str(version)
-        return call_verb("finish_weight_update", lambda: self.client.finish_weight_update(label))
-
-    def engine_status(self) -> list[dict[str, Any]] | None:
-        # vLLM's weight-sync clients have no status channel (the controller exports no
-        # staging metric; each worker's status has it).
-        return None
-
-
-@dataclass
-class _Settings:
-    coordinator: str
-    job: str
-    replica_id: str
-    world_size: int
-    run_id: str
-    generator_coordinator: str
-    all_replicas: bool
-    host: str
-    timeout_s: float
-    init_timeout_s: float
-    token: str | None = None
-    tls_ca: str | None = None
-    labels: dict[str, str] = field(default_factory=dict)
-
-
-def _settings(info: Any, client: object, env: AgentSettings | None = None) -> _Settings:
-    """Read any init info whose backend is "refitplane" (fields missing from it, e.g. when
-    a team swapped only the backend name of another backend's init info, come from the
-    agents' settings: `AgentSettings`, the REFIT_* environment)."""
-    env = env or AgentSettings()
-
-    def pick(name: str, default: Any = "") -> Any:
-        value = getattr(info, name, None)
-        return value if value not in (None, "", 0) else default
-
-    coordinator = pick("coordinator") or env.coordinator
-    job = pick("job") or env.job
-    if not coordinator:
-        raise InvalidArgument(
-            "init_info.coordinator is required (or set REFIT_COORDINATOR)", field="coordinator"
-        )
-    if not job:
-        raise InvalidArgument("init_info.job is required (or set REFIT_JOB)", field="job")
-    world = int(pick("world_size", default=0))
-    if world <= 0:
-        world = _dist_world_size()
-    return _Settings(
-        coordinator=coordinator,
-        job=job,
-        replica_id=pick("replica_id") or env.replica_id or _default_replica(client),
-        world_size=world,
-        run_id=pick("run_id"),
-        generator_coordinator=pick("generator_coordinator") or coordinator,
-        all_replicas=bool(getattr(info, "all_replicas", False)),
-        host=pick("host") or env.host or local_address(),
-        timeout_s=float(pick("timeout_s", default=600.0)),
-        init_timeout_s=float(pick("init_timeout_s", default=300.0)),
-        token=env.token(),
-        tls_ca=env.tls_ca(),
-    )
-
-
-def _dist_world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _default_replica(client: object) -> str:
-    """A replica id every rank derives alike from the client it was given."""
-    base_url = getattr(client, "base_url", None)
-    if isinstance(base_url, str) and base_url:
-        return "vllm-" + hashlib.sha1(base_url.encode()).hexdigest()[:10]
-    return "vllm-0"
-
-
-def _shared_run_id(settings: _Settings, rank: int) -> str:
-    if settings.run_id:
-        return settings.run_id
-    if settings.world_size == 1:
-        return uuid.uuid4().hex
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        raise InvalidArgument(
-            f"{settings.world_size} trainer ranks need a shared init_info.run_id (or an "
-            "initialised torch.distributed default group to agree on one)",
-            field="run_id",
-        )
-    # Every rank calls trainer_init (vLLM's contract), so this collective matches.
-    box: list[object] = [uuid.uuid4().hex if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return str(box[0])
-
-
-def _module_of(source: object) -> torch.nn.Module | None:
-    """The module behind vLLM's `ModuleSource` / `DTensorModuleSource` (both keep it as
-    `_module`): its parameters are described in place, without iterating the source."""
-    module = getattr(source, "_module", None)
-    return module if isinstance(module, torch.nn.Module) else None
-
-
-class _StagedSource:
-    """A generic `WeightSource` on the sending rank: one whole-tensor staging buffer per
-    tensor (published once), refilled from the source's iteration at every send."""
-
-    def __init__(self, source: WeightSource, device: torch.device) -> None:
-        if source.held_names() is not None:
-            raise InvalidArgument(
-                "a WeightSource split across ranks (held_names) cannot be staged on rank 0; "
-                "pass a ModuleSource or refitplane's ShardsSource",
-                field="source",
-            )
-        self.source = source
-        self.meta = source.metadata()
-        self.staging = {
-            m.name: torch.empty(m.shape, dtype=m.dtype, device=device) for m in self.meta
-        }
-        self.shards = LocalShards()
-        for m in self.meta:
-            spec = TensorSpec.create(m.name, tuple(m.shape), dtype_name(m.dtype))
-            self.shards.add(spec, full_box(m.shape), self.staging[m.name])
-
-    def refill(self, *, keep: bool) -> None:
-        """Iterate the source (a collective on every rank); `keep`: copy into staging."""
-        count = 0
-        for name, tensor in self.source:
-            if count >= len(self.meta) or name != self.meta[count].name:
-                expected = self.meta[count].name if count < len(self.meta) else "nothing"
-                raise InvalidArgument(
-                    f"WeightSource yielded {name!r} at position {count}, its metadata() "
-                    f"declared {expected!r}",
-                    field="source",
-                )
-            if keep:
-                target = self.staging[name]
-                if tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
-                    raise InvalidArgument(
-                        f"tensor {name!r}: WeightSource yielded {tensor.dtype} "
-                        f"{tuple(tensor.shape)}, its metadata() declared {target.dtype} "
-                        f"{tuple(target.shape)}",
-                        field="source",
-                    )
-                target.copy_(tensor)
-            count += 1
-        if count != len(self.meta):
-            raise InvalidArgument(
-                f"WeightSource yielded {count} tensors, its metadata() declared {len(self.meta)}",
-                field="source",
-            )
-
-
 class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitInfo]):
     init_info_cls = RefitplaneTrainerInitInfo
 
@@ -320,7 +122,7 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         client: VLLMWeightSyncClient,
         source: WeightSource | None,
         is_sender: bool,
-        settings: _Settings,
+        settings: SyncSettings,
         rank: int,
         run_id: str,
     ) -> None:
@@ -337,7 +139,7 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         # Rank 0: the replica's controller (what refit-sidecar runs for a server).
         self.controller_member: SidecarMember | None = None
         self._refits: RefitClient | None = None
-        self._staged: _StagedSource | None = None
+        self._staged: StagedSource | None = None
 
     @classmethod
     def trainer_init(
@@ -351,8 +153,8 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         if source is None:
             raise ValueError("the refitplane trainer engine needs a WeightSource")
         rank = int(init_info.rank)
-        settings = _settings(init_info, client)
-        run_id = _shared_run_id(settings, rank)
+        settings = sync_settings(init_info, client)
+        run_id = shared_run_id(settings, rank)
         engine = cls(
             client=client,
             source=source,
@@ -371,7 +173,7 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
     def _start(self, source: WeightSource) -> None:
         s = self.settings
         self._refits = RefitClient(s.coordinator, token=s.token, tls_ca=s.tls_ca)
-        module = _module_of(source)
+        module = module_of(source)
         shards: Callable[[], LocalShards]
         world = s.world_size
         if isinstance(source, ShardsSource):
@@ -384,7 +186,7 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         else:
             # Only rank 0 stages (and takes part); the others just iterate at each send.
             world = 1
-            self._staged = _StagedSource(source, _default_device())
+            self._staged = StagedSource(source, _default_device())
             staged = self._staged.shards
             shards = lambda: staged  # noqa: E731 - the staging never changes
         first = next(iter(shards()), None)
