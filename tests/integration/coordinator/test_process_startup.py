@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -100,9 +99,14 @@ def test_sigterm_while_the_store_does_not_answer_stops_it(tmp_path):
         with log_path.open("wb") as log:
             proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=log)
         with killed_at_exit(proc):
-            time.sleep(2.0)  # inside the store's first PING (no log line marks it)
+            # Its first connection to the store means start-up has reached the store's first
+            # PING, after the signal handlers are installed (a fixed sleep raced them on a
+            # loaded machine: the SIGTERM came first and the process died of it, -15).
+            silent.settimeout(60.0)
+            held, _ = silent.accept()
             assert proc.poll() is None, log_path.read_text()
             code = stop_with(proc, signal.SIGTERM, timeout_s=12)
+        held.close()
     text = log_path.read_text()
     assert code == 0, text
     assert "SIGTERM received: stopping" in text
