@@ -467,11 +467,14 @@ class JobDriver:
                     run.record = run.record.model_copy(
                         update={"bytes_on_wire": run.record.bytes_on_wire + body.bytes_sent}
                     )
+                # Ranks send no Progress at the end of a transfer: a finished transfer (its
+                # report checked against the plan above) has moved the rank's whole share.
+                # Progress counts the share, not the wire: a delta's body carries the (fewer)
+                # bytes on the wire, which bytes_on_wire keeps for the trainers.
                 run.set_progress(
                     mid,
-                    sent=body.bytes_sent,
-                    received=body.bytes_received,
-                    # Ranks send no Progress at the end of a transfer: this is their total.
+                    sent=plan.send_bytes,
+                    received=plan.recv_bytes,
                     total=plan.send_bytes + plan.recv_bytes,
                     verified=body.tensors_verified,
                     tensors=body.tensors_total,
