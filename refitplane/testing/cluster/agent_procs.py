@@ -18,8 +18,9 @@ the control file:
                    step / weights guard (trainer), sha256 digests of every tensor it holds,
                    fault counters (communicators created / aborted / open), threads, fds, RSS
     POST /faults   arm faults: {"stall_after_bytes": N, "stall_until": "deadline"|"abort",
-                   "corrupt_sends": 1, "delay_s": D, "misreport_done": 1} (see
-                   `faulty_transport`)
+                   "corrupt_sends": 1, "delay_s": D, "hold": true, "misreport_done": 1}
+                   (see `faulty_transport`)
+    POST /faults/release  let the transfer held by "hold" go on
     POST /step     trainer: a "training step" to {"version": V} inside
                    `agent.updating_weights()` (waits for a refit reading the weights);
                    "hold_s": keep the weights locked that long (a slow optimizer step)
@@ -316,11 +317,15 @@ class _ControlHandler(JsonRequestHandler):
                     stall_until=str(body.get("stall_until", "deadline")),
                     corrupt_sends=int(body.get("corrupt_sends", 0)),
                     delay_s=float(body.get("delay_s", 0.0)),
+                    hold=bool(body.get("hold", False)),
                     misreport_done=int(body.get("misreport_done", 0)),
                 )
             except InvalidArgument as exc:
                 self._reply(400, {"error": exc.message})
                 return
+            self._reply(200, self.runner.faults.snapshot())
+        elif self.path == "/faults/release":
+            self.runner.faults.release()
             self._reply(200, self.runner.faults.snapshot())
         elif self.path == "/step":
             hold_s = float(body.get("hold_s", 0.0))

@@ -67,9 +67,11 @@ class Faults:
     stall_until: StallUntil = "deadline"
     corrupt_sends: int = 0
     delay_s: float = 0.0
+    hold: bool = False
     misreport_done: int = 0
     counters: FaultCounters = field(default_factory=FaultCounters)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _released: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def arm(
         self,
@@ -78,6 +80,7 @@ class Faults:
         stall_until: str = "deadline",
         corrupt_sends: int = 0,
         delay_s: float = 0.0,
+        hold: bool = False,
         misreport_done: int = 0,
     ) -> None:
         if stall_until not in ("deadline", "abort"):
@@ -92,6 +95,9 @@ class Faults:
             self.stall_until = "abort" if stall_until == "abort" else "deadline"
             self.corrupt_sends = max(0, corrupt_sends)
             self.delay_s = max(0.0, delay_s)
+            self.hold = hold
+            if hold:
+                self._released.clear()
             self.misreport_done = max(0, misreport_done)
             self.counters.bytes_posted = 0
 
@@ -104,6 +110,7 @@ class Faults:
                 "armed_stall_after_bytes": self.stall_after_bytes,
                 "armed_corrupt_sends": self.corrupt_sends,
                 "armed_delay_s": self.delay_s,
+                "armed_hold": self.hold,
                 "armed_misreport_done": self.misreport_done,
             }
 
@@ -137,6 +144,20 @@ class Faults:
             if delay:
                 self.counters.delays += 1
             return delay
+
+    def release(self) -> None:
+        """Let a held transfer go on (a no-op when nothing is held)."""
+        self._released.set()
+
+    def wait_if_held(self, rank: int, deadline: float) -> None:
+        """Hold this group (once per arming) until `release` or the transfer deadline: a
+        transfer a test keeps running for exactly as long as it needs, whatever the load."""
+        with self._lock:
+            held, self.hold = self.hold, False
+            if held:
+                self.counters.delays += 1
+        if held and not self._released.wait(max(0.0, deadline - time.monotonic())):
+            raise TransferTimeout(f"rank {rank}: held transfer reached its deadline unreleased")
 
     def should_stall(self, ops: Sequence[P2POp]) -> bool:
         """Whether this group must not be posted; otherwise count its bytes."""
@@ -212,6 +233,7 @@ def faulty_transport_class(faults: Faults) -> type[gloo.GlooTransport]:
             delay = faults.take_delay()
             if delay:
                 time.sleep(delay)
+            faults.wait_if_held(self.rank, deadline)
             if faults.should_stall(ops):
                 return Handle(channel, _Stalled())
             posted = faults.corrupt(ops)

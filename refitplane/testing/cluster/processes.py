@@ -287,6 +287,13 @@ class AgentProc(Proc):
         data: dict[str, Any] = response.json()
         return data
 
+    def release(self) -> dict[str, Any]:
+        """Let the transfer held by `arm(hold=True)` go on."""
+        response = self.call("POST", "/faults/release", {})
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
     def step(self, version: int, timeout_s: float = 30.0, hold_s: float = 0.0) -> httpx.Response:
         body = {"version": version, "timeout_s": timeout_s, "hold_s": hold_s}
         return self.call("POST", "/step", body, timeout_s + hold_s)

@@ -272,7 +272,10 @@ def test_duplicate_and_concurrent_triggers(world: World) -> None:
     cluster = world.cluster
     version = world.next_version()
     world.step(version)
-    cluster.agents["trainer-0"].arm(delay_s=2.0)
+    # Held until released below, not for a fixed time: under load the twenty triggers alone
+    # outlasted a 2 s delay and the refit committed before the test saw it transferring.
+    held = cluster.agents["trainer-0"]
+    held.arm(hold=True)
     world.weights_of[version] = version
     url = f"{cluster.coordinator.http_url}/v1/jobs/{cluster.job}/refits"
 
@@ -314,6 +317,7 @@ def test_duplicate_and_concurrent_triggers(world: World) -> None:
         assert record.state in {RefitState.PENDING, RefitState.PREPARING}
         assert record.version == latest
         assert record.coalesced == len(later) - 1
+    held.release()
     assert cluster.wait(first).state is RefitState.COMMITTED
     done = cluster.wait(queued)
     assert done.state is RefitState.COMMITTED, (done.reason, done.message)
