@@ -287,7 +287,7 @@ def test_a_level_2_sleep_by_the_rl_loop_drops_the_replica_version(coordinator, l
         token=None,
         tls_ca=None,
         timeout_s=10,
-        # What the vLLM worker's engine registers and renews with (vllm_engine._init).
+        # What the vLLM worker's engine registers and renews with (vllm_worker_setup.prepare_registration).
         held_version=lambda: rank_engine.version,
         serving=rank_engine._serves_held,
     )

@@ -55,9 +55,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from refitplane.agent.dataplane import local_address
 from refitplane.agent.session import AgentSession
-from refitplane.agent.settings import AgentSettings
 from refitplane.errors import RefitError
 from refitplane.generator import vllm_draft, vllm_sleep_guard
 from refitplane.generator.vllm_contract import (
@@ -72,10 +70,9 @@ from refitplane.generator.vllm_contract import (
 )
 from refitplane.generator.vllm_describe import vllm_ranks
 from refitplane.generator.vllm_layout import VllmLayout
-from refitplane.generator.vllm_rule_check import RuleCheckPolicy
-from refitplane.generator.vllm_staging import ModelPart, ReceiveBinding, bind_receive
+from refitplane.generator.vllm_staging import ReceiveBinding
 from refitplane.generator.vllm_worker_member import WorkerMember, registration
-from refitplane.generator.vllm_worker_setup import log_paths, worker_member_info
+from refitplane.generator.vllm_worker_setup import prepare_registration
 from refitplane.protocol import Reason
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.staged import StagedShards
@@ -244,70 +241,33 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
     def _init(self, info: RefitInitInfo) -> None:
         if self._parse_problem:
             raise RefitError(f"bad init_info: {self._parse_problem}", field="init_info")
-        env = AgentSettings()
-        coordinator, job, replica = registration(info, env)[:3]
-        if not (coordinator and job and replica):
-            raise RefitError(
-                "init_info needs coordinator, job and replica_id (or REFIT_* env)",
-                field="init_info",
-            )
-        forced = info.fallback_layers or env.fallback_layer_names()
-        rule_check = RuleCheckPolicy(
-            skip=frozenset(env.rule_check_skip_names()), max_bytes=env.rule_check_max_bytes
-        )
-        layout = vllm_draft.describe_served(
-            self._target, self.vllm_config, skip_rules=forced, rule_check=rule_check
-        )
-        self.layout = layout
-        log_paths(layout)
-        parts = [ModelPart(self._target, layout, self.vllm_config)]
-        self.draft, draft = vllm_draft.draft_part(
-            self.draft_finder,
-            info.draft or env.draft,
+        built = prepare_registration(
+            info,
             target=self._target,
-            target_layout=layout,
-            skip_rules=forced,
-            rule_check=rule_check,
-        )
-        self.draft_layout = draft.layout if draft is not None else None
-        if draft is not None:
-            # vLLM reports it; its own draft session is still never opened (the API guard).
-            self.supports_draft_weight_update = True
-            parts.append(draft)
-            log_paths(draft.layout)
-        binding = bind_receive(parts, device=self.device, requested=info.mode)
-        self.binding, self.shards, self.mode = binding, binding.shards, binding.mode
-        host = info.host or env.host or local_address()
-        member_info = worker_member_info(
-            job=job,
-            replica=replica,
-            layouts=self._layouts(),
-            binding=binding,
-            env=env,
-            host=host,
+            vllm_config=self.vllm_config,
             device=self.device,
-            draft=self.draft,
-        )
-        replica = member_info.replica_id
-        member = WorkerMember(self.shards, device=self.device, local_host=host)
-        session = AgentSession(
-            coordinator,
-            member_info,
-            member,
-            token=env.token(),
-            tls_ca=info.tls_ca or env.tls_ca(),
+            draft_finder=self.draft_finder,
             held_version=lambda: self.version,
             serving=self._serves_held,
         )
-        member.attach(session)
+        self.layout, self.draft, self.draft_layout = built.layout, built.draft, built.draft_layout
+        if built.draft_layout is not None:
+            # vLLM reports it; its own draft session is still never opened (the API guard).
+            self.supports_draft_weight_update = True
+        self.binding, self.shards, self.mode = (
+            built.binding,
+            built.binding.shards,
+            built.binding.mode,
+        )
         # Set before start: a failure from here on is cleaned up by `_close_session`.
-        self.member, self.session, self.replica = member, session, replica
-        session.start()
-        session.publish_layout(self.shards.layout(member_info.rank))
+        self.member, self.session = built.member, built.session
+        self.replica = built.member_info.replica_id
+        built.session.start()
+        built.session.publish_layout(self.shards.layout(built.member_info.rank))
         log.info(
             "refitplane: rank %d of replica %s registered (%s receive, %d tensors)",
-            member_info.rank,
-            replica,
+            built.member_info.rank,
+            self.replica,
             self.mode,
             len(self.shards.names()),
         )

@@ -1,24 +1,130 @@
-"""What a vLLM worker's refitplane engine registers as, and says at start: the generator
-rank it is in its replica (`worker_member_info`: place, device, and the labels the
-coordinator and the sidecar read: how it receives, whether it takes deltas, its sleep
-level, what its layouts hold), and which parameters take the fallback path and what the
-start-up check of the rules found (`log_paths`).
+"""What a vLLM worker's refitplane engine registers as, and says at start: everything an
+init builds before it joins the coordinator (`prepare_registration`: the layouts of the
+target and of a refit draft, the receive binding, the data-plane member and its session),
+the generator rank it is in its replica (`worker_member_info`: place, device, and the
+labels the coordinator and the sidecar read: how it receives, whether it takes deltas, its
+sleep level, what its layouts hold), and which parameters take the fallback path and what
+the start-up check of the rules found (`log_paths`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from refitplane.agent.dataplane import placement_of
+from refitplane.agent.dataplane import local_address, placement_of
+from refitplane.agent.session import AgentSession
 from refitplane.agent.settings import AgentSettings
+from refitplane.errors import RefitError
+from refitplane.generator import vllm_draft
+from refitplane.generator.vllm_contract import RefitInitInfo
 from refitplane.generator.vllm_layout import VllmLayout
-from refitplane.generator.vllm_staging import ReceiveBinding
+from refitplane.generator.vllm_rule_check import RuleCheckPolicy
+from refitplane.generator.vllm_staging import ModelPart, ReceiveBinding, bind_receive
+from refitplane.generator.vllm_worker_member import WorkerMember, registration
 from refitplane.protocol import Role
 from refitplane.protocol.messages import MemberInfo
 
 log = logging.getLogger("refitplane.generator.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRegistration:
+    """What an engine init built, not yet started: the caller keeps `session` and `member`
+    before `session.start()` so that a failure from there on is cleaned up by closing them."""
+
+    layout: VllmLayout
+    draft: str  # "none", "keep" or "refit" (the engine's status)
+    draft_layout: VllmLayout | None
+    binding: ReceiveBinding
+    member_info: MemberInfo
+    member: WorkerMember
+    session: AgentSession
+
+    @property
+    def layouts(self) -> list[VllmLayout]:
+        """The published layouts: the target's, and the draft's when it is refit."""
+        return [x for x in (self.layout, self.draft_layout) if x is not None]
+
+
+def prepare_registration(
+    info: RefitInitInfo,
+    *,
+    target: torch.nn.Module,
+    vllm_config: Any,
+    device: torch.device,
+    draft_finder: vllm_draft.DraftFinder | None,
+    held_version: Callable[[], int],
+    serving: Callable[[], bool | None],
+) -> WorkerRegistration:
+    """Describe the served model (and its draft, when `info.draft` or REFIT_DRAFT says
+    "refit"), bind where receives land, and build the member and its coordinator session
+    (`held_version` and `serving` are what it reports on every registration and lease
+    renewal). Raises a `RefitError` naming the init_info field at fault."""
+    env = AgentSettings()
+    coordinator, job, replica = registration(info, env)[:3]
+    if not (coordinator and job and replica):
+        raise RefitError(
+            "init_info needs coordinator, job and replica_id (or REFIT_* env)",
+            field="init_info",
+        )
+    forced = info.fallback_layers or env.fallback_layer_names()
+    rule_check = RuleCheckPolicy(
+        skip=frozenset(env.rule_check_skip_names()), max_bytes=env.rule_check_max_bytes
+    )
+    layout = vllm_draft.describe_served(
+        target, vllm_config, skip_rules=forced, rule_check=rule_check
+    )
+    log_paths(layout)
+    parts = [ModelPart(target, layout, vllm_config)]
+    draft, draft_model = vllm_draft.draft_part(
+        draft_finder,
+        info.draft or env.draft,
+        target=target,
+        target_layout=layout,
+        skip_rules=forced,
+        rule_check=rule_check,
+    )
+    if draft_model is not None:
+        parts.append(draft_model)
+        log_paths(draft_model.layout)
+    binding = bind_receive(parts, device=device, requested=info.mode)
+    host = info.host or env.host or local_address()
+    layouts = [part.layout for part in parts]
+    member_info = worker_member_info(
+        job=job,
+        replica=replica,
+        layouts=layouts,
+        binding=binding,
+        env=env,
+        host=host,
+        device=device,
+        draft=draft,
+    )
+    member = WorkerMember(binding.shards, device=device, local_host=host)
+    session = AgentSession(
+        coordinator,
+        member_info,
+        member,
+        token=env.token(),
+        tls_ca=info.tls_ca or env.tls_ca(),
+        held_version=held_version,
+        serving=serving,
+    )
+    member.attach(session)
+    return WorkerRegistration(
+        layout=layout,
+        draft=draft,
+        draft_layout=draft_model.layout if draft_model is not None else None,
+        binding=binding,
+        member_info=member_info,
+        member=member,
+        session=session,
+    )
 
 
 def worker_member_info(
