@@ -9,7 +9,7 @@ import refitplane.agent.simulated
 import refitplane.cli.exits
 import refitplane.client
 import refitplane.errors as errors
-import refitplane.generator.vllm_contract
+import refitplane.generator.vllm_verb_flows
 from refitplane.coordinator.core.failures import RefitFailed
 from refitplane.coordinator.core.membership import Departure
 from refitplane.protocol import Reason, RefitState
@@ -29,7 +29,7 @@ def test_every_error_class_carries_a_listed_reason() -> None:
     classes = _subclasses(errors.RefitError)
     assert refitplane.agent.simulated.SimulatedFailure in classes
     assert refitplane.cli.exits.UsageError in classes
-    assert refitplane.generator.vllm_contract.InfoError in classes
+    assert refitplane.generator.vllm_verb_flows.InfoError in classes
     assert RefitFailed in classes  # the coordinator's failures are RefitErrors too
     unlisted = [c.__qualname__ for c in classes if c.reason not in set(Reason)]
     assert not unlisted

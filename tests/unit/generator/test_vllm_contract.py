@@ -17,6 +17,7 @@ import pytest
 from refitplane.agent.settings import AgentSettings
 from refitplane.errors import RefitError
 from refitplane.generator import vllm_contract as c
+from refitplane.generator import vllm_verb_flows as f
 
 pytestmark = pytest.mark.unit
 
@@ -50,10 +51,10 @@ def _update(ok: bool = True, reason: str = "", modified: bool = False) -> c.Upda
 
 
 def _run(
-    flow: c.Flow, answer: Callable[[c.Step], Any]
-) -> tuple[list[c.Step], c.FlowOutcome | BaseException]:
+    flow: f.Flow, answer: Callable[[f.Step], Any]
+) -> tuple[list[f.Step], f.FlowOutcome | BaseException]:
     """Drive a flow as the API guard does; returns the steps it took and its outcome."""
-    steps: list[c.Step] = []
+    steps: list[f.Step] = []
     try:
         step = next(flow)
         while True:
@@ -69,12 +70,12 @@ def _workers(*before: c.EngineStatus, after: list[c.EngineStatus] | None = None)
     """Status replies: `before` until the verb's own RPC went out, `after` from then on."""
     state = {"sent": False}
 
-    def answer(step: c.Step) -> Any:
-        if isinstance(step, c.GetVersion):
+    def answer(step: f.Step) -> Any:
+        if isinstance(step, f.GetVersion):
             return "7"
-        if isinstance(step, c.Rpc) and step.method != c.ENGINE_ATTR:
+        if isinstance(step, f.Rpc) and step.method != c.ENGINE_ATTR:
             state["sent"] = True
-        if step == c.STATUS:
+        if step == f.STATUS:
             return list(after if state["sent"] and after is not None else before)
         return None
 
@@ -114,30 +115,30 @@ def test_update_info_problems_name_their_fields() -> None:
 
 
 def test_a_bad_payload_sends_nothing() -> None:
-    steps, outcome = _run(c.init_flow({"job": 3}), _workers(_status()))
+    steps, outcome = _run(f.init_flow({"job": 3}), _workers(_status()))
     assert steps == []
-    assert isinstance(outcome, c.InfoError)
+    assert isinstance(outcome, f.InfoError)
     assert outcome.field == "init_info.job"
-    steps, outcome = _run(c.update_flow([{"refit_id": "a"}, {}]), _workers(_status()))
+    steps, outcome = _run(f.update_flow([{"refit_id": "a"}, {}]), _workers(_status()))
     assert steps == []
-    assert isinstance(outcome, c.InfoError)
+    assert isinstance(outcome, f.InfoError)
     assert outcome.field == "update_info[1].refit_id"
 
 
 def test_verbs_out_of_order_are_refused_before_the_rpc() -> None:
     idle = _status(session=False)
-    for flow in (c.update_flow({"refit_id": "a"}), c.finish_flow("1")):
+    for flow in (f.update_flow({"refit_id": "a"}), f.finish_flow("1")):
         steps, outcome = _run(flow, _workers(idle, _status()))
-        assert steps == [c.STATUS]
-        assert isinstance(outcome, c.StateConflict)
-    steps, outcome = _run(c.start_flow(), _workers(_status(), _status(session=False)))
-    assert steps == [c.STATUS]
-    assert isinstance(outcome, c.StateConflict)
-    steps, outcome = _run(c.shutdown_flow(), _workers(_status(), _status(session=False)))
-    assert steps == [c.STATUS]
-    assert isinstance(outcome, c.StateConflict)
-    _, outcome = _run(c.start_flow(draft=True), _workers(idle))
-    assert isinstance(outcome, c.DraftUnsupported)
+        assert steps == [f.STATUS]
+        assert isinstance(outcome, f.StateConflict)
+    steps, outcome = _run(f.start_flow(), _workers(_status(), _status(session=False)))
+    assert steps == [f.STATUS]
+    assert isinstance(outcome, f.StateConflict)
+    steps, outcome = _run(f.shutdown_flow(), _workers(_status(), _status(session=False)))
+    assert steps == [f.STATUS]
+    assert isinstance(outcome, f.StateConflict)
+    _, outcome = _run(f.start_flow(draft=True), _workers(idle))
+    assert isinstance(outcome, f.DraftUnsupported)
 
 
 def test_a_draft_update_is_an_ordinary_update_where_every_rank_refits_its_draft() -> None:
@@ -145,14 +146,14 @@ def test_a_draft_update_is_an_ordinary_update_where_every_rank_refits_its_draft(
     where every rank refits its draft with the target, the ordinary update starts (one
     refit, one version); elsewhere a 501 that says why, before any RPC."""
     refit = [_status(rank=r, session=False, draft="refit") for r in range(2)]
-    steps, outcome = _run(c.start_flow(draft=True), _workers(*refit))
-    assert steps == [c.STATUS, c.Rpc("start_weight_update")]
-    assert isinstance(outcome, c.FlowOutcome)
+    steps, outcome = _run(f.start_flow(draft=True), _workers(*refit))
+    assert steps == [f.STATUS, f.Rpc("start_weight_update")]
+    assert isinstance(outcome, f.FlowOutcome)
     for draft, says in (("keep", 'init_info.draft "keep"'), ("none", "serves no draft")):
         mixed = [_status(rank=0, session=False, draft="refit"), _status(rank=1, draft=draft)]
-        steps, outcome = _run(c.start_flow(draft=True), _workers(*mixed))
-        assert steps == [c.STATUS]
-        assert isinstance(outcome, c.DraftUnsupported)
+        steps, outcome = _run(f.start_flow(draft=True), _workers(*mixed))
+        assert steps == [f.STATUS]
+        assert isinstance(outcome, f.DraftUnsupported)
         assert "rank 1" in outcome.message, outcome.message
         assert says in outcome.message, outcome.message
     _, problems = c.parse_init_info({**GOOD_INIT, "draft": "always"})
@@ -165,36 +166,36 @@ def test_an_update_fails_when_any_rank_did_not_verify() -> None:
         _status(rank=0, updates=[_update()]),
         _status(rank=1, updates=[_update(ok=False, reason="FAILED_PRECONDITION")]),
     ]
-    _, outcome = _run(c.update_flow({"refit_id": "r1"}), _workers(*before, after=after))
-    assert isinstance(outcome, c.EngineFailed)
+    _, outcome = _run(f.update_flow({"refit_id": "r1"}), _workers(*before, after=after))
+    assert isinstance(outcome, f.EngineFailed)
     assert outcome.caller_fault
     assert "did not verify on 1 of 2 rank(s)" in outcome.message
     assert "r rank 1" in outcome.message
     after[1] = _status(rank=1, updates=[_update(ok=False, reason="CHECKSUM_MISMATCH")])
-    _, outcome = _run(c.update_flow({"refit_id": "r1"}), _workers(*before, after=after))
-    assert isinstance(outcome, c.EngineFailed)
+    _, outcome = _run(f.update_flow({"refit_id": "r1"}), _workers(*before, after=after))
+    assert isinstance(outcome, f.EngineFailed)
     assert not outcome.caller_fault
 
 
 def test_finish_sets_the_version_only_when_every_rank_applied() -> None:
     applied = _status(session=False, last="applied", applied_sessions=1)
     steps, outcome = _run(
-        c.finish_flow("8"), _workers(_status(updates=[_update()]), after=[applied])
+        f.finish_flow("8"), _workers(_status(updates=[_update()]), after=[applied])
     )
-    assert steps == [c.STATUS, c.Rpc("finish_weight_update"), c.STATUS, c.SetVersion("8")]
-    assert outcome == c.FlowOutcome(unlabeled=False)
+    assert steps == [f.STATUS, f.Rpc("finish_weight_update"), f.STATUS, f.SetVersion("8")]
+    assert outcome == f.FlowOutcome(unlabeled=False)
     # No version given: the applied update waits for one (update_weight_version).
-    _, outcome = _run(c.finish_flow(None), _workers(_status(updates=[_update()]), after=[applied]))
-    assert outcome == c.FlowOutcome(unlabeled=True)
+    _, outcome = _run(f.finish_flow(None), _workers(_status(updates=[_update()]), after=[applied]))
+    assert outcome == f.FlowOutcome(unlabeled=True)
 
 
 def test_finish_after_a_failed_rank_discards_everywhere_and_sets_no_version() -> None:
     before = [_status(rank=0, updates=[_update()]), _status(rank=1, updates=[_update(ok=False)])]
     failed = _status(session=False, last="failed", last_message="peer died")
-    steps, outcome = _run(c.finish_flow("99"), _workers(*before, after=[failed, failed]))
-    assert steps[:3] == [c.STATUS, c.DISCARD, c.Rpc("finish_weight_update")]
-    assert not any(isinstance(s, c.SetVersion) for s in steps)
-    assert isinstance(outcome, c.StateConflict)
+    steps, outcome = _run(f.finish_flow("99"), _workers(*before, after=[failed, failed]))
+    assert steps[:3] == [f.STATUS, f.DISCARD, f.Rpc("finish_weight_update")]
+    assert not any(isinstance(s, f.SetVersion) for s in steps)
+    assert isinstance(outcome, f.StateConflict)
     assert "'99' was not set" in outcome.message
     assert "still serves '7'" in outcome.message
 
@@ -202,26 +203,26 @@ def test_finish_after_a_failed_rank_discards_everywhere_and_sets_no_version() ->
 def test_weights_touched_without_verification_are_not_reported_as_a_version() -> None:
     broken = _status(session=False, last="incomplete", incomplete=True, last_message="reload")
     steps, outcome = _run(
-        c.finish_flow("9"), _workers(_status(updates=[_update(modified=True)]), after=[broken])
+        f.finish_flow("9"), _workers(_status(updates=[_update(modified=True)]), after=[broken])
     )
-    assert c.SetVersion(c.INCOMPLETE_VERSION) in steps
-    assert c.SetVersion("9") not in steps
-    assert isinstance(outcome, c.EngineFailed)
-    _, outcome = _run(c.update_version_flow("9", unlabeled=True), _workers(broken))
-    assert isinstance(outcome, c.StateConflict)
+    assert f.SetVersion(c.INCOMPLETE_VERSION) in steps
+    assert f.SetVersion("9") not in steps
+    assert isinstance(outcome, f.EngineFailed)
+    _, outcome = _run(f.update_version_flow("9", unlabeled=True), _workers(broken))
+    assert isinstance(outcome, f.StateConflict)
 
 
 def test_a_version_names_an_applied_update_the_loaded_weights_or_the_current_one() -> None:
     applied = _status(session=False, last="applied", applied_sessions=1)
-    assert _run(c.update_version_flow("8", unlabeled=True), _workers(applied))[0][-1] == (
-        c.SetVersion("8")
+    assert _run(f.update_version_flow("8", unlabeled=True), _workers(applied))[0][-1] == (
+        f.SetVersion("8")
     )
     as_loaded = _status(session=False)
-    assert _run(c.update_version_flow("0", unlabeled=False), _workers(as_loaded))[0][-1] == (
-        c.SetVersion("0")
+    assert _run(f.update_version_flow("0", unlabeled=False), _workers(as_loaded))[0][-1] == (
+        f.SetVersion("0")
     )
-    assert _run(c.update_version_flow("7", unlabeled=False), _workers(applied))[0][-1] == (
-        c.SetVersion("7")
+    assert _run(f.update_version_flow("7", unlabeled=False), _workers(applied))[0][-1] == (
+        f.SetVersion("7")
     )
-    _, outcome = _run(c.update_version_flow("8", unlabeled=False), _workers(applied))
-    assert isinstance(outcome, c.StateConflict)
+    _, outcome = _run(f.update_version_flow("8", unlabeled=False), _workers(applied))
+    assert isinstance(outcome, f.StateConflict)

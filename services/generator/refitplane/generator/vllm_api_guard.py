@@ -5,7 +5,7 @@ The plugin (`vllm_plugin.register`) runs in every vLLM process; in the process t
 the engine client (the OpenAI server's `AsyncLLM`, an offline `LLM`, a Ray actor holding
 either) it wraps the weight-transfer methods of `AsyncLLM` and `RLOfflineMixin` (the base
 of `LLM`). For any other backend the wrappers call vLLM's own methods unchanged; for
-"refitplane" they run the flows of `vllm_contract` instead of vLLM's one-line bodies:
+"refitplane" they run the flows of `vllm_verb_flows` instead of vLLM's one-line bodies:
 
     /init_weight_transfer_engine   400 naming the field of a bad init_info, before any RPC;
                                    500 naming the ranks whose engine did not register
@@ -50,6 +50,7 @@ from vllm.exceptions import GracefulHTTPError, VLLMServerError, VLLMValidationEr
 
 from refitplane.errors import RefitError
 from refitplane.generator import vllm_contract as contract
+from refitplane.generator import vllm_verb_flows as flows
 
 log = logging.getLogger("refitplane.generator.api_guard")
 
@@ -84,12 +85,12 @@ class DraftWeightUpdateUnsupported(NotImplementedError):
 
 def vllm_error(exc: RefitError) -> Exception:
     """The exception vLLM's API server turns into the right HTTP status."""
-    if isinstance(exc, contract.InfoError):
+    if isinstance(exc, flows.InfoError):
         return WeightTransferRequestError(exc.message, parameter=exc.field)
-    if isinstance(exc, contract.DraftUnsupported):
+    if isinstance(exc, flows.DraftUnsupported):
         return DraftWeightUpdateUnsupported(exc.message)
-    if isinstance(exc, contract.StateConflict) or (
-        isinstance(exc, contract.EngineFailed) and exc.caller_fault
+    if isinstance(exc, flows.StateConflict) or (
+        isinstance(exc, flows.EngineFailed) and exc.caller_fault
     ):
         return WeightTransferConflict(exc.message)
     return WeightTransferFailed(exc.message)
@@ -103,20 +104,20 @@ def uses_refitplane(vllm_config: Any) -> bool:
 # --- drivers: run a flow's steps against one engine client -------------------------------
 
 
-def _remember(client: Any, outcome: contract.FlowOutcome) -> None:
+def _remember(client: Any, outcome: flows.FlowOutcome) -> None:
     if outcome.unlabeled is not None:
         setattr(client, _UNLABELED, outcome.unlabeled)
 
 
-async def _drive_async(client: Any, flow: contract.Flow) -> None:
+async def _drive_async(client: Any, flow: flows.Flow) -> None:
     """`client` is an `AsyncLLM`."""
     try:
         step = next(flow)
         while True:
             result: Any = None
-            if isinstance(step, contract.Rpc):
+            if isinstance(step, flows.Rpc):
                 result = await client.collective_rpc(step.method, kwargs=step.kwargs)
-            elif isinstance(step, contract.GetVersion):
+            elif isinstance(step, flows.GetVersion):
                 result = await client.engine_core.get_weight_version_async()
             else:
                 await client.engine_core.set_weight_version_async(step.version)
@@ -127,16 +128,16 @@ async def _drive_async(client: Any, flow: contract.Flow) -> None:
         raise vllm_error(exc) from None
 
 
-def _drive_sync(client: Any, flow: contract.Flow) -> None:
+def _drive_sync(client: Any, flow: flows.Flow) -> None:
     """`client` is an `LLM` (its `llm_engine` runs the RPCs)."""
     engine = client.llm_engine
     try:
         step = next(flow)
         while True:
             result: Any = None
-            if isinstance(step, contract.Rpc):
+            if isinstance(step, flows.Rpc):
                 result = engine.collective_rpc(step.method, kwargs=step.kwargs)
-            elif isinstance(step, contract.GetVersion):
+            elif isinstance(step, flows.GetVersion):
                 result = engine.get_weight_version()
             else:
                 engine.set_weight_version(step.version)
@@ -155,7 +156,7 @@ def _lock_of(client: Any, kind: type[Any]) -> Any:
     return lock
 
 
-FlowFactory = Callable[..., contract.Flow]
+FlowFactory = Callable[..., flows.Flow]
 
 
 def _async_verb(original: Callable[..., Awaitable[Any]], make: FlowFactory) -> Any:
@@ -198,15 +199,15 @@ def _unlabeled(client: Any) -> bool:
 
 
 _FLOWS: Final[dict[str, FlowFactory]] = {
-    "init_weight_transfer_engine": lambda c, request: contract.init_flow(
+    "init_weight_transfer_engine": lambda c, request: flows.init_flow(
         _payload(request, "init_info")
     ),
-    "shutdown_weight_transfer_engine": lambda c: contract.shutdown_flow(),
-    "start_weight_update": lambda c: contract.start_flow(),
-    "start_draft_weight_update": lambda c: contract.start_flow(draft=True),
-    "update_weights": lambda c, request: contract.update_flow(_payload(request, "update_info")),
-    "finish_weight_update": lambda c, weight_version=None: contract.finish_flow(weight_version),
-    "update_weight_version": lambda c, new_version: contract.update_version_flow(
+    "shutdown_weight_transfer_engine": lambda c: flows.shutdown_flow(),
+    "start_weight_update": lambda c: flows.start_flow(),
+    "start_draft_weight_update": lambda c: flows.start_flow(draft=True),
+    "update_weights": lambda c, request: flows.update_flow(_payload(request, "update_info")),
+    "finish_weight_update": lambda c, weight_version=None: flows.finish_flow(weight_version),
+    "update_weight_version": lambda c, new_version: flows.update_version_flow(
         new_version, unlabeled=_unlabeled(c)
     ),
 }
