@@ -29,144 +29,37 @@ import multiprocessing as mp
 import queue
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from refitplane.protocol import RefitState, Role
+from refitplane.protocol import RefitState
+from tests.integration.generator.vllm_api_world import (
+    JOB,
+    NEW_TOKENS,
+    PROMPT,
+    Trainer,
+    World,
+    api_trainer,
+    api_world,
+    error_of,
+    replica_members,
+)
 from tests.integration.vllm_marks import VLLM_CPU
 
 pytestmark = [*VLLM_CPU[:2], pytest.mark.timeout(900), *VLLM_CPU[3:]]
 
-JOB = "contract"
-PROMPT = (1, 2, 3, 4, 5, 6, 7)
-NEW_TOKENS = 8
-
-
-@dataclass
-class World:
-    root: Path
-    url: str
-    coordinator: Any
-    served: Path
-    trained: Path
-    http: httpx.Client
-
-    @property
-    def grpc(self) -> str:
-        return str(self.coordinator.grpc_target)
-
-    def post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
-        return self.http.post(path, json=body)
-
-    def weight_version(self) -> str:
-        return str(self.http.get("/weight_info").json()["weight_version"])
-
-    def tokens(self) -> list[int]:
-        body = {
-            "model": str(self.served),
-            "prompt": list(PROMPT),
-            "max_tokens": NEW_TOKENS,
-            "temperature": 0,
-            "return_token_ids": True,
-        }
-        response = self.http.post("/v1/completions", json=body)
-        assert response.status_code == 200, response.text
-        return [int(t) for t in response.json()["choices"][0]["token_ids"]]
-
-    def vllm_log(self) -> str:
-        return (self.root / "vllm.log").read_text(errors="replace")
-
-    def client(self) -> Any:
-        from refitplane.client.sync import RefitClient
-
-        return RefitClient(self.grpc)
-
-
-@dataclass
-class Trainer:
-    engine: Any
-    model: Any
-
-    def sync(self, world: World) -> None:
-        """What vLLM's RL examples do around a weight sync: pause, send, resume."""
-        assert world.http.post("/pause", params={"mode": "keep"}).status_code == 200
-        try:
-            self.engine.send_weights()
-        finally:
-            assert world.http.post("/resume").status_code == 200
-
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    from refitplane.models.tiny import write_tiny_model
-    from refitplane.testing.coordinator import start_coordinator
-    from refitplane.testing.vllm_server import vllm_server
-
-    root = tmp_path_factory.mktemp("vllm-contract")
-    served = write_tiny_model(root / "served", "dense", seed=5, dtype="float32")
-    trained = write_tiny_model(root / "trained", "dense", seed=6, dtype="float32")
-    coordinator = start_coordinator(
-        delta="auto",
-        lease_ttl_s=5.0,
-        prepare_timeout_s=30.0,
-        transfer_timeout_s=60.0,
-        group_timeout_s=60.0,
-        verify_timeout_s=60.0,
-    )
-    try:
-        with (
-            vllm_server(root, served, tensor_parallel_size=2) as url,
-            httpx.Client(base_url=url, timeout=120.0) as http,
-        ):
-            yield World(root, url, coordinator, served, trained, http)
-    finally:
-        coordinator.stop()
+    with api_world(tmp_path_factory.mktemp("vllm-contract")) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
 def trainer(world: World) -> Iterator[Trainer]:
-    from vllm.distributed.weight_transfer import (
-        HTTPVLLMWeightSyncClient,
-        ModuleSource,
-        WeightTransferTrainerFactory,
-    )
-
-    from refitplane.models.tiny import load_hf_model
-    from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
-
-    model = load_hf_model(world.trained, dtype="float32")
-    # vLLM's documented trainer call; for "nccl" the init info would be
-    # NCCLTrainerInitInfo(master_address=..., master_port=..., world_size=..., rank=0).
-    engine = WeightTransferTrainerFactory.trainer_init(
-        init_info=RefitplaneTrainerInitInfo(
-            rank=0, coordinator=world.grpc, job=JOB, host="127.0.0.1"
-        ),
-        client=HTTPVLLMWeightSyncClient(world.url),
-        source=ModuleSource(model),
-    )
-    try:
-        yield Trainer(engine, model)
-    finally:
-        engine.shutdown()
-
-
-def _replica_members(world: World, replica: str) -> list[Any]:
-    with world.client() as client:
-        return [
-            m
-            for m in client.topology(JOB).members
-            if m.role is Role.GENERATOR and m.replica_id == replica
-        ]
-
-
-def _error(response: httpx.Response) -> dict[str, Any]:
-    error = response.json()["error"]
-    assert isinstance(error, dict), response.text
-    return error
+    with api_trainer(world) as started:
+        yield started
 
 
 def test_vllm_trainer_call_with_the_backend_swapped_refits(world: World, trainer: Trainer) -> None:
@@ -210,8 +103,8 @@ def test_bad_init_info_and_update_info_are_400s_naming_the_field(
     for init_info, field, text in cases:
         response = world.post("/init_weight_transfer_engine", {"init_info": init_info})
         assert response.status_code == 400, response.text
-        assert _error(response)["param"] == field
-        assert text in _error(response)["message"]
+        assert error_of(response)["param"] == field
+        assert text in error_of(response)["message"]
     # The same registration again is a no-op.
     assert world.post("/init_weight_transfer_engine", {"init_info": good}).status_code == 200
 
@@ -225,8 +118,8 @@ def test_bad_init_info_and_update_info_are_400s_naming_the_field(
     for update_info, field, text in cases:
         response = world.post("/update_weights", {"update_info": update_info})
         assert response.status_code == 400, response.text
-        assert _error(response)["param"] == field
-        assert text in _error(response)["message"]
+        assert error_of(response)["param"] == field
+        assert text in error_of(response)["message"]
     assert world.post("/finish_weight_update").status_code == 200
 
     # vLLM's RPC replies are still in step: the next sync commits and is versioned.
@@ -249,7 +142,7 @@ def test_an_update_that_did_not_verify_is_never_versioned(world: World, trainer:
         "/update_weights", {"update_info": {"refit_id": "never-prepared", "prepare_wait_s": 2}}
     )
     assert response.status_code == 409, response.text
-    message = _error(response)["message"]
+    message = error_of(response)["message"]
     assert "refit never-prepared did not verify on 2 of 2 rank(s)" in message
     assert "rank 0" in message
     assert "rank 1" in message
@@ -258,7 +151,7 @@ def test_an_update_that_did_not_verify_is_never_versioned(world: World, trainer:
 
     response = world.post("/finish_weight_update", {"weight_version": "99"})
     assert response.status_code == 409, response.text
-    assert "'99' was not set" in _error(response)["message"]
+    assert "'99' was not set" in error_of(response)["message"]
     assert world.weight_version() == version
     response = world.post("/update_weight_version", {"new_version": "99"})
     assert response.status_code == 409, response.text
@@ -270,27 +163,27 @@ def test_an_update_that_did_not_verify_is_never_versioned(world: World, trainer:
 
 def test_init_after_shutdown_registers_again(world: World, trainer: Trainer) -> None:
     replica = trainer.engine.settings.replica_id
-    before = {m.member_id for m in _replica_members(world, replica)}
+    before = {m.member_id for m in replica_members(world, replica)}
     assert len(before) == 2
 
     assert world.post("/start_weight_update").status_code == 200
     assert world.post("/shutdown_weight_transfer_engine").status_code == 409
     assert world.post("/finish_weight_update").status_code == 200
     assert world.post("/shutdown_weight_transfer_engine").status_code == 200
-    assert _replica_members(world, replica) == []
+    assert replica_members(world, replica) == []
 
     # An init naming another replica moves the workers there; the original brings them back.
     elsewhere = {"coordinator": world.grpc, "job": JOB, "replica_id": "elsewhere"}
     assert world.post("/init_weight_transfer_engine", {"init_info": elsewhere}).status_code == 200
-    assert len(_replica_members(world, "elsewhere")) == 2
-    assert _replica_members(world, replica) == []
+    assert len(replica_members(world, "elsewhere")) == 2
+    assert replica_members(world, replica) == []
     init_info = {"coordinator": world.grpc, "job": JOB, "replica_id": replica}
     assert world.post("/init_weight_transfer_engine", {"init_info": init_info}).status_code == 200
-    after = _replica_members(world, replica)
+    after = replica_members(world, replica)
     assert len(after) == 2
     assert all(m.layout_digest for m in after)
     assert not {m.member_id for m in after} & before
-    assert _replica_members(world, "elsewhere") == []
+    assert replica_members(world, "elsewhere") == []
 
     version = int(world.weight_version())
     trainer.sync(world)
