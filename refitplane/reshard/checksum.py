@@ -40,6 +40,9 @@ _SEARCH_STEPS = 20
 
 _kernel: Any = None
 _program_row: Any = None
+_add_words: Any = None
+_tail_word: Any = None
+_add_sums: Any = None
 
 
 def _triton_kernel() -> Any:
@@ -54,20 +57,26 @@ def _triton_kernel() -> Any:
     Exactly one variant is ever compiled: the search runs a fixed number of steps and
     Triton does not specialize the arguments (a new variant means compiling and loading a
     module, which must not happen while a transfer is in flight; see `LaunchTables`)."""
-    global _kernel, _program_row
+    global _kernel, _program_row, _add_words, _tail_word, _add_sums
     if _kernel is not None:
         return _kernel or None
     try:
         import triton
         import triton.language as tl
 
-        from refitplane.reshard import triton_rows
+        from refitplane.reshard import triton_rows, triton_sums
     except ImportError:
         _kernel = False
         return None
 
-    # The kernel finds its row with the shared search; Triton resolves it as a global.
+    # The kernel finds its row with the shared search and adds the sums with the shared
+    # helpers; Triton resolves them as globals.
     _program_row = triton_rows.program_row
+    _add_words, _tail_word, _add_sums = (
+        triton_sums.add_words,
+        triton_sums.tail_word,
+        triton_sums.add_sums,
+    )
 
     # Triton reads the signature: no Python annotations inside the kernel.
     @triton.jit(do_not_specialize=["tab", "n"])  # type: ignore[untyped-decorator]
@@ -86,16 +95,13 @@ def _triton_kernel() -> Any:
             offs = base + it * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             mask = offs < n_words
             x = tl.load(x_ptr + offs, mask=mask, other=0)
-            acc0 += x
-            acc1 += x * offs
+            acc0, acc1 = _add_words(acc0, acc1, x, 0, offs)
         lane = tl.arange(0, 8).to(tl.int64)
         mine = (n_words >= base) & (n_words < base + BLOCK * ITERS)
         tail_mask = lane < tl.where(mine, n_bytes - n_words * 8, 0)
         byte_ptr = address.to(tl.pointer_type(tl.uint8))
         tail_bytes = tl.load(byte_ptr + n_words * 8 + lane, mask=tail_mask, other=0)
-        tail = tl.sum(tail_bytes.to(tl.int64) << (lane * 8), axis=0)
-        tl.atomic_add(out_ptr, tl.sum(acc0, axis=0) + tail)
-        tl.atomic_add(out_ptr + 1, tl.sum(acc1, axis=0) + tail * n_words)
+        _add_sums(out_ptr, acc0, acc1, _tail_word(tail_bytes, lane), n_words)
 
     _kernel = _sums_into
     return _kernel

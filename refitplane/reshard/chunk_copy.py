@@ -41,24 +41,28 @@ ENABLED = os.environ.get("REFIT_COPY_KERNEL", "1") != "0"
 
 _kernel: Any = None
 _program_row: Any = None
+_add_words: Any = None
+_add_sums: Any = None
 
 
 def triton_kernel() -> Any:
     """The compiled-on-first-use kernel, or None where Triton cannot run."""
-    global _kernel, _program_row
+    global _kernel, _program_row, _add_words, _add_sums
     if _kernel is not None:
         return _kernel or None
     try:
         import triton
         import triton.language as tl
 
-        from refitplane.reshard import triton_rows
+        from refitplane.reshard import triton_rows, triton_sums
     except ImportError:
         _kernel = False
         return None
 
-    # The kernel finds its row with the shared search; Triton resolves it as a global.
+    # The kernel finds its row with the shared search and adds the checksum sums with the
+    # shared helpers; Triton resolves them as globals.
     _program_row = triton_rows.program_row
+    _add_words, _add_sums = triton_sums.add_words, triton_sums.add_sums
 
     # Triton reads the signature: no Python annotations inside the kernel.
     @triton.jit(do_not_specialize=["tab", "n", "buf", "out"])  # type: ignore[untyped-decorator]
@@ -95,13 +99,11 @@ def triton_kernel() -> Any:
                 x = tl.load(local_words + offs, mask=mask, other=0)
                 tl.store(message_words + offs, x, mask=mask)
                 if SUMS:
-                    acc0 += x
-                    acc1 += x * (first_word + offs)
+                    acc0, acc1 = _add_words(acc0, acc1, x, first_word, offs)
         if SUMS:
             # The message's (S0, S1) as `checksum.py` defines them: its chunks are whole
-            # words, back to back, so these are all of its words.
-            tl.atomic_add(out, tl.sum(acc0, axis=0))
-            tl.atomic_add(out + 1, tl.sum(acc1, axis=0))
+            # words, back to back, so these are all of its words (no tail word).
+            _add_sums(out, acc0, acc1, 0, 0)
         lane = tl.arange(0, 8).to(tl.int64)
         mine = (n_words >= base) & (n_words < base + BLOCK * ITERS)
         tail_mask = lane < tl.where(mine, n_bytes - n_words * 8, 0)

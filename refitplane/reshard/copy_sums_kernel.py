@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from refitplane.reshard.triton_rows import program_row_of
+from refitplane.reshard.triton_sums import add_sums, add_words, tail_word
 
 
 # Triton reads the signature: no Python annotations inside the kernel.
@@ -37,8 +38,7 @@ def copy_sums(  # type: ignore[no-untyped-def]  # noqa: ANN201
         mask = offs < n_words
         x = tl.load(src_words + offs, mask=mask, other=0)
         tl.store(dst_words + offs, x, mask=mask)
-        acc0 += x
-        acc1 += x * offs
+        acc0, acc1 = add_words(acc0, acc1, x, 0, offs)
     # A last partial word (1-7 bytes): copied bytewise, summed zero-padded, by the
     # program whose range holds it.
     lane = tl.arange(0, 8).to(tl.int64)
@@ -48,6 +48,4 @@ def copy_sums(  # type: ignore[no-untyped-def]  # noqa: ANN201
     dst_tail = dst.to(tl.pointer_type(tl.uint8)) + n_words * 8 + lane
     tail_bytes = tl.load(src_tail, mask=tail_mask, other=0)
     tl.store(dst_tail, tail_bytes, mask=tail_mask)
-    tail = tl.sum(tail_bytes.to(tl.int64) << (lane * 8), axis=0)
-    tl.atomic_add(out, tl.sum(acc0, axis=0) + tail)
-    tl.atomic_add(out + 1, tl.sum(acc1, axis=0) + tail * n_words)
+    add_sums(out, acc0, acc1, tail_word(tail_bytes, lane), n_words)
