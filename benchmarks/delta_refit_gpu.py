@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_refit import per_dest_gbs, plan_links, raw_ceiling
+from nccl_ceiling import per_dest_gbs, plan_links, raw_ceiling
 
 from refitplane.testing.model_layouts import GPU_LAYOUTS, GpuLayout
 from refitplane.testing.model_shapes import SHAPES

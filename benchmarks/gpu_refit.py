@@ -48,90 +48,21 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from load_verdicts import NEW_TOKENS, PROMPT, compare_loads, compare_with_fresh_load
+from nccl_ceiling import measure_ceiling, per_dest_gbs, plan_links
 
 from refitplane.testing.kernel_tensors import kernel_tensors
 from refitplane.testing.model_layouts import GPU_LAYOUTS, GpuLayout
 from refitplane.testing.model_shapes import SHAPES
 from refitplane.testing.refit_world import refit_world, run_vllm_baseline
-from refitplane.testing.refit_world.fresh_load import (
-    KV_SCALES,
-    FreshSpec,
-    differences,
-    fresh_load_digests,
-)
 from refitplane.testing.refit_world.vllm_baseline import run_vllm_baseline_in_world
 from refitplane.testing.refit_world.worker_probes import kernel_tensor_sums, worker_memory
 from refitplane.testing.synthetic_weights import write_sparse_checkpoint
 
 MiB = 1 << 20
-# The greedy continuation the fresh-load oracle compares (`--fresh-load`).
-PROMPT = (1, 2, 3, 4, 5, 6, 7)
-NEW_TOKENS = 8
-
-
-def plan_links(shape: str, layout: GpuLayout, quant: str = "") -> dict[tuple[int, int], int]:
-    """The plan's bytes per (trainer GPU, generator GPU) link (layouts: `model_layouts`)."""
-    from refitplane.reshard.planner import build_plan
-    from refitplane.testing.model_layouts import model_layouts
-
-    plan = build_plan(*model_layouts(shape, layout, quant))
-    return {(link.src, link.dst): link.nbytes for link in plan.links}
-
-
-def _ceiling_worker(
-    *, rank: int, world: int, transport: Any, barrier: Any, links: dict[str, int], repeats: int
-) -> dict[str, Any]:
-    import torch
-
-    from refitplane.reshard.transport.base import P2POp
-
-    ops_spec = []
-    for key, nbytes in sorted(links.items()):
-        src, dst = (int(x) for x in key.split(">"))
-        if rank in (src, dst):
-            ops_spec.append((rank == src, dst if rank == src else src, nbytes))
-    bufs = [torch.empty(n, dtype=torch.uint8, device=transport.device) for _, _, n in ops_spec]
-    times = []
-    for _ in range(repeats + 1):
-        ops = []
-        for (send, peer, n), buf in zip(ops_spec, bufs, strict=True):
-            ops += [P2POp(send, peer, buf[o : o + (1 << 30)]) for o in range(0, n, 1 << 30)]
-        torch.cuda.synchronize()
-        barrier.wait()
-        t0 = time.perf_counter()
-        if ops:
-            deadline = time.monotonic() + 300
-            transport.wait(transport.issue(0, ops, deadline), deadline)
-        torch.cuda.synchronize()
-        barrier.wait()
-        times.append(time.perf_counter() - t0)
-    return {"seconds": times[1:]}
-
-
-def raw_ceiling(links: dict[tuple[int, int], int], world: int, repeats: int) -> float:
-    from refitplane.testing.nccl_world import run_nccl_world
-
-    results = run_nccl_world(
-        _ceiling_worker,
-        world,
-        channels=1,
-        links={f"{s}>{d}": n for (s, d), n in links.items()},
-        repeats=repeats,
-    )
-    for rank, (status, detail) in results.items():
-        if status != "ok":
-            raise RuntimeError(f"ceiling rank {rank}: {detail}")
-    return max(statistics.median(detail["seconds"]) for _, detail in results.values())
-
-
-def per_dest_gbs(links: dict[tuple[int, int], int], seconds: float) -> float:
-    per_dest: dict[int, int] = {}
-    for (_, dst), n in links.items():
-        per_dest[dst] = per_dest.get(dst, 0) + n
-    return max(per_dest.values()) / seconds / 1e9
 
 
 def run_ours(
@@ -288,81 +219,6 @@ def largest_layer_bytes(shape: str, quant: str) -> int:
     return max(layers.values())
 
 
-def compare_loads(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
-    """Kernel tensors of each refitted replica's workers against vLLM's own load (the
-    baseline replica of the same index), KV-cache scales aside."""
-    compared, differ = 0, []
-    for i, (replica, workers) in enumerate(sorted(ours.items())):
-        for worker, (got, want) in enumerate(
-            zip(workers, theirs.get(f"baseline-{i}", []), strict=True)
-        ):
-            if got.keys() != want.keys():
-                differ.append(
-                    f"{replica} worker {worker}: names differ ({sorted(got.keys() ^ want.keys())[:5]})"
-                )
-                continue
-            for name in sorted(want):
-                if name.endswith(KV_SCALES):
-                    continue
-                compared += 1
-                if got[name] != want[name]:
-                    differ.append(f"{replica} worker {worker}: {name}")
-    return {"compared": compared, "differ": differ}
-
-
-def compare_with_fresh_load(
-    out: dict[str, Any], args: argparse.Namespace, layout: GpuLayout
-) -> dict[str, Any]:
-    """Start vLLM fresh from the trainers' checkpoint on the first replica's GPUs (one start
-    per replica TP size) and compare every refitted replica with it (module docstring)."""
-    replicas = out["ours"].pop("replicas")
-    model_dir = out["ours"].pop("model_dir")
-    verdict: dict[str, Any] = {"compared": 0, "differ": [], "tokens": {}}
-    fresh_by_tp: dict[int, dict[str, Any]] = {}
-    first_gpu = layout.trainer_tp
-    for i, tp in enumerate(layout.replica_tps):
-        replica = replicas.get(f"replica-{i}")
-        if replica is None:
-            continue
-        if tp not in fresh_by_tp:
-            spec = FreshSpec(
-                model_dir,
-                args.model,
-                "bfloat16",
-                args.quant,
-                tp,
-                ",".join(str(first_gpu + k) for k in range(tp)),
-                args.device,
-                PROMPT,
-                NEW_TOKENS,
-                args.gpu_memory_utilization,
-            )
-            started = time.monotonic()
-            fresh_by_tp[tp] = fresh_load_digests(spec)
-            verdict[f"fresh_tp{tp}_s"] = time.monotonic() - started
-        fresh = fresh_by_tp[tp]
-        if "error" in fresh:
-            verdict["differ"].append(f"replica-{i}: no fresh load: {fresh['error']}")
-            continue
-        compared, differ = differences(fresh["tensors"], replica["tensors"])
-        verdict["compared"] += compared
-        verdict["differ"] += [f"replica-{i} {d}" for d in differ]
-        verdict["tokens"][f"replica-{i}"] = replica["tokens"]
-        verdict["tokens"][f"fresh-tp{tp}"] = fresh["tokens"]
-        if replica["tokens"] != fresh["tokens"]:
-            verdict["differ"].append(
-                f"replica-{i}: tokens {replica['tokens']}, the fresh load serves {fresh['tokens']}"
-            )
-    print(
-        f"  vs a fresh vLLM load of the same checkpoint: {verdict['compared']} kernel tensors "
-        f"compared, {len(verdict['differ'])} differ, tokens {verdict['tokens']}",
-        flush=True,
-    )
-    for line in verdict["differ"]:
-        print(f"    {line[:400]}", flush=True)
-    return verdict
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
@@ -440,7 +296,7 @@ def main() -> int:
         out["gpu"] = torch.cuda.get_device_name(0)
     ceiling = args.device == "cuda" and not args.no_ceiling
     if ceiling and not args.ceiling_last:
-        _measure_ceiling(out, links, layout, args.repeats)
+        measure_ceiling(out, links, layout, args.repeats)
     sweep = [
         (s, b, d, i)
         for s in args.streams
@@ -470,7 +326,7 @@ def main() -> int:
                 flush=True,
             )
     if ceiling and args.ceiling_last:
-        _measure_ceiling(out, links, layout, args.repeats)
+        measure_ceiling(out, links, layout, args.repeats)
     if args.fresh_load:
         out["vs_fresh_load"] = compare_with_fresh_load(out, args, layout)
     else:
@@ -512,18 +368,6 @@ def main() -> int:
     failed |= bool(out.get("vs_fresh_load", {}).get("differ"))
     failed |= "error" in out.get("vllm_nccl", {})
     return 1 if failed else 0
-
-
-def _measure_ceiling(
-    out: dict[str, Any], links: dict[tuple[int, int], int], layout: GpuLayout, repeats: int
-) -> None:
-    ceiling_s = raw_ceiling(links, layout.gpus, repeats)
-    out["ceiling_s"] = ceiling_s
-    out["ceiling_gbs_per_dest"] = per_dest_gbs(links, ceiling_s)
-    print(
-        f"  raw nccl4py ceiling: {ceiling_s:.3f} s, {out['ceiling_gbs_per_dest']:.1f} GB/s per destination GPU",
-        flush=True,
-    )
 
 
 def _summary(out: dict[str, Any]) -> None:
