@@ -1,4 +1,8 @@
-"""What the rendered chart must guarantee, for the defaults and every variant."""
+"""What the rendered chart must guarantee, for the defaults and every variant: pinned images,
+locked-down pods, resolvable secrets, selectors, the coordinator's settings contract, its
+Deployment (probes, termination, auth, TLS), its PodDisruptionBudget, the helm test pod and
+the NOTES. Redis is test_helm_chart_redis.py's, how the coordinator is reached
+test_helm_chart_network.py's."""
 
 from __future__ import annotations
 
@@ -36,11 +40,6 @@ APP_VERSION = str(yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["appVer
 @pytest.fixture(scope="module")
 def rendered_variants() -> dict[str, Rendered]:
     return {name: render(values) for name, values in all_variants().items()}
-
-
-@pytest.fixture(scope="module")
-def default() -> Rendered:
-    return render()
 
 
 def _variant_ids() -> list[str]:
@@ -285,48 +284,6 @@ def test_tls_servicemonitor_verifies_with_the_ca() -> None:
     assert endpoint["tlsConfig"]["serverName"] == f"{RELEASE}.{NAMESPACE}.svc"
 
 
-# --- Service, Ingress, ServiceMonitor -----------------------------------------------------
-
-
-def test_service_exposes_grpc_http_metrics(default: Rendered) -> None:
-    service = default.one("Service", RELEASE)
-    ports = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
-    assert ports == {"grpc": (50051, "grpc"), "http": (8080, "http"), "metrics": (9090, "http")}
-    assert service["spec"]["type"] == "ClusterIP"
-
-
-def test_optional_objects_are_off_by_default(default: Rendered) -> None:
-    assert not default.of_kind("Ingress")
-    assert not default.of_kind("ServiceMonitor")
-
-
-def test_ingress_routes_only_rest() -> None:
-    values = all_variants()["ingress"]
-    ingress = render(values).one("Ingress")
-    assert ingress["spec"]["ingressClassName"] == "nginx"
-    (rule,) = ingress["spec"]["rules"]
-    assert rule["host"] == "refit.example.com"
-    paths = {p["path"] for p in rule["http"]["paths"]}
-    assert paths == {"/v1", "/openapi.json"}
-    for path in rule["http"]["paths"]:
-        assert path["backend"]["service"] == {"name": RELEASE, "port": {"number": 8080}}
-    assert ingress["spec"]["tls"] == values["ingress"]["tls"]
-
-
-def test_servicemonitor_scrapes_metrics_port() -> None:
-    rendered = render(all_variants()["servicemonitor"])
-    monitor = rendered.one("ServiceMonitor")
-    assert monitor["metadata"]["labels"]["release"] == "prom"
-    (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["port"] == "metrics"
-    assert endpoint["path"] == "/metrics"
-    service = rendered.one("Service", RELEASE)
-    assert selector_matches(
-        monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"]
-    )
-    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-
-
 # --- PodDisruptionBudget -----------------------------------------------------------------
 
 
@@ -344,155 +301,6 @@ def test_pdb_min_available_replaces_max_unavailable() -> None:
     pdb = render({"podDisruptionBudget": {"minAvailable": 1}}).one("PodDisruptionBudget")
     assert pdb["spec"]["minAvailable"] == 1
     assert "maxUnavailable" not in pdb["spec"]
-
-
-# --- Redis ---------------------------------------------------------------------------------
-
-
-def test_bundled_redis_is_persistent_aof(default: Rendered) -> None:
-    name = f"{RELEASE}-redis"
-    statefulset = default.one("StatefulSet", name)
-    conf = default.one("ConfigMap", name)["data"]["redis.conf"].splitlines()
-    assert "appendonly yes" in conf
-    assert "appendfsync everysec" in conf
-    assert "dir /data" in conf
-    assert "maxmemory-policy noeviction" in conf
-    (claim,) = statefulset["spec"]["volumeClaimTemplates"]
-    assert claim["spec"]["resources"]["requests"]["storage"] == "8Gi"
-    redis = container(statefulset, "redis")
-    data_mount = next(m for m in redis["volumeMounts"] if m["mountPath"] == "/data")
-    assert data_mount["name"] == claim["metadata"]["name"]
-    assert statefulset["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
-
-
-def _coordinator_redis_password(rendered: Rendered) -> dict[str, str] | None:
-    """The Secret and key the coordinator reads its Redis password from: a mounted file
-    (REFIT_REDIS_PASSWORD_FILE), never an environment variable."""
-    env = env_of(rendered.coordinator_container())
-    assert "REFIT_REDIS_PASSWORD" not in env
-    if "REFIT_REDIS_PASSWORD_FILE" not in env:
-        return None
-    path = env["REFIT_REDIS_PASSWORD_FILE"]["value"]
-    mount = next(
-        m
-        for m in rendered.coordinator_container()["volumeMounts"]
-        if path.startswith(m["mountPath"] + "/")
-    )
-    assert mount["readOnly"] is True
-    volume = next(
-        v for v in pod_spec(rendered.coordinator())["volumes"] if v["name"] == mount["name"]
-    )
-    (item,) = volume["secret"]["items"]
-    assert item["path"] == path.rsplit("/", 1)[1]
-    return {"name": volume["secret"]["secretName"], "key": item["key"]}
-
-
-def test_bundled_redis_password_from_secret_shared_with_coordinator(default: Rendered) -> None:
-    name = f"{RELEASE}-redis"
-    statefulset = default.one("StatefulSet", name)
-    redis = container(statefulset, "redis")
-    # A mounted file for Redis too (checkov CKV_K8S_35): no secret in its environment.
-    assert not any("valueFrom" in e for e in redis.get("env", ()))
-    volume = next(v for v in pod_spec(statefulset)["volumes"] if v["name"] == "password")
-    (item,) = volume["secret"]["items"]
-    redis_ref = {"name": volume["secret"]["secretName"], "key": item["key"]}
-    mount = next(m for m in redis["volumeMounts"] if m["name"] == "password")
-    assert f"{mount['mountPath']}/{item['path']}" in redis["args"][0]
-    coordinator_ref = _coordinator_redis_password(default)
-    assert redis_ref == coordinator_ref == {"name": name, "key": "redis-password"}
-    password = base64.b64decode(default.one("Secret", name)["data"]["redis-password"]).decode()
-    assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
-    # Never in argv or in the ConfigMap.
-    assert password not in str(redis["args"]) + str(default.one("ConfigMap", name))
-
-
-def test_bundled_redis_runs_as_a_non_system_uid_with_a_cpu_limit(default: Rendered) -> None:
-    statefulset = default.one("StatefulSet", f"{RELEASE}-redis")
-    security = pod_spec(statefulset)["securityContext"]
-    assert security["runAsUser"] >= 10000
-    assert security["runAsGroup"] >= 10000
-    assert container(statefulset, "redis")["resources"]["limits"]["cpu"]
-
-
-def test_bundled_redis_can_be_pinned_by_digest() -> None:
-    digest = "sha256:" + "ab" * 32
-    rendered = render({"redis": {"bundled": {"image": {"digest": digest}}}})
-    redis = container(rendered.one("StatefulSet", f"{RELEASE}-redis"), "redis")
-    assert redis["image"] == f"docker.io/library/redis:7.4.5-alpine@{digest}"
-
-
-def test_redis_without_persistence_warns() -> None:
-    rendered = render({"redis": {"bundled": {"persistence": {"enabled": False}}}})
-    statefulset = rendered.one("StatefulSet", f"{RELEASE}-redis")
-    assert "volumeClaimTemplates" not in statefulset["spec"]
-    data = next(v for v in pod_spec(statefulset)["volumes"] if v["name"] == "data")
-    assert "emptyDir" in data
-    assert "persistence.enabled=false" in rendered.notes
-
-
-def test_external_redis_replaces_bundled() -> None:
-    rendered = render(all_variants()["external-redis"])
-    assert not rendered.of_kind("StatefulSet")
-    assert rendered.get("Service", f"{RELEASE}-redis") is None
-    assert rendered.get("NetworkPolicy", f"{RELEASE}-redis") is None
-    env = env_of(rendered.coordinator_container())
-    assert env["REFIT_REDIS_URL"]["value"] == "rediss://redis.example.internal:6380/2"
-    assert _coordinator_redis_password(rendered) == {"name": "ext-redis", "key": "password"}
-
-
-def test_external_redis_without_password() -> None:
-    values = {
-        "redis": {
-            "bundled": {"enabled": False},
-            "external": {"enabled": True, "url": "redis://redis:6379/0"},
-        }
-    }
-    assert _coordinator_redis_password(render(values)) is None
-
-
-# --- NetworkPolicy ---------------------------------------------------------------------
-
-
-def test_network_policies_admit_only_clients_and_coordinator(default: Rendered) -> None:
-    policy = default.one("NetworkPolicy", RELEASE)
-    (rule,) = policy["spec"]["ingress"]
-    peers = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
-    assert {"refitplane.io/client": "true"} in peers
-    assert {p["port"] for p in rule["ports"]} == {"grpc", "http"}
-    test_pod_labels = default.one("Pod")["metadata"]["labels"]
-    assert any(selector_matches(peer, test_pod_labels) for peer in peers)
-
-    redis_policy = default.one("NetworkPolicy", f"{RELEASE}-redis")
-    assert redis_policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
-    assert redis_policy["spec"]["egress"] == []
-    (redis_rule,) = redis_policy["spec"]["ingress"]
-    (peer,) = redis_rule["from"]
-    assert selector_matches(peer["podSelector"]["matchLabels"], pod_labels(default.coordinator()))
-    assert not selector_matches(peer["podSelector"]["matchLabels"], test_pod_labels)
-
-
-def test_network_policy_opens_ingress_and_metrics_peers() -> None:
-    values = {
-        **all_variants()["ingress"],
-        "serviceMonitor": {"enabled": True},
-        "networkPolicy": {
-            "ingressFrom": [{"namespaceSelector": {"matchLabels": {"name": "ingress"}}}],
-            "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
-            "clientNamespaceLabels": {"refit-clients": "yes"},
-        },
-    }
-    policy = render(values).one("NetworkPolicy", RELEASE)
-    clients, ingress, metrics = policy["spec"]["ingress"]
-    assert clients["from"][0]["namespaceSelector"] == {"matchLabels": {"refit-clients": "yes"}}
-    assert ingress["from"] == values["networkPolicy"]["ingressFrom"]
-    assert metrics["from"] == values["networkPolicy"]["metricsFrom"]
-    assert ingress["ports"] == metrics["ports"] == [{"port": "http", "protocol": "TCP"}]
-
-
-def test_network_policy_can_be_disabled() -> None:
-    rendered = render({"networkPolicy": {"enabled": False}})
-    assert not rendered.of_kind("NetworkPolicy")
-    assert "networkPolicy.enabled=false" in rendered.notes
 
 
 # --- helm test, NOTES ----------------------------------------------------------------------
