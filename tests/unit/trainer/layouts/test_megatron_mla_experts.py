@@ -1,7 +1,8 @@
 """Megatron rules for DeepSeek-style models on synthetic shards laid out as Megatron lays
 them out: multi-latent attention (both specs), shared experts, the router's expert bias,
-TE's single grouped expert weight (also as a GroupedTensor look-alike), GLU-interleaved
-fc1, and every refusal. Real CPU-built MLA models are in the integration tests."""
+TE's single grouped expert weight (also as a GroupedTensor look-alike) and GLU-interleaved
+fc1 (the shards and their checks: `megatron_synthetic`; every refusal:
+test_megatron_refusals.py). Real CPU-built MLA models are in the integration tests."""
 
 from __future__ import annotations
 
@@ -13,97 +14,29 @@ import torch
 
 from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import to_slices
-from refitplane.trainer.layouts.dims import ModelDims
-from refitplane.trainer.layouts.held import HeldSlice, register
-from refitplane.trainer.layouts.megatron_params import megatron_param_slices
+from refitplane.trainer.layouts.held import register
 from refitplane.trainer.layouts.megatron_slicing import GluInterleave, MegatronParallel
+from tests.unit.trainer.layouts.megatron_synthetic import (
+    GQA,
+    HEADS,
+    KVL,
+    LITE,
+    NOPE,
+    QL,
+    ROPE,
+    SHARED,
+    A,
+    E,
+    F,
+    H,
+    L,
+    V,
+    check_union,
+    slices,
+    tp,
+)
 
 pytestmark = pytest.mark.unit
-
-H, HEADS, QL, KVL, NOPE, ROPE, V = 16, 4, 12, 8, 6, 4, 6
-E, F, SHARED = 4, 8, 12
-MLA = ModelDims(
-    hidden_size=H,
-    num_attention_heads=HEADS,
-    num_key_value_heads=HEADS,
-    head_dim=ROPE,  # transformers' DeepSeek-V3 config says head_dim = qk_rope_head_dim
-    vocab_size=10,
-    intermediate_size=20,
-    moe_intermediate_size=F,
-    num_experts=E,
-    q_lora_rank=QL,
-    kv_lora_rank=KVL,
-    qk_nope_head_dim=NOPE,
-    qk_rope_head_dim=ROPE,
-    v_head_dim=V,
-    shared_expert_intermediate_size=SHARED,
-    first_k_dense_replace=1,
-)
-LITE = replace(MLA, q_lora_rank=None)
-GQA = ModelDims(
-    hidden_size=H,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=4,
-    vocab_size=10,
-    moe_intermediate_size=F,
-    num_experts=E,
-)
-L = "model.layers.5."
-R2 = MegatronParallel(rank=2)
-R2_OF_TP2 = MegatronParallel(rank=2, tp_rank=1, tp_size=2)
-A = L + "self_attn."
-
-
-def slices(
-    name: str,
-    tensor: torch.Tensor,
-    par: MegatronParallel,
-    *,
-    dims: ModelDims = MLA,
-    glu: GluInterleave | None = None,
-    layer: int = 5,
-) -> list[HeldSlice]:
-    return megatron_param_slices(
-        name,
-        tensor,
-        dims=dims,
-        parallel=par,
-        layer_numbers={0: layer},
-        tied_output=False,
-        glu_interleave=glu,
-    )
-
-
-def tp(rank: int, size: int, **kw: Any) -> MegatronParallel:
-    return MegatronParallel(rank=rank, tp_rank=rank, tp_size=size, **kw)
-
-
-def check_union(
-    name: str,
-    truth: dict[str, torch.Tensor],
-    locals_: list[tuple[torch.Tensor, MegatronParallel]],
-    *,
-    copies: int = 1,
-    **kw: Any,
-) -> list[list[HeldSlice]]:
-    """Every rank's boxes hold exactly the truth's values, as views of its local tensor,
-    and together cover every element `copies` times (1: split, n: replicated)."""
-    counts = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in truth.items()}
-    out = []
-    for local, par in locals_:
-        held = slices(name, local, par, **kw)
-        register(held, rank=par.rank)  # the registry accepts them (no overlaps, shapes fit)
-        for s in held:
-            assert s.shape == tuple(truth[s.name].shape), s.name
-            assert torch.equal(s.view, truth[s.name][to_slices(s.box)]), (s.name, s.box)
-            assert s.view.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-            counts[s.name][to_slices(s.box)] += 1
-        out.append(held)
-    for n, c in counts.items():
-        assert bool((c == copies).all()), (n, c)
-    return out
-
 
 # ---- multi-latent attention ----------------------------------------------------------------
 
@@ -397,192 +330,3 @@ def test_interleaved_shared_expert_fc1() -> None:
         plain,
         glu=GluInterleave(experts=3),
     )
-
-
-# ---- refusals ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("name", "shape", "par", "dims", "glu", "match", "field"),
-    [
-        (
-            "self_attention.linear_kv_up_proj.weight",
-            (HEADS * (NOPE + V), KVL),
-            R2,
-            GQA,
-            None,
-            "no kv_lora_rank",
-            "kv_lora_rank",
-        ),
-        (
-            "self_attention.linear_qkv.weight",
-            (48, H),
-            R2,
-            MLA,
-            None,
-            "multi-latent",
-            "kv_lora_rank",
-        ),
-        (
-            "self_attention.k_layernorm.weight",
-            (ROPE,),
-            R2,
-            MLA,
-            None,
-            "multi-latent",
-            "kv_lora_rank",
-        ),
-        (
-            "self_attention.linear_q_proj.weight",
-            (HEADS * (NOPE + ROPE), H),
-            R2,
-            MLA,
-            None,
-            "q_lora_rank=12",
-            "q_lora_rank",
-        ),
-        (
-            "self_attention.linear_q_down_proj.weight",
-            (QL, H),
-            R2,
-            LITE,
-            None,
-            "q_lora_rank=None",
-            "q_lora_rank",
-        ),
-        (
-            "self_attention.q_layernorm.weight",
-            (QL,),
-            R2,
-            LITE,
-            None,
-            "q_lora_rank=None",
-            "q_lora_rank",
-        ),
-        (
-            "self_attention.linear_q_up_proj.weight",
-            (HEADS * (NOPE + ROPE), QL),
-            R2,
-            replace(MLA, rope_interleave=False),
-            None,
-            "rope_interleave=False",
-            "rope_interleave",
-        ),
-        (
-            "self_attention.linear_kv_down_proj.weight",
-            (KVL + ROPE, H),
-            R2,
-            replace(MLA, rope_interleave=False),
-            None,
-            "rope_interleave=False",
-            "rope_interleave",
-        ),
-        (
-            "self_attention.linear_kv_up_proj.weight",
-            (HEADS * (NOPE + V) // 8, KVL),
-            MegatronParallel(rank=2, tp_rank=0, tp_size=8),
-            MLA,
-            None,
-            "4 heads over 8",
-            "parallel",
-        ),
-        (
-            "self_attention.linear_kv_down_proj.weight",
-            (7, H),
-            R2_OF_TP2,
-            MLA,
-            None,
-            "7 rows x 2 ranks",
-            "shape",
-        ),
-        (
-            "self_attention.linear_q_up_proj.weight",
-            (HEADS * (NOPE + ROPE), QL + 1),
-            R2,
-            MLA,
-            None,
-            "expected",
-            "shape",
-        ),
-        (
-            "mlp.shared_experts.linear_fc1.weight",
-            (2 * SHARED, H),
-            R2,
-            GQA,
-            None,
-            "no shared experts",
-            "shared_expert_intermediate_size",
-        ),
-        ("mlp.shared_experts.gate_weight", (1, H), R2, MLA, None, "DeepSeek", "name"),
-        (
-            "mlp.experts.linear_fc1.weight",
-            (3, 2 * F, H),
-            R2,
-            MLA,
-            None,
-            r"not \[4, out, in\]",
-            "shape",
-        ),
-        (
-            "mlp.experts.linear_fc1.weight",
-            (E, 2 * F, H),
-            R2,
-            MLA,
-            GluInterleave(experts=3),
-            "moe_mlp_glu_interleave_size=3",
-            "moe_mlp_glu_interleave_size",
-        ),
-        (
-            "mlp.experts.local_experts.0.linear_fc1.weight",
-            (2 * F, H),
-            R2,
-            MLA,
-            GluInterleave(experts=2),
-            "SequentialMLP",
-            "moe_mlp_glu_interleave_size",
-        ),
-        (
-            "mlp.experts.weight1",
-            (H, E * 2 * F),
-            R2,
-            MLA,
-            GluInterleave(experts=2),
-            "legacy GroupedMLP",
-            "moe_mlp_glu_interleave_size",
-        ),
-    ],
-)
-def test_refusals_name_the_parameter_rank_and_setting(
-    name: str,
-    shape: tuple[int, ...],
-    par: MegatronParallel,
-    dims: ModelDims,
-    glu: GluInterleave | None,
-    match: str,
-    field: str,
-) -> None:
-    full = f"decoder.layers.0.{name}"
-    with pytest.raises(LayoutError, match=match) as err:
-        slices(full, torch.zeros(shape), par, dims=dims, glu=glu)
-    assert (err.value.tensor, err.value.rank, err.value.field) == (full, 2, field)
-
-
-def test_expert_weights_in_a_checkpoint_dense_layer_are_refused() -> None:
-    """first_k_dense_replace=1: layer 0 is dense; a router there is a moe_layer_freq mismatch."""
-    for name, shape in (
-        ("mlp.router.weight", (E, H)),
-        ("mlp.router.expert_bias", (E,)),
-        ("mlp.shared_experts.linear_fc2.weight", (H, SHARED)),
-        ("mlp.experts.linear_fc2.weight0", (H, F)),
-    ):
-        with pytest.raises(LayoutError, match="first 1 layers are dense") as err:
-            slices(f"decoder.layers.0.{name}", torch.zeros(shape), tp(0, 1), layer=0)
-        assert err.value.field == "first_k_dense_replace"
-    dense = slices("decoder.layers.0.mlp.linear_fc2.weight", torch.zeros(H, 20), tp(0, 1), layer=0)
-    assert dense[0].name == "model.layers.0.mlp.down_proj.weight"
-
-
-def test_glu_interleave_sizes_are_validated() -> None:
-    with pytest.raises(LayoutError) as err:
-        GluInterleave(shared_experts=0)
-    assert err.value.field == "moe_shared_expert_glu_interleave_size"

@@ -1,6 +1,7 @@
 """Megatron parameter rules on plain tensors: names Megatron uses that no CPU model builds
 (Transformer Engine's fused norms and `weight{i}` experts, biases), and every error.
-MLA, shared experts and the other DeepSeek-era storages: test_megatron_mla_experts.py."""
+MLA, shared experts and the other DeepSeek-era storages: test_megatron_mla_experts.py (their
+refusals: test_megatron_refusals.py)."""
 
 from __future__ import annotations
 
