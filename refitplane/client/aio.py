@@ -11,8 +11,7 @@ import grpc
 import grpc.aio
 
 from refitplane._generated.refit.v1 import orchestrator_pb2 as opb
-from refitplane.client.base import ClientBase, trigger_request
-from refitplane.errors import TransferTimeout
+from refitplane.client.base import ClientBase, trigger_request, watch_error
 from refitplane.protocol.channel import aio_channel, from_rpc_error
 from refitplane.protocol.convert import refit_from_proto, topology_from_proto
 from refitplane.protocol.models import Refit, Topology
@@ -68,21 +67,12 @@ class AsyncRefitClient(ClientBase):
         return topology_from_proto(msg)
 
     async def watch(self, refit_id: str, *, timeout_s: float | None = None) -> AsyncIterator[Refit]:
-        call = self._stub.WatchRefit(
-            opb.WatchRefitRequest(refit_id=refit_id),
-            timeout=timeout_s,
-            metadata=self._metadata,
-            wait_for_ready=True,
-        )
+        call = self._watch_call(refit_id, timeout_s)
         try:
             async for msg in call:
                 yield refit_from_proto(msg)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TransferTimeout(
-                    f"refit {refit_id} did not finish within {timeout_s:g} s", field="refit_id"
-                ) from None
-            raise from_rpc_error(exc) from None
+            raise watch_error(exc, refit_id, timeout_s) from None
         finally:
             call.cancel()
 
