@@ -22,6 +22,7 @@ kernel's blocks add their partial sums atomically), and both ends compare tables
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,73 +39,16 @@ _WORDS_PER_PROGRAM = _BLOCK * _ITERS
 # (surplus steps keep the found row).
 _SEARCH_STEPS = 20
 
-_kernel: Any = None
-_program_row: Any = None
-_add_words: Any = None
-_tail_word: Any = None
-_add_sums: Any = None
 
-
+@functools.cache
 def _triton_kernel() -> Any:
-    """Compile-on-first-use Triton kernel, or None where Triton cannot run. One launch sums
-    many buffers: a table row per buffer (8-byte aligned address, byte count, output
-    address, first program) maps each program to a buffer (binary search on the
-    first-program column), and the program adds its part's (S0, S1) into that buffer's
-    output pair (int64 atomics): no partial sums to reduce, one launch per group of
-    messages. A last partial word (1-7 bytes) is read bytewise by the program whose range
-    holds it, zero-padded like the reference.
-
-    Exactly one variant is ever compiled: the search runs a fixed number of steps and
-    Triton does not specialize the arguments (a new variant means compiling and loading a
-    module, which must not happen while a transfer is in flight; see `LaunchTables`)."""
-    global _kernel, _program_row, _add_words, _tail_word, _add_sums
-    if _kernel is not None:
-        return _kernel or None
+    """The kernel (`checksum_kernel.py`, compiled on first launch), or None where Triton
+    cannot run."""
     try:
-        import triton
-        import triton.language as tl
-
-        from refitplane.reshard import triton_rows, triton_sums
+        from refitplane.reshard.checksum_kernel import sums_into
     except ImportError:
-        _kernel = False
         return None
-
-    # The kernel finds its row with the shared search and adds the sums with the shared
-    # helpers; Triton resolves them as globals.
-    _program_row = triton_rows.program_row
-    _add_words, _tail_word, _add_sums = (
-        triton_sums.add_words,
-        triton_sums.tail_word,
-        triton_sums.add_sums,
-    )
-
-    # Triton reads the signature: no Python annotations inside the kernel.
-    @triton.jit(do_not_specialize=["tab", "n"])  # type: ignore[untyped-decorator]
-    def _sums_into(tab, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
-        pid = tl.program_id(0).to(tl.int64)
-        row = _program_row(tab, n, pid, STEPS)
-        address = tl.load(row)
-        x_ptr = address.to(tl.pointer_type(tl.int64))
-        n_bytes = tl.load(row + 1)
-        n_words = n_bytes // 8  # whole words; a tail of n_bytes % 8 bytes follows
-        out_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int64))
-        base = (pid - tl.load(row + 3)) * BLOCK * ITERS
-        acc0 = tl.zeros([BLOCK], dtype=tl.int64)
-        acc1 = tl.zeros([BLOCK], dtype=tl.int64)
-        for it in range(ITERS):
-            offs = base + it * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-            mask = offs < n_words
-            x = tl.load(x_ptr + offs, mask=mask, other=0)
-            acc0, acc1 = _add_words(acc0, acc1, x, 0, offs)
-        lane = tl.arange(0, 8).to(tl.int64)
-        mine = (n_words >= base) & (n_words < base + BLOCK * ITERS)
-        tail_mask = lane < tl.where(mine, n_bytes - n_words * 8, 0)
-        byte_ptr = address.to(tl.pointer_type(tl.uint8))
-        tail_bytes = tl.load(byte_ptr + n_words * 8 + lane, mask=tail_mask, other=0)
-        _add_sums(out_ptr, acc0, acc1, _tail_word(tail_bytes, lane), n_words)
-
-    _kernel = _sums_into
-    return _kernel
+    return sums_into
 
 
 class LaunchTables:
@@ -157,7 +101,7 @@ def _launch_table(
     device: torch.device,
     tables: LaunchTables | None = None,
 ) -> None:
-    """One launch over `table` (4 ints per buffer, see `_triton_kernel`), uploaded through
+    """One launch over `table` (4 ints per buffer, see `checksum_kernel`), uploaded through
     the transfer's reserved `tables`, or (outside transfers) as a fresh device copy."""
     entries = len(table) // 4
     if entries >= 1 << _SEARCH_STEPS:

@@ -14,6 +14,7 @@ nothing varying is specialized, so one variant is compiled, before the first cop
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,21 +26,16 @@ _BYTES_PER_PROGRAM = 8 * _BLOCK * _ITERS
 _SEARCH_STEPS = 20
 _ROW = 5
 
-_kernel: Any = None
 
-
+@functools.cache
 def triton_kernel() -> Any:
     """The kernel (`copy_sums_kernel.py`, compiled on first launch), or None where Triton
     cannot run."""
-    global _kernel
-    if _kernel is None:
-        try:
-            from refitplane.reshard.copy_sums_kernel import copy_sums
-        except ImportError:
-            _kernel = False
-        else:
-            _kernel = copy_sums
-    return _kernel or None
+    try:
+        from refitplane.reshard.copy_sums_kernel import copy_sums
+    except ImportError:
+        return None
+    return copy_sums
 
 
 def eligible(dst: torch.Tensor, src: torch.Tensor) -> bool:
