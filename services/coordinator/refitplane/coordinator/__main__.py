@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import json
 import logging
@@ -79,6 +78,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _serve(settings: Any, port_file: Path | None) -> None:
+    from refitplane.coordinator.core.waits import cancel_and_wait
     from refitplane.coordinator.server import CoordinatorServer
 
     loop = asyncio.get_running_loop()
@@ -91,16 +91,24 @@ async def _serve(settings: Any, port_file: Path | None) -> None:
     stopping = asyncio.create_task(stop.wait(), name="stop")
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
-        starting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await starting
-        await asyncio.wait_for(server.stop(graceful=False), STOP_WHILE_STARTING_S)
+        try:
+            async with asyncio.timeout(STOP_WHILE_STARTING_S):
+                # Cancelled again every 0.1 s until it ends: inside redis-py a cancellation
+                # can be lost (cancel_and_wait says how), and start-up would then wait out
+                # the store's timeouts and retries (~20 s) before it saw the signal.
+                await cancel_and_wait(starting, again_after_s=0.1)
+                await server.stop(graceful=False)
+        except TimeoutError:
+            raise StartupError(
+                f"stopping on a signal: start-up did not end within {STOP_WHILE_STARTING_S:g} s"
+            ) from None
         return
     stopping.cancel()
     try:
         starting.result()
     except BaseException:
-        await asyncio.wait_for(server.stop(graceful=False), STOP_WHILE_STARTING_S)
+        async with asyncio.timeout(STOP_WHILE_STARTING_S):
+            await server.stop(graceful=False)
         raise
     # Everything allocated so far lives as long as the process: keep it out of the
     # collector's full passes, which would otherwise add milliseconds to refit latency.

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from refitplane.coordinator.core.idempotency_keys import KeyMemory
 from refitplane.coordinator.core.membership import Membership
 from refitplane.coordinator.core.records import JobRecord, RefitRecord
-from refitplane.coordinator.core.waits import cancel_and_wait
+from refitplane.coordinator.core.waits import cancel_and_wait, wait_event
 from refitplane.coordinator.store.base import Store
 from refitplane.errors import Unavailable
 from refitplane.protocol import RefitState, Role
@@ -131,10 +131,7 @@ class StoreWatch:
 
     async def _loop(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self._interval)
-            except TimeoutError:
-                pass
+            await wait_event(self._wake, self._interval)
             self._wake.clear()
             try:
                 if await self._store.incarnation() != self._incarnation:

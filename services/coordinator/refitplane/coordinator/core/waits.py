@@ -14,12 +14,24 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
+async def cancel_and_wait(task: asyncio.Task[None] | None, *, again_after_s: float = 0.5) -> None:
     """Cancel a background task and wait until it has ended (None: nothing to do), so a
-    stopping owner never leaves it running; the CancelledError it ends with stops here."""
+    stopping owner never leaves it running; the CancelledError it ends with stops here.
+
+    A task still running `again_after_s` after a cancellation is cancelled again, and so on:
+    the cancellation may have been lost rather than slow to take effect. Code we do not own
+    still uses Python 3.11's `asyncio.wait_for` (redis-py writes every command through it),
+    which returns its operation's result when the cancellation lands in the loop iteration
+    that operation completes in (CPython gh-86296): the task then runs on as if never
+    cancelled, and the next Redis read turns the leftover cancellation into a timeout that
+    redis-py retries, ~5 s each (a coordinator in start-up ignored SIGTERM for 20 s that
+    way). `again_after_s` is also how long a task's own clean-up after a cancellation may
+    take before it is cancelled too."""
     if task is None:
         return
-    task.cancel()
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=again_after_s)
     with contextlib.suppress(asyncio.CancelledError):
         await task
 
