@@ -4,8 +4,6 @@ loopback port; the script runs as its own process, exactly as in the test pod.""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import ssl
 import subprocess
@@ -98,62 +96,23 @@ class Pki:
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     """A CA, a server certificate for localhost/127.0.0.1 signed by it, and an unrelated CA."""
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    pytest.importorskip("cryptography.x509")
+    from tests.support.tls_certs import certificate, new_key, write_certificate, write_key
 
     directory = tmp_path_factory.mktemp("pki")
-    now = datetime.datetime.now(datetime.UTC)
-
-    def make_ca(name: str) -> tuple[Any, Any]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256())
-        )
-        return key, cert
-
-    ca_key, ca_cert = make_ca("refit test CA")
-    _, other_cert = make_ca("unrelated CA")
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server_cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
-        .issuer_name(ca_cert.subject)
-        .public_key(server_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
+    ca_key = new_key()
+    ca_cert = certificate(ca_key, "refit test CA", ca=True, localhost=False)
+    other_cert = certificate(new_key(), "unrelated CA", ca=True, localhost=False)
+    server_key = new_key()
+    server_cert = certificate(
+        server_key, "localhost", ca=False, localhost=True, issuer=ca_cert, issuer_key=ca_key
     )
-    pem = serialization.Encoding.PEM
-    paths = Pki(
-        directory / "ca.crt", directory / "tls.crt", directory / "tls.key", directory / "other.crt"
+    return Pki(
+        write_certificate(directory / "ca.crt", ca_cert),
+        write_certificate(directory / "tls.crt", server_cert),
+        write_key(directory / "tls.key", server_key),
+        write_certificate(directory / "other.crt", other_cert),
     )
-    paths.ca.write_bytes(ca_cert.public_bytes(pem))
-    paths.other_ca.write_bytes(other_cert.public_bytes(pem))
-    paths.cert.write_bytes(server_cert.public_bytes(pem))
-    paths.key.write_bytes(
-        server_key.private_bytes(
-            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return paths
 
 
 def _start_servers(pki: Pki | None) -> Iterator[Servers]:

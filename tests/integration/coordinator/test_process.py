@@ -3,8 +3,6 @@ TLS on both transports, the console script, and stale generated stubs."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import shutil
 import ssl
@@ -14,14 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from refitplane.errors import Unauthenticated
 from refitplane.protocol import RefitState
 from tests.support.processes import run_to_end
+from tests.support.tls_certs import certificate, new_key, write_certificate, write_key
 
 pytestmark = pytest.mark.integration
 
@@ -101,36 +96,11 @@ def test_invalid_configuration_exits_with_a_message(tmp_path):
 
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "tls.crt", tmp_path / "tls.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
+    """A self-signed certificate for localhost (also a CA: clients trust it as their root)
+    and its key, as PEM files."""
+    key = new_key()
+    cert = certificate(key, "localhost", ca=True, localhost=True)
+    return write_certificate(tmp_path / "tls.crt", cert), write_key(tmp_path / "tls.key", key)
 
 
 def test_tls_on_grpc_and_http(coordinator_factory, sim_cluster, tmp_path):
