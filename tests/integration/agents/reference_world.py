@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from refitplane.client import RefitClient
+from refitplane.generator.hf_tensor_parallel import tp_boxes
 from refitplane.generator.reference_engine import ReferenceEngine, shard_state, specs_of
+from refitplane.reshard.boxes import to_slices
 from refitplane.trainer.agent import TrainerAgent
 
 
@@ -88,3 +90,22 @@ def wait_layouts(client: RefitClient, job: str, members: int, timeout_s: float =
             return
         time.sleep(0.05)
     raise AssertionError(f"members did not publish layouts: {client.topology(job)}")
+
+
+def held_boxes(gen: ReferenceEngine, names: Iterable[str]) -> Iterator[tuple[str, Any, Any]]:
+    """(name, the bytes `gen` holds of it, its box) for each of `names` it holds a part of."""
+    for name in names:
+        box = tp_boxes(gen.specs[name], gen.world_size).get(gen.rank)
+        if box is not None:
+            yield name, gen.shards.view(name, box).view(torch.uint8), box
+
+
+def assert_holds(
+    gens: list[ReferenceEngine], truth: Mapping[str, torch.Tensor], version: int
+) -> None:
+    """Every generator rank is at `version` and holds exactly its boxes of `truth`."""
+    for g in gens:
+        assert g.version == version, (g.session.info.replica_id, g.rank, g.version)
+        for name, held, box in held_boxes(g, truth):
+            expected = truth[name][to_slices(box)].view(torch.uint8)
+            assert torch.equal(held, expected), (g.session.info.replica_id, g.rank, name)

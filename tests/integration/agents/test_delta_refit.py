@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from refitplane.client import RefitClient
-from refitplane.generator.hf_tensor_parallel import tp_boxes
 from refitplane.generator.reference_engine import ReferenceEngine, specs_of
 from refitplane.protocol import Refit, RefitState
 from refitplane.reshard.boxes import to_slices
 from refitplane.trainer.agent import TrainerAgent
 from tests.integration.agents.reference_world import (
+    assert_holds,
     reference_generators,
     running,
     trainer_ranks,
@@ -110,19 +110,6 @@ def _step(
                 sv.tensor.copy_(truth[sv.spec.name][to_slices(sv.box)])
 
 
-def _assert_holds(
-    gens: list[ReferenceEngine], truth: dict[str, torch.Tensor], version: int
-) -> None:
-    for g in gens:
-        assert g.version == version
-        for name, t in truth.items():
-            box = tp_boxes(g.specs[name], g.world_size).get(g.rank)
-            if box is not None:
-                assert torch.equal(
-                    g.shards.view(name, box).view(torch.uint8), t[to_slices(box)].view(torch.uint8)
-                ), (g.session.info.replica_id, g.rank, name)
-
-
 def _refit(client: RefitClient, key: str, replicas: list[str] | None = None) -> Refit:
     done = client.wait(
         client.trigger(JOB, idempotency_key=key, target_replicas=replicas or ()).refit_id,
@@ -148,12 +135,12 @@ def test_delta_refits_move_only_changes_and_end_exact(
         first = _refit(client, "k0")
         assert first.delta_replicas == []  # no base yet: the full path
         assert first.bytes_on_wire == first.bytes_total
-        _assert_holds(gens, truth, first.version)
+        assert_holds(gens, truth, first.version)
         for i, fraction in enumerate((0.001, 0.01, 0.05, 0.2, 0.9)):
             _step(trainers, truth, fraction, seed=100 + i)
             done = _refit(client, f"k{i + 1}")
             assert sorted(done.delta_replicas) == names
-            _assert_holds(gens, truth, done.version)
+            assert_holds(gens, truth, done.version)
             assert done.bytes_on_wire < done.bytes_total, (fraction, done.bytes_on_wire)
             if fraction <= 0.01:
                 assert done.bytes_on_wire < done.bytes_total / 5, fraction
@@ -193,11 +180,11 @@ def test_a_replica_that_missed_a_version_gets_the_full_path(
         both = _refit(client, "k2")
         # rep-1 holds version 1, the trainers' base is version 2: rep-1 goes in full.
         assert both.delta_replicas == ["rep-0"]
-        _assert_holds(gens, truth, both.version)
+        assert_holds(gens, truth, both.version)
         _step(trainers, truth, 0.01, seed=3)
         again = _refit(client, "k3")
         assert again.delta_replicas == ["rep-0", "rep-1"]
-        _assert_holds(gens, truth, again.version)
+        assert_holds(gens, truth, again.version)
 
 
 def test_delta_off_sends_in_full_and_keeps_no_snapshot(
@@ -215,7 +202,7 @@ def test_delta_off_sends_in_full_and_keeps_no_snapshot(
             done = _refit(client, f"k{i}")
             assert done.delta_replicas == []
             assert done.bytes_on_wire == done.bytes_total
-        _assert_holds(gens, truth, done.version)
+        assert_holds(gens, truth, done.version)
         assert all(t.member.delta_snapshot.nbytes == 0 for t in trainers)
 
 
@@ -242,11 +229,11 @@ def test_a_restarted_trainer_rank_sends_in_full_once(
             restarted = _refit(client, "k2")
             assert restarted.delta_replicas == []
             assert restarted.bytes_on_wire == restarted.bytes_total
-            _assert_holds(gens, truth, restarted.version)
+            assert_holds(gens, truth, restarted.version)
             _step(trainers, truth, 0.01, seed=3)
             again = _refit(client, "k3")
             assert again.delta_replicas == ["rep-0"]
-            _assert_holds(gens, truth, again.version)
+            assert_holds(gens, truth, again.version)
 
 
 def test_a_sender_that_lost_its_base_sends_in_full(
@@ -273,8 +260,8 @@ def test_a_sender_that_lost_its_base_sends_in_full(
         assert report is not None
         assert report.delta_messages == 0
         assert report.bytes_sent == report.bytes_full
-        _assert_holds(gens, truth, lost.version)
+        assert_holds(gens, truth, lost.version)
         _step(trainers, truth, 0.01, seed=3)
         again = _refit(client, "k3")
         assert again.bytes_on_wire < again.bytes_total / 5
-        _assert_holds(gens, truth, again.version)
+        assert_holds(gens, truth, again.version)

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from refitplane.client import RefitClient
-from refitplane.generator.hf_tensor_parallel import tp_boxes
 from refitplane.generator.reference_engine import ReferenceEngine, specs_of
 from refitplane.protocol import RefitState
-from refitplane.reshard.boxes import to_slices
 from refitplane.trainer.agent import TrainerAgent
 from tests.integration.agents.reference_world import (
+    assert_holds,
+    held_boxes,
     reference_generators,
     running,
     trainer_ranks,
@@ -88,15 +88,7 @@ def test_refit_commits_and_bytes_match(
         assert all(r.bytes_total == r.bytes_sent + r.bytes_received > 0 for r in final.ranks), (
             final.ranks
         )
-        for g in gens:
-            assert g.version == final.version
-            for name, t in truth.items():
-                box = tp_boxes(g.specs[name], g.world_size).get(g.rank)
-                if box is not None:
-                    assert torch.equal(
-                        g.shards.view(name, box).view(torch.uint8),
-                        t[to_slices(box)].view(torch.uint8),
-                    ), name
+        assert_holds(gens, truth, final.version)
         topo = client.topology("job-a")
         assert {r.version for r in topo.replicas} == {final.version}
         # A second refit reuses the group and the cached plan.
@@ -128,10 +120,8 @@ def test_named_plans_and_a_lost_plan_cache_over_gloo(
         trainers[0].member.plans.clear()
         gens[1].member.plans.clear()
         for g in gens:  # so that only this refit's bytes can make them right again
-            for name in truth:
-                box = tp_boxes(g.specs[name], g.world_size).get(g.rank)
-                if box is not None:
-                    g.shards.view(name, box).view(torch.uint8).zero_()
+            for _, held, _ in held_boxes(g, truth):
+                held.zero_()
         final = client.wait(client.trigger("job-a", idempotency_key="k3").refit_id, timeout_s=60)
         assert final.state == RefitState.COMMITTED, final
         assert final.tensors_verified == final.tensors_total > 0
@@ -139,11 +129,4 @@ def test_named_plans_and_a_lost_plan_cache_over_gloo(
         assert metrics.get_sample_value("refit_rank_plans_total", {"how": "RESENT"}) == 2
         assert trainers[0].member.plans.misses == 1
         assert gens[1].member.plans.misses == 1
-        for g in gens:
-            for name, t in truth.items():
-                box = tp_boxes(g.specs[name], g.world_size).get(g.rank)
-                if box is not None:
-                    assert torch.equal(
-                        g.shards.view(name, box).view(torch.uint8),
-                        t[to_slices(box)].view(torch.uint8),
-                    ), name
+        assert_holds(gens, truth, final.version)
