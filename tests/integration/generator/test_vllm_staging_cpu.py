@@ -34,6 +34,7 @@ from refitplane.models.tiny import write_tiny_model
 from refitplane.protocol import MemberState
 from tests.integration.generator.vllm_refits import JOB, RefitRun, RefitSession
 from tests.integration.vllm_marks import VLLM_CPU
+from tests.support.vllm_logprobs import greedy_logprobs
 
 pytestmark = VLLM_CPU
 
@@ -81,22 +82,6 @@ def reload_checkpoint(worker: Any, checkpoint_dir: str) -> int:
     return len(tensors)
 
 
-def logprobs(llm: Any) -> list[tuple[int, float]]:
-    """Greedy tokens and the top-5 log-probabilities at every step, for three prompts."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5, detokenize=False)
-    prompts = [TokensPrompt(prompt_token_ids=[p + k for p in PROMPT]) for k in range(3)]
-    out: list[tuple[int, float]] = []
-    for result in llm.generate(prompts, params, use_tqdm=False):
-        completion = result.outputs[0]
-        for token, top in zip(completion.token_ids, completion.logprobs or [], strict=True):
-            out.extend((t, lp.logprob) for t, lp in sorted(top.items()))
-            out.append((token, 0.0))
-    return out
-
-
 @dataclass
 class Refitted:
     run: RefitRun
@@ -127,9 +112,9 @@ class Session:
 def _refit(session: RefitSession, llm: Any, checkpoint: Path) -> Refitted:
     run = session.refit_checkpoint(checkpoint, "tp", 2)
     staging = llm.collective_rpc(staging_report)
-    served = logprobs(llm)
+    served = greedy_logprobs(llm, PROMPT, NEW_TOKENS)
     llm.collective_rpc(reload_checkpoint, args=(str(checkpoint),))
-    reloaded = logprobs(llm)
+    reloaded = greedy_logprobs(llm, PROMPT, NEW_TOKENS)
     registry = session.sidecar.registry
     gauge = {
         str(rank): registry.get_sample_value(

