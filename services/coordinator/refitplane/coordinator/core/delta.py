@@ -7,16 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from refitplane.coordinator.core.cast import Cast
 from refitplane.coordinator.core.membership import Membership
 from refitplane.coordinator.core.planning import PlannedRefit
 from refitplane.coordinator.core.records import MemberRecord, ReplicaRecord
 from refitplane.protocol import Role
 from refitplane.protocol import messages as msg
-
-if TYPE_CHECKING:
-    from refitplane.coordinator.core.run import Cast
 
 
 @dataclass(frozen=True)

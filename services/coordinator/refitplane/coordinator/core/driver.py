@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from refitplane.coordinator.core.cast import Cast
 from refitplane.coordinator.core.context import DriverContext
 from refitplane.coordinator.core.delta import DeltaBases
 from refitplane.coordinator.core.endings import RefitEndings
@@ -26,7 +27,7 @@ from refitplane.coordinator.core.planning import PlannedRefit, Roster
 from refitplane.coordinator.core.records import MemberRecord, RefitRecord
 from refitplane.coordinator.core.replicas import ReplicaHealth
 from refitplane.coordinator.core.report_check import transfer_done_mismatch
-from refitplane.coordinator.core.run import Cast, RefitRun, phase_seconds
+from refitplane.coordinator.core.run import RefitRun, phase_seconds
 from refitplane.coordinator.core.topology import DriverView
 from refitplane.coordinator.core.waits import cancel_and_wait, wait_event
 from refitplane.errors import Conflict, RefitError, Unavailable

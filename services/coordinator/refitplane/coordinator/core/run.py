@@ -1,5 +1,5 @@
-"""The in-memory state of the refit being driven: who takes part (`Cast`, fixed once it is
-planned), what each reported, its progress totals, and the one wait primitive every phase
+"""The in-memory state of the refit being driven: who takes part (`cast.Cast`, fixed once it
+is planned), what each reported, its progress totals, and the one wait primitive every phase
 uses (bounded, and cut short by any failure).
 
 Only the job's driver writes a `RefitRun`; cancel and reports only signal it. State that
@@ -13,11 +13,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+from refitplane.coordinator.core.cast import Cast
 from refitplane.coordinator.core.delta import NO_DELTA, DeltaChoice
 from refitplane.coordinator.core.failures import RefitFailed, list_some
 from refitplane.coordinator.core.membership import Membership
-from refitplane.coordinator.core.planning import ReplicaMembers
-from refitplane.coordinator.core.records import MemberRecord, RefitRecord
+from refitplane.coordinator.core.records import RefitRecord
 from refitplane.coordinator.core.waits import wait_event
 from refitplane.protocol import Reason, RefitState, Role
 from refitplane.protocol import messages as msg
@@ -25,61 +25,6 @@ from refitplane.protocol.models import RankProgress
 
 # Progress is persisted at most this often (watchers see every change in memory).
 FLUSH_INTERVAL_S = 0.5
-
-
-@dataclass
-class Participant:
-    member: MemberRecord
-    # -1 for sidecars (not in the group)
-    group_rank: int
-
-    @property
-    def data_plane(self) -> bool:
-        return self.member.role.is_data_plane
-
-
-@dataclass(frozen=True)
-class Cast:
-    """Who a refit involves, decided when it is planned and not changed after."""
-
-    participants: dict[str, Participant] = field(default_factory=dict)
-    # Everyone this refit involves (participants and the group's other members), for messages
-    members: dict[str, MemberRecord] = field(default_factory=dict)
-    # replica id → the member ids of its data-plane ranks / its sidecar
-    replica_ranks: dict[str, list[str]] = field(default_factory=dict)
-    replica_sidecar: dict[str, str] = field(default_factory=dict)
-
-    @staticmethod
-    def of(
-        group: list[MemberRecord], trainers: list[MemberRecord], targets: list[ReplicaMembers]
-    ) -> Cast:
-        """Every trainer rank sends; every rank and the sidecar of each target replica takes
-        part. `group` (every data-plane member, in group-rank order) gives the group ranks."""
-        cast = Cast(members={m.member_id: m for m in group})
-        rank_of = {m.member_id: i for i, m in enumerate(group)}
-        for m in trainers:
-            cast.participants[m.member_id] = Participant(m, rank_of[m.member_id])
-        for rep in targets:
-            cast.replica_ranks[rep.replica_id] = [m.member_id for m in rep.ordered()]
-            for m in rep.ordered():
-                cast.participants[m.member_id] = Participant(m, rank_of[m.member_id])
-            if rep.sidecar is not None:
-                cast.participants[rep.sidecar.member_id] = Participant(rep.sidecar, -1)
-                cast.members[rep.sidecar.member_id] = rep.sidecar
-                cast.replica_sidecar[rep.replica_id] = rep.sidecar.member_id
-        return cast
-
-    def data_members(self) -> list[str]:
-        return [i for i, p in self.participants.items() if p.data_plane]
-
-    def receives_staged(self, replica: str) -> bool:
-        """Every rank of `replica` receives into staging (label receive_mode=staged): its
-        live weights do not change until the reload, which reports."""
-        ranks = self.replica_ranks.get(replica, [])
-        return bool(ranks) and all(
-            (m := self.members.get(mid)) is not None and m.labels.get("receive_mode") == "staged"
-            for mid in ranks
-        )
 
 
 @dataclass
