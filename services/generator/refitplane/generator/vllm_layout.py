@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Literal
 
 import torch
 
@@ -47,8 +47,35 @@ from refitplane.reshard.boxes import (
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.shards import LocalShards, dtype_name, torch_dtype
 
-if TYPE_CHECKING:
-    from refitplane.generator.vllm_rule_check import RuleCheck
+# What the start-up check of a layer class's fast-path rule found (`vllm_rule_check`).
+RuleStatus = Literal["verified", "mismatch", "skipped"]
+
+
+@dataclass(frozen=True, slots=True)
+class RuleCheck:
+    """What the start-up check (`vllm_rule_check`) found for one layer class (over its
+    checked roles); a layout carries one per class it checked."""
+
+    layer_class: str
+    status: RuleStatus
+    # The layers checked (one per role), and why the class falls back ("" when verified).
+    samples: tuple[str, ...] = ()
+    reason: str = ""
+    seconds: float = 0.0
+    # Elements compared, and the host memory the largest role needed.
+    elements: int = 0
+    peak_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "class": self.layer_class,
+            "status": self.status,
+            "samples": list(self.samples),
+            "reason": self.reason,
+            "seconds": round(self.seconds, 4),
+            "elements": self.elements,
+            "peak_bytes": self.peak_bytes,
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,16 +34,16 @@ import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
 from refitplane.errors import LayoutError
+from refitplane.generator.vllm_layout import ParamLayout, RuleCheck, RuleStatus
 from refitplane.reshard.boxes import box_shape, format_box
 from refitplane.reshard.layout import TensorSpec
 
 if TYPE_CHECKING:
-    from refitplane.generator.vllm_layout import ParamLayout
     from refitplane.generator.vllm_rule_parts import DescribedParam
 
 log = logging.getLogger("refitplane.generator.rule_check")
@@ -68,8 +68,6 @@ PINNED_RULES: Final[Mapping[str, str]] = {
 # Host memory one role's check may use (shadows plus coded inputs) unless told otherwise.
 DEFAULT_MAX_BYTES: Final = 16 << 30
 
-Status = Literal["verified", "mismatch", "skipped"]
-
 
 @dataclass(frozen=True, slots=True)
 class RuleCheckPolicy:
@@ -87,32 +85,6 @@ class RuleCheckPolicy:
                 f"{sorted(PINNED_RULES)} may skip the start-up check",
                 field="REFIT_RULE_CHECK_SKIP",
             )
-
-
-@dataclass(frozen=True, slots=True)
-class RuleCheck:
-    """What the start-up check found for one layer class (over its checked roles)."""
-
-    layer_class: str
-    status: Status
-    # The layers checked (one per role), and why the class falls back ("" when verified).
-    samples: tuple[str, ...] = ()
-    reason: str = ""
-    seconds: float = 0.0
-    # Elements compared, and the host memory the largest role needed.
-    elements: int = 0
-    peak_bytes: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "class": self.layer_class,
-            "status": self.status,
-            "samples": list(self.samples),
-            "reason": self.reason,
-            "seconds": round(self.seconds, 4),
-            "elements": self.elements,
-            "peak_bytes": self.peak_bytes,
-        }
 
 
 @dataclass
@@ -197,7 +169,7 @@ def check_rules(
             if problem:
                 result.reason = problem
                 break
-        status: Status = "mismatch" if result.reason else "verified"
+        status: RuleStatus = "mismatch" if result.reason else "verified"
         out.append(
             RuleCheck(
                 cls,
