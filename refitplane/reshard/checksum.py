@@ -22,11 +22,12 @@ kernel's blocks add their partial sums atomically), and both ends compare tables
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from refitplane.reshard.triton_load import load_kernel
 
 _A = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit constants, as signed int64
 _B = 0x632BE59BD9B4E019
@@ -40,15 +41,10 @@ _WORDS_PER_PROGRAM = _BLOCK * _ITERS
 _SEARCH_STEPS = 20
 
 
-@functools.cache
 def _triton_kernel() -> Any:
     """The kernel (`checksum_kernel.py`, compiled on first launch), or None where Triton
     cannot run."""
-    try:
-        from refitplane.reshard.checksum_kernel import sums_into
-    except ImportError:
-        return None
-    return sums_into
+    return load_kernel("refitplane.reshard.checksum_kernel", "sums_into")
 
 
 class LaunchTables:

@@ -21,13 +21,14 @@ one read of the bytes instead of two, and no checksum launch after the transfer.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from refitplane.reshard.triton_load import load_kernel
 
 _BLOCK = 1024
 _ITERS = 16
@@ -41,15 +42,10 @@ _SLICE_ALIGN = 16
 ENABLED = os.environ.get("REFIT_COPY_KERNEL", "1") != "0"
 
 
-@functools.cache
 def triton_kernel() -> Any:
     """The kernel (`chunk_copy_kernel.py`, compiled on first launch), or None where Triton
     cannot run."""
-    try:
-        from refitplane.reshard.chunk_copy_kernel import copy_chunks
-    except ImportError:
-        return None
-    return copy_chunks
+    return load_kernel("refitplane.reshard.chunk_copy_kernel", "copy_chunks")
 
 
 @dataclass(frozen=True, slots=True)

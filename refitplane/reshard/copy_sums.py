@@ -14,11 +14,12 @@ nothing varying is specialized, so one variant is compiled, before the first cop
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from refitplane.reshard.triton_load import load_kernel
 
 _BLOCK = 1024
 _ITERS = 16
@@ -27,15 +28,10 @@ _SEARCH_STEPS = 20
 _ROW = 5
 
 
-@functools.cache
 def triton_kernel() -> Any:
     """The kernel (`copy_sums_kernel.py`, compiled on first launch), or None where Triton
     cannot run."""
-    try:
-        from refitplane.reshard.copy_sums_kernel import copy_sums
-    except ImportError:
-        return None
-    return copy_sums
+    return load_kernel("refitplane.reshard.copy_sums_kernel", "copy_sums")
 
 
 def eligible(dst: torch.Tensor, src: torch.Tensor) -> bool:
