@@ -1,7 +1,7 @@
 """Synthetic Megatron shards for the layout rules' unit tests (`test_megatron_mla_experts.py`,
 `test_megatron_refusals.py`): DeepSeek-style dimensions with multi-latent attention (`MLA`,
 `LITE` without query LoRA) and a GQA model beside them, the rules' slices of one local
-tensor (`slices`), and the check that every rank's slices together rebuild the truth
+tensor (`slices`, which test_megatron_params.py uses with its own dimensions), and the check that every rank's slices together rebuild the truth
 (`check_union`).
 """
 
@@ -61,14 +61,19 @@ def slices(
     dims: ModelDims = MLA,
     glu: GluInterleave | None = None,
     layer: int = 5,
+    layers: dict[int, int] | None = None,
+    tied: bool = False,
 ) -> list[HeldSlice]:
+    """The rules' slices of `tensor`, Megatron's `name` on rank `par`: its local layer 0 is
+    the model's `layer` (or `layers` maps each local layer to the model's); `tied`: the
+    output layer shares the embedding."""
     return megatron_param_slices(
         name,
         tensor,
         dims=dims,
         parallel=par,
-        layer_numbers={0: layer},
-        tied_output=False,
+        layer_numbers={0: layer} if layers is None else layers,
+        tied_output=tied,
         glu_interleave=glu,
     )
 

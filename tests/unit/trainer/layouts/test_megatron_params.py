@@ -5,6 +5,8 @@ refusals: test_megatron_refusals.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -12,8 +14,8 @@ from refitplane.errors import LayoutError
 from refitplane.reshard.boxes import to_slices
 from refitplane.trainer.layouts.dims import ModelDims
 from refitplane.trainer.layouts.held import HeldSlice, register
-from refitplane.trainer.layouts.megatron_params import megatron_param_slices
 from refitplane.trainer.layouts.megatron_slicing import MegatronParallel
+from tests.unit.trainer.layouts import megatron_synthetic
 
 pytestmark = pytest.mark.unit
 
@@ -30,23 +32,8 @@ DIMS = ModelDims(
 )
 
 
-def slices(
-    name: str,
-    tensor: torch.Tensor,
-    par: MegatronParallel,
-    *,
-    dims: ModelDims = DIMS,
-    tied: bool = False,
-    layers: dict[int, int] | None = None,
-) -> list[HeldSlice]:
-    return megatron_param_slices(
-        name,
-        tensor,
-        dims=dims,
-        parallel=par,
-        layer_numbers={0: 5} if layers is None else layers,
-        tied_output=tied,
-    )
+# The rules' slices, for these dimensions (layer 0 of every rank is the model's layer 5).
+slices = functools.partial(megatron_synthetic.slices, dims=DIMS)
 
 
 def assert_reproduces(
