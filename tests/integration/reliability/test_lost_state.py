@@ -86,7 +86,7 @@ def test_wiped_store_is_detected_and_reseeded_from_the_members(world: World) -> 
     cluster = world.cluster
     world.commit()
     held = world.committed
-    registrations = {a.name: a.status()["registrations"] for a in cluster.agents.values()}
+    registrations = _registrations(world)
     frozen = cluster.generators[0]
     frozen.freeze()  # its re-registration waits: the not-ready window lasts a lease TTL
     seen_503 = seen_not_serving = False
@@ -111,12 +111,7 @@ def test_wiped_store_is_detected_and_reseeded_from_the_members(world: World) -> 
             return http.get("/readyz").status_code == 200
 
         _wait("/readyz 200 again", ready_again, 30)
-        for agent in cluster.agents.values():
-            _wait(
-                f"{agent.name} to register again",
-                lambda a=agent: a.status()["registrations"] == registrations[a.name] + 1,
-                30,
-            )
+        _wait_registered_again(world, registrations, exactly_once=True)
         cluster.wait_ready()
         # Member records are upserted: all of them are back in Redis.
         assert len(r.keys("refit:member:*")) == len(cluster.agents)
@@ -138,17 +133,12 @@ def test_coordinator_restarted_on_a_wiped_store_goes_above_held_versions(world: 
     cluster = world.cluster
     world.commit()
     held = world.committed
-    registrations = {a.name: a.status()["registrations"] for a in cluster.agents.values()}
+    registrations = _registrations(world)
     cluster.coordinator.kill()
     with _redis(world) as r:
         r.flushall()
     cluster.coordinator.start()
-    for agent in cluster.agents.values():
-        _wait(
-            f"{agent.name} to register again",
-            lambda a=agent: a.status()["registrations"] == registrations[a.name] + 1,
-            30,
-        )
+    _wait_registered_again(world, registrations, exactly_once=True)
     cluster.wait_ready()
     for agent in cluster.generators:
         assert agent.status()["version"] == held, agent.name
@@ -195,15 +185,11 @@ def test_an_idempotency_key_survives_a_wiped_store(world: World) -> None:
     done = cluster.wait(first.refit_id, timeout_s=60)
     assert done.state is RefitState.COMMITTED, (done.reason, done.message)
     world.check_holds(version)
-    registrations = {a.name: a.status()["registrations"] for a in cluster.agents.values()}
+    registrations = _registrations(world)
     with _redis(world) as r:
         r.flushall()
-    for agent in cluster.agents.values():  # the wipe was detected: every member came back
-        _wait(
-            f"{agent.name} to register again",
-            lambda a=agent: a.status()["registrations"] > registrations[a.name],
-            30,
-        )
+    # The wipe was detected: every member came back.
+    _wait_registered_again(world, registrations, exactly_once=False)
     with httpx.Client(base_url=cluster.coordinator.http_url, timeout=5) as http:
         _wait("/readyz 200 again", lambda: http.get("/readyz").status_code == 200, 30)
     cluster.wait_ready()
@@ -217,6 +203,26 @@ def test_an_idempotency_key_survives_a_wiped_store(world: World) -> None:
     committed = world.commit()
     assert committed.version > version
     note("test_an_idempotency_key_survives_a_wiped_store", refit=first.refit_id[:8])
+
+
+def _registrations(world: World) -> dict[str, int]:
+    """How many times each agent of the cluster has registered so far."""
+    return {a.name: a.status()["registrations"] for a in world.cluster.agents.values()}
+
+
+def _wait_registered_again(world: World, before: dict[str, int], *, exactly_once: bool) -> None:
+    """Every agent registers again after `before` was read: once (`exactly_once`: a wipe
+    the coordinator saw once), or at least once."""
+    for agent in world.cluster.agents.values():
+        _wait(
+            f"{agent.name} to register again",
+            lambda a=agent: (
+                a.status()["registrations"] == before[a.name] + 1
+                if exactly_once
+                else a.status()["registrations"] > before[a.name]
+            ),
+            30,
+        )
 
 
 def _wait(what: str, predicate: object, timeout_s: float) -> None:
