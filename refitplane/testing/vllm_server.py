@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from refitplane.demo.processes import (
+from refitplane.testing.child_processes import (
     Managed,
     coordinator_command,
     free_port,

@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from refitplane.demo.processes import free_port
+from refitplane.testing.child_processes import free_port
 from refitplane.testing.coordinator import TEST_SETTINGS, RunningCoordinator
 
 # `refit-coordinator`'s module, run by the interpreter under test.

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from refitplane.demo.processes import free_port, read_ports, reap_group
 from refitplane.errors import Unavailable
+from refitplane.testing.child_processes import free_port, read_ports, reap_group
 from refitplane.testing.cluster.agent_procs import process_resources
 
 T = TypeVar("T")

@@ -119,9 +119,9 @@ def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
         llm = LLM(**kwargs)
         sidecar = None
         if spec.backend == "refitplane":
-            from refitplane.demo.processes import free_port
             from refitplane.generator.offline_control import OfflineLLMControl
             from refitplane.generator.sidecar import Sidecar, SidecarSettings
+            from refitplane.testing.child_processes import free_port
 
             settings = SidecarSettings(
                 coordinator=spec.coordinator,

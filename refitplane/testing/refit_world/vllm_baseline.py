@@ -85,7 +85,7 @@ def run_vllm_baseline_in_world(
     memory the refits wrote. GPU 0 holds the trainer's weights and a whole copy (the FP8
     MoE shape: 2 x 31 GiB). The replicas go back to the refitplane engine afterwards.
     Returns what `run_vllm_baseline` does, probe results keyed "baseline-<i>"."""
-    from refitplane.demo.processes import free_port
+    from refitplane.testing.child_processes import free_port
 
     ctx = mp.get_context("spawn")
     replicas = world.replicas()
@@ -186,7 +186,7 @@ def run_vllm_baseline(
     replica, packed. Returns per-refit seconds measured on the replicas (start → finish).
     `quant`: the checkpoint's quantization (`model_shapes.QUANTS`); vLLM's engine loads it
     through its own layerwise reload."""
-    from refitplane.demo.processes import free_port
+    from refitplane.testing.child_processes import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -10,7 +10,6 @@ import pytest
 
 from refitplane.agent import AgentSession, MemberInfo, NullHandler
 from refitplane.agent.simulated import Behaviour
-from refitplane.demo.processes import free_port
 from refitplane.errors import ChecksumMismatch, InvalidArgument, Unavailable
 from refitplane.protocol import MemberState, RefitState, Role
 from refitplane.protocol.messages import (
@@ -23,6 +22,7 @@ from refitplane.protocol.messages import (
 )
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.plan import RankPlan
+from refitplane.testing.child_processes import free_port
 from tests.integration.conftest import row_layout, wait_until
 
 pytestmark = pytest.mark.integration

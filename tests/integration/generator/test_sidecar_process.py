@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from refitplane.demo.processes import free_port
+from refitplane.testing.child_processes import free_port
 from refitplane.version import __version__
 from tests.support.processes import killed_at_exit, run_to_end, stop_with, wait_for_line
 

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from refitplane.demo.processes import free_port
 from refitplane.protocol import Role
+from refitplane.testing.child_processes import free_port
 from tests.integration.conftest import row_layout, wait_until
 
 pytestmark = pytest.mark.integration

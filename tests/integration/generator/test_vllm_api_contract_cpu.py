@@ -277,7 +277,7 @@ def test_a_refit_aborted_before_the_update_started_leaves_vllm_alone(
 
 
 def test_two_trainer_ranks_send_their_own_shards(world: World, trainer: Trainer) -> None:
-    from refitplane.demo.processes import free_port
+    from refitplane.testing.child_processes import free_port
     from tests.integration.generator.vllm_api_trainer import RankConfig, trainer_rank_main
 
     trainer.engine.shutdown()  # the one-rank trainer leaves the job

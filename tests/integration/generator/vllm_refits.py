@@ -67,9 +67,9 @@ class RefitSession:
     ):
         from refitplane.client import RefitClient
         from refitplane.coordinator.settings import Settings
-        from refitplane.demo.processes import free_port
         from refitplane.generator.offline_control import OfflineLLMControl
         from refitplane.generator.sidecar import Sidecar, SidecarSettings
+        from refitplane.testing.child_processes import free_port
         from refitplane.testing.coordinator import TEST_SETTINGS, RunningCoordinator
         from tests.support.vllm_reference import record_applied
 

@@ -60,10 +60,10 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from refitplane.demo.processes import free_port
     from refitplane.generator.offline_control import OfflineLLMControl
     from refitplane.generator.sidecar import Sidecar, SidecarSettings
     from refitplane.models.tiny import write_tiny_model
+    from refitplane.testing.child_processes import free_port
     from refitplane.testing.vllm_cpu import vllm_cpu_engine
     from tests.support.vllm_reference import record_applied
 

@@ -14,7 +14,7 @@ import pytest
 from refitplane.cli import exits
 from refitplane.cli.demo_cmd import missing_requirements
 from refitplane.cli.refitctl import main
-from refitplane.demo.processes import free_port
+from refitplane.testing.child_processes import free_port
 from refitplane.version import __version__
 from tests.support.processes import run_to_end
 

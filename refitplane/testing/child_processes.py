@@ -1,5 +1,7 @@
-"""Child processes of the demo: each in its own process group, logging to a file, always
-stopped (SIGTERM, then SIGKILL) however the demo ends."""
+"""Child processes of the demo and of the harness (`vllm_server`, `refit_world`, `cluster`):
+each in its own process group, logging to a file, always stopped (SIGTERM, then SIGKILL)
+however its parent ends; free ports, the coordinator's and vLLM server's commands, and waits
+for a port file or an HTTP endpoint."""
 
 from __future__ import annotations
 
