@@ -245,7 +245,10 @@ class DataPlaneMember(NullHandler):
             while refit_id not in self._prepared:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise FailedPrecondition(f"refit {refit_id} was not prepared on this rank")
+                    waited = f" within {wait_s:g} s" if wait_s else ""
+                    raise FailedPrecondition(
+                        f"refit {refit_id} was not prepared on this rank{waited}"
+                    )
                 self._ready.wait(remaining)
             prepared = self._prepared.pop(refit_id)
         plan, config = prepared.held.plan, prepared.command.config

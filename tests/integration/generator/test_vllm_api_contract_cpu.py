@@ -137,7 +137,6 @@ def test_an_update_that_did_not_verify_is_never_versioned(world: World, trainer:
 
     assert world.post("/start_weight_update").status_code == 200
     assert world.post("/start_weight_update").status_code == 409
-    started = time.monotonic()
     response = world.post(
         "/update_weights", {"update_info": {"refit_id": "never-prepared", "prepare_wait_s": 2}}
     )
@@ -146,8 +145,8 @@ def test_an_update_that_did_not_verify_is_never_versioned(world: World, trainer:
     assert "refit never-prepared did not verify on 2 of 2 rank(s)" in message
     assert "rank 0" in message
     assert "rank 1" in message
-    assert "was not prepared" in message
-    assert time.monotonic() - started < 30
+    # It waited the prepare_wait_s it was given, not the default (60 s).
+    assert "was not prepared on this rank within 2 s" in message
 
     response = world.post("/finish_weight_update", {"weight_version": "99"})
     assert response.status_code == 409, response.text
