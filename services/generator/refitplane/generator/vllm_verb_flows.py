@@ -152,14 +152,19 @@ def start_flow(*, draft: bool = False) -> Flow:
             f"{_who(uninitialised)}"
             + (f" ({uninitialised[0]['error']})" if uninitialised[0]["error"] else "")
         )
+    _refuse_while_open(statuses, "first")
+    yield Rpc("start_weight_update")
+    return FlowOutcome()
+
+
+def _refuse_while_open(statuses: Sequence[EngineStatus], when: str) -> None:
+    """409 naming the ranks where an update is open: the caller must call
+    /finish_weight_update `when` ("first", "before /shutdown_...")."""
     active = [s for s in statuses if s["session"]]
     if active:
         raise StateConflict(
-            f"a weight update is already in progress on {_who(active)}; call "
-            "/finish_weight_update first"
+            f"a weight update is in progress on {_who(active)}; call /finish_weight_update {when}"
         )
-    yield Rpc("start_weight_update")
-    return FlowOutcome()
 
 
 def _check_draft_refit(statuses: Sequence[EngineStatus]) -> None:
@@ -280,11 +285,6 @@ def update_version_flow(new_version: str, *, unlabeled: bool) -> Flow:
 
 def shutdown_flow() -> Flow:
     statuses = read_statuses((yield STATUS))
-    active = [s for s in statuses if s["session"]]
-    if active:
-        raise StateConflict(
-            f"a weight update is in progress on {_who(active)}; call /finish_weight_update "
-            "before /shutdown_weight_transfer_engine"
-        )
+    _refuse_while_open(statuses, "before /shutdown_weight_transfer_engine")
     yield Rpc("shutdown_weight_transfer_engine")
     return FlowOutcome()
