@@ -22,6 +22,7 @@ from refitplane.protocol.messages import (
     LeaveGroupCmd,
     MemberInfo,
     PrepareRefitCmd,
+    RanksVerifiedCmd,
     StartTransferCmd,
 )
 
@@ -36,5 +37,6 @@ __all__ = [
     "MemberInfo",
     "NullHandler",
     "PrepareRefitCmd",
+    "RanksVerifiedCmd",
     "StartTransferCmd",
 ]

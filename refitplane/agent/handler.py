@@ -2,7 +2,9 @@
 
 Commands run one at a time, in order, on the session's worker thread (a long transfer
 delays later commands). AbortRefit and LeaveGroup are *also* delivered at once, from the
-stream thread, to `on_abort_now`, so a running transfer can be cancelled. A method that
+stream thread, to `on_abort_now`, so a running transfer can be cancelled. RanksVerified is
+delivered only at once, from the stream thread, to `on_ranks_verified` (a replica controller
+waits for it inside its StartTransfer, on the worker thread). A method that
 raises turns into a Failure report (a `RefitError`'s `reason`, else AGENT_ERROR; an
 exception attribute `weights_modified = True` is passed on). Handlers report success
 themselves through the session's `report_*` methods.
@@ -20,6 +22,7 @@ from refitplane.protocol.messages import (
     JoinGroupCmd,
     LeaveGroupCmd,
     PrepareRefitCmd,
+    RanksVerifiedCmd,
     StartTransferCmd,
 )
 
@@ -48,6 +51,10 @@ class CommandHandler(Protocol):
     def on_abort_now(self, cmd: AbortRefitCmd | LeaveGroupCmd) -> None:
         """Immediately, from the stream thread: cancel whatever is running. Must not block."""
 
+    def on_ranks_verified(self, cmd: RanksVerifiedCmd) -> None:
+        """Immediately, from the stream thread (sidecars): every rank of the replica verified
+        its share of the refit. Must not block."""
+
 
 class NullHandler:
     """Does nothing; subclass and override what an agent needs."""
@@ -71,4 +78,7 @@ class NullHandler:
         return None
 
     def on_abort_now(self, cmd: AbortRefitCmd | LeaveGroupCmd) -> None:
+        return None
+
+    def on_ranks_verified(self, cmd: RanksVerifiedCmd) -> None:
         return None

@@ -6,7 +6,8 @@ Three daemon threads, every wait bounded:
     does not know the member or its credential any more) re-registers, re-publishes the
     layout and moves the command stream to the new member id;
   * stream — holds StreamCommands open, reconnecting with backoff; AbortRefit and
-    LeaveGroup also go to `handler.on_abort_now` at once;
+    LeaveGroup also go to `handler.on_abort_now` at once, RanksVerified only there (to
+    `handler.on_ranks_verified`);
   * worker — runs commands in order; a handler exception becomes a Failure report.
 """
 
@@ -98,6 +99,9 @@ class AgentSession:
         self._call: Any = None
         self._threads: list[threading.Thread] = []
         self.registrations = 0
+        # Command streams opened so far: a command the coordinator wrote to a stream that
+        # broke is lost, so a handler waiting for one reads instead once this moved.
+        self.streams_opened = 0
 
     @classmethod
     def from_env(
@@ -406,9 +410,17 @@ class AgentSession:
                     apb.StreamCommandsRequest(member_id=member_id), metadata=metadata
                 )
                 self._call = call
+                self.streams_opened += 1
                 for raw in call:
                     delay = _BACKOFF_MIN_S
-                    self._dispatch(convert.command_from_proto(raw))
+                    try:
+                        command = convert.command_from_proto(raw)
+                    except RefitError as exc:
+                        # A command this agent does not know (a newer coordinator's) or a
+                        # malformed one: reopening the stream would not bring it back.
+                        log.error("skipped undecodable command %d: %s", raw.seq, exc.message)
+                        continue
+                    self._dispatch(command)
             except grpc.RpcError as exc:
                 code = status_code(exc)
                 if code == grpc.StatusCode.NOT_FOUND:
@@ -421,8 +433,6 @@ class AgentSession:
                     continue
                 if code not in _RETRYABLE:
                     log.warning("command stream failed: %s", from_rpc_error(exc).message)
-            except RefitError as exc:
-                log.exception("undecodable command: %s", exc.message)
             finally:
                 self._call = None
             # The server ended the stream (coordinator restarting) or it broke: back off.
@@ -432,6 +442,12 @@ class AgentSession:
 
     def _dispatch(self, command: m.Command) -> None:
         body = command.body
+        if isinstance(body, m.RanksVerifiedCmd):
+            try:
+                self._handler.on_ranks_verified(body)
+            except Exception:
+                log.exception("on_ranks_verified failed")
+            return  # nothing to run in order: the handler waiting for it is running
         if isinstance(body, m.AbortRefitCmd | m.LeaveGroupCmd):
             try:
                 self._handler.on_abort_now(body)

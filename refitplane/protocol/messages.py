@@ -109,6 +109,17 @@ class AbortRefitCmd:
     message: str
 
 
+@dataclass(frozen=True)
+class RanksVerifiedCmd:
+    """To a target replica's sidecar, once per refit: the coordinator accepted a verified
+    TransferDone from every rank of its replica (`member_ids`). Sent only while the refit has
+    not failed: on the sidecar's stream it precedes any AbortRefit of the same refit."""
+
+    refit_id: str
+    version: int
+    member_ids: frozenset[str] = frozenset()
+
+
 CommandBody = (
     CreateRendezvousCmd
     | JoinGroupCmd
@@ -116,6 +127,7 @@ CommandBody = (
     | PrepareRefitCmd
     | StartTransferCmd
     | AbortRefitCmd
+    | RanksVerifiedCmd
 )
 
 

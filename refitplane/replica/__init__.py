@@ -5,6 +5,7 @@ client (`WeightTransferTrainerFactory`, backend "refitplane").
 
     control      EngineControl (the verbs a controller drives), call_verb, wait_replica_ranks
     controller   SidecarMember (the controller's command handler) and its state
+    told         StreamNews: RanksVerified / AbortRefit, told at once to a waiting StartTransfer
     vllm_backend the backend name "refitplane" and its registration with vLLM's factories
 """
 

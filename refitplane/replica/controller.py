@@ -1,7 +1,7 @@
 """`SidecarMember`: the command handler of a replica controller, the one member that drives a
-vLLM replica through every refit (pause, start the update, let the workers receive, ask the
-coordinator whether every rank verified, finish, resume, report the version). Success is read
-from the coordinator, never from vLLM's status codes."""
+vLLM replica through every refit (pause, start the update, let the workers receive, wait for
+the coordinator to say every rank verified, finish, resume, report the version). Success is
+read from the coordinator, never from vLLM's status codes."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from refitplane.errors import FailedPrecondition, TransferError
 from refitplane.protocol import RefitState, Role
 from refitplane.protocol.messages import (
     AbortRefitCmd,
+    LeaveGroupCmd,
     MemberInfo,
     PrepareRefitCmd,
+    RanksVerifiedCmd,
     StartTransferCmd,
 )
 from refitplane.protocol.models import Refit
@@ -29,8 +31,13 @@ from refitplane.replica.control import (
     succeeded,
     touches_live_weights,
 )
+from refitplane.replica.told import StreamNews
 
 log = logging.getLogger("refitplane.sidecar")
+
+# How often a wait for RanksVerified looks whether the command stream it would come on broke.
+_STREAM_LOOK_S = 0.1
+_ENDED = {RefitState.FAILED, RefitState.CANCELLED}
 
 
 @dataclass
@@ -106,6 +113,12 @@ class SidecarMember(NullHandler):
         # stages nothing (`_export_staging`).
         self._gauge_fixed_epoch: tuple[int, int] | None = None
         self.sleep_level = sleep_level
+        # RanksVerified and AbortRefit, told at once by the stream thread to the waiting
+        # StartTransfer (docs/generator.md, "Waiting for the ranks").
+        self.told = StreamNews()
+        # The session's (registrations, command streams opened) when this refit's PrepareRefit
+        # was handled: a RanksVerified is lost only with the stream or registration it went to.
+        self._stream_mark: tuple[int, int] = (0, 0)
 
     def attach(self, session: AgentSession) -> None:
         self.session = session
@@ -191,12 +204,15 @@ class SidecarMember(NullHandler):
         with self._lock:
             self.state.refit_id = cmd.refit_id
             self.state.weights_touched = False
+        self.told.new_refit(cmd.refit_id)
         # Read now (once per group epoch: ranks only change with the group) so that nothing
         # but the update itself runs between StartTransfer and the ranks' transfer. Also
         # after this controller registered again: a coordinator that restarted on an empty
         # store numbers epochs from 1 again, with every rank under a new member id.
         if self._ranks_epoch != self._epoch_key(cmd.epoch) or not self._rank_ids:
             self._read_ranks(cmd.epoch)
+        # Before Prepared: the coordinator sends RanksVerified only after it.
+        self._stream_mark = self._session_mark()
         status = self.control.pause(mode)
         if not succeeded(status):
             raise FailedPrecondition(
@@ -220,6 +236,7 @@ class SidecarMember(NullHandler):
         steps = _Steps()
         if self.state.refit_id != cmd.refit_id:  # no PrepareRefit seen in this process
             self._read_ranks(-1)
+            self._stream_mark = self._session_mark()
         self.state.weights_touched = self._touches_live or self.state.weights_lost
         self.control.update({"refit_id": cmd.refit_id, "version": cmd.version})
         steps.mark("update")
@@ -242,11 +259,7 @@ class SidecarMember(NullHandler):
                 touched=True,
             )
         steps.mark("finish")
-        refit = self.client.get(cmd.refit_id)
-        if refit.state in {RefitState.FAILED, RefitState.CANCELLED}:
-            raise self._failed(
-                f"refit {refit.state.value} while finishing: {refit.message}", touched=True
-            )
+        self._require_not_failed(cmd.refit_id)
         steps.mark("checked")
         if self.state.woke:
             # The weights are in and verified: only now the KV cache takes its memory back.
@@ -273,6 +286,16 @@ class SidecarMember(NullHandler):
         self.session.report_replica_updated(cmd.refit_id, cmd.version)
         steps.mark("reported")
         log.info("replica %s serves version %d: %s", self.replica_id, cmd.version, steps)
+
+    def on_ranks_verified(self, cmd: RanksVerifiedCmd) -> None:
+        """From the stream thread: wakes the StartTransfer waiting in `_require_ranks_verified`."""
+        self.told.ranks_verified(cmd)
+
+    def on_abort_now(self, cmd: AbortRefitCmd | LeaveGroupCmd) -> None:
+        """From the stream thread: a StartTransfer waiting for its ranks fails at once (the
+        cleanup is `on_abort_refit`'s, in order, after it)."""
+        if isinstance(cmd, AbortRefitCmd):
+            self.told.aborted(cmd)
 
     def on_abort_refit(self, cmd: AbortRefitCmd) -> None:
         with self._lock:
@@ -372,34 +395,88 @@ class SidecarMember(NullHandler):
         """What the ranks read are valid for: the group epoch, under this registration."""
         return epoch, self.session.registrations if self.session is not None else 0
 
+    def _session_mark(self) -> tuple[int, int]:
+        s = self.session
+        return (s.registrations, s.streams_opened) if s is not None else (0, 0)
+
     def _require_ranks_verified(self, refit_id: str) -> None:
-        ranks = self._rank_ids
+        """Wait until the coordinator says every rank of the replica verified (RanksVerified,
+        pushed when it accepts the last rank's verified TransferDone), or the refit failed
+        (AbortRefit, which follows any RanksVerified of the refit on the same stream), for up
+        to `verify_wait_s`. The push is lost only with the stream it was written to, or with
+        this member's registration (a coordinator that lost its store, a lapsed lease): once
+        either moved since PrepareRefit, and at the deadline, the record is read instead
+        (`_read_ranks_verified`), so a restarted coordinator or a lost store shows as the
+        refit's end or as an error, never as success."""
         deadline = time.monotonic() + self.verify_wait_s
-        delay = 0.002  # the ranks' reports usually land first: look again soon, then back off
         while True:
-            refit: Refit = self.client.get(refit_id)
-            if refit.state in {RefitState.FAILED, RefitState.CANCELLED}:
+            self.told.clear()
+            verified, abort = self.told.of(refit_id)
+            if abort is not None:
                 raise self._failed(
-                    f"refit {refit.state.value}: {refit.reason} {refit.message}",
+                    f"refit aborted: {abort.reason} {abort.message}",
                     touched=self.state.weights_touched,
                 )
-            done = {
-                r.member_id
-                for r in refit.ranks
-                if r.member_id in ranks
-                and r.tensors_total > 0
-                and r.tensors_verified == r.tensors_total
-            }
-            if ranks and done == ranks:
+            if verified is not None:
+                if self._rank_ids and self._rank_ids <= verified.member_ids:
+                    return
+                # The coordinator's ranks of this replica are not the ones read at
+                # PrepareRefit: the record says which of ours verified.
+                self._read_ranks_verified(refit_id, last=True)
                 return
-            if time.monotonic() > deadline:
-                missing = sorted(ranks - done)
-                raise self._failed(
-                    f"ranks {missing} of replica {self.replica_id} did not verify the transfer",
-                    touched=self.state.weights_touched,
-                )
-            time.sleep(delay)
-            delay = min(2 * delay, 0.05)
+            mark = self._session_mark()
+            if mark != self._stream_mark:
+                self._stream_mark = mark
+                if self._read_ranks_verified(refit_id, last=False):
+                    return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._read_ranks_verified(refit_id, last=True)
+                return
+            self.told.wait(min(remaining, _STREAM_LOOK_S))
+
+    def _read_ranks_verified(self, refit_id: str, *, last: bool) -> bool:
+        """One GetRefit: whether every rank of the replica verified. Raises when the refit
+        ended, and (`last`) when a rank did not verify, naming it."""
+        ranks = self._rank_ids
+        refit: Refit = self.client.get(refit_id)
+        if refit.state in _ENDED:
+            raise self._failed(
+                f"refit {refit.state.value}: {refit.reason} {refit.message}",
+                touched=self.state.weights_touched,
+            )
+        done = {
+            r.member_id
+            for r in refit.ranks
+            if r.member_id in ranks
+            and r.tensors_total > 0
+            and r.tensors_verified == r.tensors_total
+        }
+        if ranks and done == ranks:
+            return True
+        if last:
+            missing = sorted(ranks - done)
+            raise self._failed(
+                f"ranks {missing} of replica {self.replica_id} did not verify the transfer",
+                touched=self.state.weights_touched,
+            )
+        return False
+
+    def _require_not_failed(self, refit_id: str) -> None:
+        """After vLLM's finish, before the replica takes the version: the refit did not fail
+        meanwhile. An AbortRefit already here says so without asking; otherwise the record
+        is read, because the AbortRefit that the coordinator queues before it shows the
+        failure may still be on its way (docs/generator.md, "Waiting for the ranks")."""
+        _, abort = self.told.of(refit_id)
+        if abort is not None:
+            raise self._failed(
+                f"refit aborted while finishing: {abort.reason} {abort.message}", touched=True
+            )
+        refit = self.client.get(refit_id)
+        if refit.state in _ENDED:
+            raise self._failed(
+                f"refit {refit.state.value} while finishing: {refit.message}", touched=True
+            )
 
     def _failed(self, message: str, *, touched: bool) -> TransferError:
         if touched:

@@ -116,6 +116,14 @@ def command_to_proto(cmd: m.Command) -> apb.Command:
             out.abort_refit.CopyFrom(
                 apb.AbortRefit(refit_id=body.refit_id, reason=body.reason, message=body.message)
             )
+        case m.RanksVerifiedCmd():
+            out.ranks_verified.CopyFrom(
+                apb.RanksVerified(
+                    refit_id=body.refit_id,
+                    version=body.version,
+                    member_ids=sorted(body.member_ids),
+                )
+            )
     return out
 
 
@@ -171,6 +179,11 @@ def command_from_proto(msg: apb.Command) -> m.Command:
     elif kind == "abort_refit":
         a = msg.abort_refit
         body = m.AbortRefitCmd(refit_id=a.refit_id, reason=a.reason, message=a.message)
+    elif kind == "ranks_verified":
+        v = msg.ranks_verified
+        body = m.RanksVerifiedCmd(
+            refit_id=v.refit_id, version=v.version, member_ids=frozenset(v.member_ids)
+        )
     else:
         raise InvalidArgument("command has no body", field="command")
     return m.Command(seq=msg.seq, body=body)

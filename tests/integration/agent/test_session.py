@@ -128,6 +128,25 @@ def test_abort_reaches_a_busy_agent_at_once(coordinator, sim_cluster):
     assert seen == ["refit-agent-stream"]
 
 
+def test_an_undecodable_command_is_skipped_and_the_stream_stays(coordinator, sim_cluster):
+    """A command the agent cannot decode (one a newer coordinator added) is logged and
+    skipped: the stream stays open and the command after it arrives (reopening the stream
+    would not bring the skipped one back)."""
+    gen = sim_cluster(coordinator).replica("a")[0]
+    outbox = coordinator.core.outbox
+    wait_until(lambda: outbox.connected(gen.member_id), what="the command stream")
+    opened = gen.session.streams_opened
+    after = AbortRefitCmd(refit_id="r", reason="TEST", message="after the unknown one")
+
+    async def send() -> None:
+        outbox.send(gen.member_id, object())  # the converter sets no command: an empty body
+        outbox.send(gen.member_id, after)
+
+    coordinator.call(send())
+    wait_until(lambda: gen.agent.aborted_now == [after], what="the command after it")
+    assert gen.session.streams_opened == opened
+
+
 def test_publish_layout(coordinator, monkeypatch):
     monkeypatch.setenv("REFIT_COORDINATOR", coordinator.grpc_target)
     info = MemberInfo(job="job", role=Role.TRAINER, rank=1, world_size=2)

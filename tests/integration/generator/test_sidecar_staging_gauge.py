@@ -15,8 +15,8 @@ from refitplane.client import RefitClient
 from refitplane.generator.sidecar import StagingMetrics
 from refitplane.protocol import Role
 from refitplane.replica.control import CallerPausedControl
-from refitplane.replica.controller import SidecarMember
 from tests.integration.conftest import row_layout
+from tests.support.controllers import start_controller
 
 pytestmark = pytest.mark.integration
 
@@ -64,16 +64,9 @@ def test_the_gauge_is_read_again_only_where_a_worker_stages(
     engine = StatusEngine([status])
     registry = CollectorRegistry()
     client = RefitClient(coordinator.grpc_target)
-    member = SidecarMember(
-        engine,
-        client,
-        job="job",
-        replica_id="a",
-        default_pause_mode="keep",
-        metrics=StagingMetrics(registry, "a"),
+    _, session = start_controller(
+        coordinator.grpc_target, engine, client, metrics=StagingMetrics(registry, "a")
     )
-    session = member.connect(coordinator.grpc_target, host="127.0.0.1", token=None, tls_ca=None)
-    session.start()
     try:
         for _ in range(3):
             refit = client.wait(client.trigger("job").refit_id, timeout_s=30)

@@ -126,6 +126,12 @@ _commands = st.one_of(
         reason=st.text(max_size=20),
         message=st.text(max_size=50),
     ),
+    st.builds(
+        m.RanksVerifiedCmd,
+        refit_id=st.text(max_size=20),
+        version=st.integers(0, 2**50),
+        member_ids=st.frozensets(st.text(max_size=20), max_size=4),
+    ),
 )
 
 

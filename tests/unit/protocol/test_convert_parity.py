@@ -98,6 +98,7 @@ COMMANDS: list[m.CommandBody] = [
     ),
     m.StartTransferCmd(refit_id="r1", version=7),
     m.AbortRefitCmd(refit_id="r1", reason="TIMEOUT", message="too slow"),
+    m.RanksVerifiedCmd(refit_id="r1", version=7, member_ids=frozenset({"g0", "g1"})),
 ]
 REPORTS: list[m.ReportBody] = [
     m.RendezvousReady(epoch=3, rendezvous=b"id"),

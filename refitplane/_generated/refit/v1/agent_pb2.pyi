@@ -317,6 +317,7 @@ class Command(_message.Message):
     START_TRANSFER_FIELD_NUMBER: _builtins.int
     ABORT_REFIT_FIELD_NUMBER: _builtins.int
     LEAVE_GROUP_FIELD_NUMBER: _builtins.int
+    RANKS_VERIFIED_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     @_builtins.property
     def create_rendezvous(self) -> Global___CreateRendezvous: ...
@@ -330,6 +331,8 @@ class Command(_message.Message):
     def abort_refit(self) -> Global___AbortRefit: ...
     @_builtins.property
     def leave_group(self) -> Global___LeaveGroup: ...
+    @_builtins.property
+    def ranks_verified(self) -> Global___RanksVerified: ...
     def __init__(
         self,
         *,
@@ -340,12 +343,13 @@ class Command(_message.Message):
         start_transfer: Global___StartTransfer | None = ...,
         abort_refit: Global___AbortRefit | None = ...,
         leave_group: Global___LeaveGroup | None = ...,
+        ranks_verified: Global___RanksVerified | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_refit", b"abort_refit", "command", b"command", "create_rendezvous", b"create_rendezvous", "join_group", b"join_group", "leave_group", b"leave_group", "prepare_refit", b"prepare_refit", "start_transfer", b"start_transfer"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_refit", b"abort_refit", "command", b"command", "create_rendezvous", b"create_rendezvous", "join_group", b"join_group", "leave_group", b"leave_group", "prepare_refit", b"prepare_refit", "ranks_verified", b"ranks_verified", "start_transfer", b"start_transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_refit", b"abort_refit", "command", b"command", "create_rendezvous", b"create_rendezvous", "join_group", b"join_group", "leave_group", b"leave_group", "prepare_refit", b"prepare_refit", "seq", b"seq", "start_transfer", b"start_transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_refit", b"abort_refit", "command", b"command", "create_rendezvous", b"create_rendezvous", "join_group", b"join_group", "leave_group", b"leave_group", "prepare_refit", b"prepare_refit", "ranks_verified", b"ranks_verified", "seq", b"seq", "start_transfer", b"start_transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["create_rendezvous", "join_group", "prepare_refit", "start_transfer", "abort_refit", "leave_group"]  # noqa: Y015
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["create_rendezvous", "join_group", "prepare_refit", "start_transfer", "abort_refit", "leave_group", "ranks_verified"]  # noqa: Y015
     _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
 
@@ -566,6 +570,39 @@ class AbortRefit(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortRefit: _TypeAlias = AbortRefit  # noqa: Y015
+
+@_typing.final
+class RanksVerified(_message.Message):
+    """To a target replica's sidecar (its replica controller), once: the coordinator accepted a
+    verified TransferDone (tensors_verified == tensors_total) from every rank of the replica
+    (`member_ids`, the refit's ranks of it). Sent only while the refit has not failed, so on
+    the sidecar's stream it comes before any AbortRefit of the same refit. The controller
+    still reads the refit once (GetRefit) if this does not come in time.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REFIT_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    MEMBER_IDS_FIELD_NUMBER: _builtins.int
+    refit_id: _builtins.str
+    version: _builtins.int
+    @_builtins.property
+    def member_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        refit_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+        member_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["member_ids", b"member_ids", "refit_id", b"refit_id", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RanksVerified: _TypeAlias = RanksVerified  # noqa: Y015
 
 @_typing.final
 class ReportRequest(_message.Message):

@@ -481,6 +481,8 @@ class JobDriver:
                     tensors=body.tensors_total,
                 )
                 self._ctx.events.publish(run.record)
+                if (told := run.ranks_verified(member)) is not None:
+                    self._ctx.outbox.send(*told)  # RanksVerified: the sidecar waits for it
             case msg.ReplicaUpdated():
                 replica = member.replica_id
                 sidecar = run.cast.replica_sidecar.get(replica)

@@ -17,7 +17,7 @@ from refitplane.coordinator.core.cast import Cast
 from refitplane.coordinator.core.delta import NO_DELTA, DeltaChoice
 from refitplane.coordinator.core.failures import RefitFailed, list_some
 from refitplane.coordinator.core.membership import Membership
-from refitplane.coordinator.core.records import RefitRecord
+from refitplane.coordinator.core.records import MemberRecord, RefitRecord
 from refitplane.coordinator.core.waits import wait_event
 from refitplane.protocol import Reason, RefitState, Role
 from refitplane.protocol import messages as msg
@@ -46,6 +46,8 @@ class RefitRun:
     # The record changed since it was last written, and when that was (monotonic)
     _dirty: bool = False
     _last_flush: float = 0.0
+    # Target replicas whose sidecar was told RanksVerified
+    _verified_told: set[str] = field(default_factory=set)
     # Totals over generator ranks (bytes received, tensors verified / received)
     _received: int = 0
     _verified: int = 0
@@ -120,6 +122,26 @@ class RefitRun:
                 )
             newly.append(replica)
         return newly
+
+    def ranks_verified(self, rank: MemberRecord) -> tuple[str, msg.RanksVerifiedCmd] | None:
+        """Right after `rank`'s TransferDone was accepted: (its replica's sidecar, the command
+        that tells it) when that made every rank of the replica verified — each reported
+        `0 < tensors_verified == tensors_total`, as the sidecar used to read it from the
+        record — once per replica; else None. The caller accepts reports only while the refit
+        has not failed, so on the sidecar's stream this precedes any AbortRefit of the refit."""
+        replica = rank.replica_id
+        sidecar = self.cast.replica_sidecar.get(replica)
+        ranks = self.cast.replica_ranks.get(replica, [])
+        if sidecar is None or replica in self._verified_told or rank.member_id not in ranks:
+            return None
+        for member_id in ranks:
+            done = self.done.get(member_id)
+            if done is None or not 0 < done.tensors_total == done.tensors_verified:
+                return None
+        self._verified_told.add(replica)
+        return sidecar, msg.RanksVerifiedCmd(
+            refit_id=self.refit_id, version=self.record.version, member_ids=frozenset(ranks)
+        )
 
     # --- the record ----------------------------------------------------------------------
 
