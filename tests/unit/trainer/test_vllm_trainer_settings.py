@@ -1,16 +1,22 @@
 """The refitplane trainer engine's init info: defaults from the environment, errors that
-name the field, and a replica id every rank derives alike."""
+name the field (a draft source that cannot be published in place included), and a replica
+id every rank derives alike."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
 from vllm.distributed.weight_transfer import (
     HTTPVLLMWeightSyncClient,
+    ModuleSource,
     WeightTransferTrainerFactory,
 )
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from refitplane.errors import InvalidArgument
 from refitplane.trainer import vllm_sync_settings
@@ -68,3 +74,40 @@ def test_several_ranks_without_torch_distributed_need_a_run_id(
         RefitplaneTrainerInitInfo(rank=1, world_size=2, run_id="run-7"), client
     )
     assert vllm_sync_settings.shared_run_id(named, rank=1) == "run-7"
+
+
+class _IteratedOnly(WeightSource):
+    """A source that can only be iterated (what a Megatron export looks like to vLLM)."""
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta("model.norm.weight", torch.float32, (4,))]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield "model.norm.weight", torch.ones(4)
+
+
+@pytest.mark.parametrize(
+    ("source", "draft_source", "says"),
+    [
+        ("module", "iterated", "a draft is published in place"),
+        ("iterated", "module", "needs the target published in place too"),
+    ],
+)
+def test_a_draft_source_that_cannot_be_published_in_place_is_refused(
+    source: str, draft_source: str, says: str
+) -> None:
+    """`draft_source` publishes the draft's shards where they lie; a source that can only
+    be iterated (or a staged target, which rank 0 alone sends) is refused before anything
+    registers, naming the field."""
+    sources = {"module": ModuleSource(torch.nn.Linear(4, 4)), "iterated": _IteratedOnly()}
+    info = RefitplaneTrainerInitInfo(
+        rank=0,
+        coordinator="127.0.0.1:9",  # never reached: refused first
+        job="grpo",
+        draft_source=sources[draft_source],
+    )
+    with pytest.raises(InvalidArgument, match=says) as refused:
+        WeightTransferTrainerFactory.trainer_init(
+            info, client=HTTPVLLMWeightSyncClient("http://vllm-0:8000"), source=sources[source]
+        )
+    assert refused.value.field == "draft_source"

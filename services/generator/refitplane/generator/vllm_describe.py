@@ -59,6 +59,7 @@ def describe_vllm_model(
     fallback: bool = True,
     skip_rules: Sequence[str] = (),
     rule_check: RuleCheckPolicy | None = None,
+    shared_with: torch.nn.Module | None = None,
 ) -> VllmLayout:
     """The loader-format layout of every parameter of a vLLM model on this worker.
 
@@ -74,7 +75,10 @@ def describe_vllm_model(
     those classes to the fallback path as if they had no rule. Every rule left is checked
     against the model's own `load_weights` first (`vllm_rule_check`, as `rule_check` says;
     default: on): a class whose rule does not say where the loader puts each element takes
-    the fallback path.
+    the fallback path. Parameters whose memory is also a parameter of `shared_with` are
+    left out, described by neither path: a speculative draft's view of its target's
+    embedding or LM head (EAGLE, MTP), which the target's layout covers and whose tensor the
+    draft's checkpoint may not even hold.
     """
     from refitplane.generator.vllm_fallback import Layer, plan_fallback, resolve_index
     from refitplane.generator.vllm_layer_rules import check_loader_format, describe_layer, has_rule
@@ -92,7 +96,8 @@ def describe_vllm_model(
     layers: dict[str, Layer] = {}
     fast: dict[str, list[DescribedParam]] = {}
     rejected: dict[str, str] = {}
-    for module_path, module, owned in _with_vanished(model, _parameter_owners(model), has_rule):
+    owners = parameter_owners(model, shared_with=shared_with)
+    for module_path, module, owned in _with_vanished(model, owners, has_rule):
         layers[module_path] = Layer(module_path, module, owned)
         if type(module).__name__ in skip_rules:
             rejected[module_path] = f"the {type(module).__name__} rule is switched off"
@@ -302,10 +307,11 @@ def _packed_modules(
     return {k: tuple(v) for k, v in {**_DEFAULT_PACKED, **own}.items()}
 
 
-def _parameter_owners(
-    model: torch.nn.Module,
+def parameter_owners(
+    model: torch.nn.Module, *, shared_with: torch.nn.Module | None = None
 ) -> list[tuple[str, torch.nn.Module, dict[str, torch.nn.Parameter]]]:
-    """Each module with the parameters it registers itself, every parameter exactly once.
+    """Each module with the parameters it registers itself, every parameter exactly once,
+    less those whose memory is also a parameter of `shared_with` (`storage_key`).
 
     A parameter registered by several modules (tied `lm_head` → `embed_tokens`, an MoE gate
     reachable as `mlp.gate` and `mlp.experts.gate`) belongs to the first module in
@@ -318,11 +324,13 @@ def _parameter_owners(
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+    others = set() if shared_with is None else {storage_key(p) for p in shared_with.parameters()}
+    others.discard(None)
     owners: dict[int, tuple[str, torch.nn.Module, str]] = {}
     for path, module in model.named_modules():
         derived = _derived_parameters(module)
         for pname, param in module.named_parameters(recurse=False):
-            if pname in derived:
+            if pname in derived or storage_key(param) in others:
                 continue
             current = owners.get(id(param))
             if current is None or (
@@ -334,6 +342,18 @@ def _parameter_owners(
         entry = grouped.setdefault(path, (module, {}))
         entry[1][pname] = getattr(module, pname)
     return [(path, module, owned) for path, (module, owned) in grouped.items()]
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
+    """Where a tensor's elements live (storage, offset, shape): equal for two parameters
+    that are one memory, whatever module paths register them; None for meta / empty."""
+    if tensor.is_meta or tensor.numel() == 0:
+        return None
+    return (
+        tensor.untyped_storage().data_ptr(),
+        int(tensor.storage_offset()),
+        tuple(tensor.shape),
+    )
 
 
 def _with_vanished(

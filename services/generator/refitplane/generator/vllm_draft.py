@@ -29,7 +29,7 @@ import torch
 from refitplane.errors import RefitError
 from refitplane.generator.checkpoint_index import checkpoint_specs
 from refitplane.generator.vllm_contract import DRAFT_GETTER, DRAFTER_ATTR, ENGINE_ATTR
-from refitplane.generator.vllm_describe import describe_vllm_model
+from refitplane.generator.vllm_describe import describe_vllm_model, storage_key
 from refitplane.generator.vllm_layout import VllmLayout
 from refitplane.generator.vllm_rule_check import RuleCheckPolicy
 from refitplane.generator.vllm_staging import ModelPart
@@ -38,6 +38,11 @@ from refitplane.reshard.layout import TensorSpec
 
 log = logging.getLogger("refitplane.generator.draft")
 
+# Speculative methods whose draft is an EAGLE head (named as `draft_checkpoint_namer` says).
+EAGLE_METHODS: Final = frozenset({"eagle", "eagle3"})
+# EAGLE-3 checkpoints call their one decoder layer `midlayer`; vLLM's model `layers.0`.
+_EAGLE3_LAYER: Final = "layers.0."
+_EAGLE3_CHECKPOINT_LAYER: Final = "midlayer."
 # Marks a wrapped method, so installing twice never wraps a wrapper.
 _WRAPPED: Final = "__refitplane_draft_guard__"
 
@@ -100,10 +105,10 @@ def describe_draft(
     rule_check: RuleCheckPolicy,
 ) -> VllmLayout:
     """The draft's layout as published: described and checked like the target, less what it
-    shares with `target`, every canonical name (and rule class) under `DRAFT_PREFIX`."""
-    layout = describe_served(
-        draft.model, draft.vllm_config, skip_rules=skip_rules, rule_check=rule_check
-    )
+    shares with `target` (never described: the target's tensors refit it), every canonical
+    name (and rule class) under `DRAFT_PREFIX`."""
+    model_config = draft.vllm_config.model_config
+    index = checkpoint_specs(model_config)
     shared = shared_parameters(draft.model, target)
     if shared:
         log.info(
@@ -112,7 +117,16 @@ def describe_draft(
             len(shared),
             ", ".join(sorted(shared)[:4]),
         )
-    return prefixed(without_params(layout, shared), DRAFT_PREFIX)
+    layout = describe_vllm_model(
+        draft.model,
+        checkpoint=index,
+        vllm_config=draft.vllm_config,
+        skip_rules=skip_rules,
+        rule_check=rule_check,
+        shared_with=target,
+        to_hf_name=draft_checkpoint_namer(draft.method, frozenset(index.specs)),
+    )
+    return prefixed(layout, DRAFT_PREFIX)
 
 
 def describe_served(
@@ -122,8 +136,8 @@ def describe_served(
     skip_rules: list[str],
     rule_check: RuleCheckPolicy,
 ) -> VllmLayout:
-    """A model the worker serves (its target, or its draft), described as the engine
-    publishes it: fallback layers traced with the checkpoint `vllm_config` loaded."""
+    """A model the worker serves, described as the engine publishes it: fallback layers
+    traced with the checkpoint `vllm_config` loaded."""
     model_config = vllm_config.model_config
     return describe_vllm_model(
         model,
@@ -134,34 +148,36 @@ def describe_served(
     )
 
 
+def draft_checkpoint_namer(
+    method: str, checkpoint_names: frozenset[str]
+) -> Callable[[str], str] | None:
+    """vLLM parameter name -> checkpoint name for an EAGLE / EAGLE-3 head (None for other
+    drafts: the model's `hf_to_vllm_mapper` says). vLLM's EAGLE loaders rename in code, not
+    through a mapper (`llama_eagle.py`, `llama_eagle3.py`, `qwen3_eagle3.py`): the
+    checkpoint names the inner model's tensors without `model.` (`layers.0.*`, `fc.weight`,
+    `norm.weight`), EAGLE-3's one layer `midlayer.*` (the inner model maps it to
+    `layers.0.*`), and `lm_head.*` as it is. A name the checkpoint does not have in any of
+    these spellings is kept: the rule then reads a tensor the checkpoint lacks, and its layer
+    takes the fallback path."""
+    if method not in EAGLE_METHODS:
+        return None
+
+    def to_checkpoint(name: str) -> str:
+        inner = name.removeprefix("model.")
+        spellings = [inner]
+        if inner.startswith(_EAGLE3_LAYER):
+            spellings.append(_EAGLE3_CHECKPOINT_LAYER + inner.removeprefix(_EAGLE3_LAYER))
+        return next((n for n in spellings if n in checkpoint_names), name)
+
+    return to_checkpoint
+
+
 def shared_parameters(draft: torch.nn.Module, target: torch.nn.Module) -> frozenset[str]:
     """Draft parameters whose memory is a target parameter's (MTP / EAGLE share the
     embedding and LM head): by storage, whatever the module path."""
-    held = {_address(p) for p in target.parameters()}
+    held = {storage_key(p) for p in target.parameters()}
     held.discard(None)
-    return frozenset(name for name, p in draft.named_parameters() if _address(p) in held)
-
-
-def _address(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
-    if tensor.is_meta or tensor.numel() == 0:
-        return None
-    return (
-        tensor.untyped_storage().data_ptr(),
-        int(tensor.storage_offset()),
-        tuple(tensor.shape),
-    )
-
-
-def without_params(layout: VllmLayout, names: frozenset[str]) -> VllmLayout:
-    """`layout` less the vLLM parameters `names`, and the canonical tensors only they need."""
-    if not names:
-        return layout
-    params = {n: p for n, p in layout.params.items() if n not in names}
-    fallback = {n: f for n, f in layout.fallback.items() if n not in names}
-    needed = {pl.hf_name for p in params.values() for pl in p.placements}
-    needed |= {s for f in fallback.values() for s in f.sources}
-    specs = {n: s for n, s in layout.specs.items() if n in needed}
-    return dataclasses.replace(layout, specs=specs, params=params, fallback=fallback)
+    return frozenset(name for name, p in draft.named_parameters() if storage_key(p) in held)
 
 
 def prefixed(layout: VllmLayout, prefix: str) -> VllmLayout:

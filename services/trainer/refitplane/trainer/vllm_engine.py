@@ -29,6 +29,11 @@ with `--weight-transfer-config '{"backend": "refitplane"}'`. What changes undern
   verified. It returns when the refit committed (the caller may then step the optimizer)
   and raises `WeightSyncError` naming the reason when it did not.
 
+A replica serving a speculative-decoding draft gets it refit with the target, in the same
+refit under one version, when the trainers pass its weights as
+`RefitplaneTrainerInitInfo(..., draft_source=ModuleSource(draft_model))` (or a
+`ShardsSource`; named as in the draft's checkpoint, published as `draft.<name>`).
+
 Pausing generation stays the caller's, as with every vLLM backend. Any other
 `WeightSource` works too, at a cost: rank 0 keeps one staging copy of what it yields.
 """
@@ -51,7 +56,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from refitplane.agent.session import AgentSession
 from refitplane.client.sync import RefitClient
-from refitplane.errors import FailedPrecondition, TransferError
+from refitplane.errors import FailedPrecondition, InvalidArgument, TransferError
 from refitplane.protocol import Reason, Refit, RefitState, Role
 from refitplane.replica import vllm_backend
 from refitplane.replica.control import wait_replica_ranks
@@ -60,7 +65,7 @@ from refitplane.reshard.shards import LocalShards
 from refitplane.trainer.agent import TrainerAgent
 from refitplane.trainer.vllm_client_control import ClientControl
 from refitplane.trainer.vllm_sync_settings import shared_run_id, sync_settings
-from refitplane.trainer.vllm_weight_sources import ShardsSource, StagedSource, module_of
+from refitplane.trainer.vllm_weight_sources import StagedSource, in_place_shards
 
 if TYPE_CHECKING:
     from refitplane.trainer.vllm_sync_settings import SyncSettings
@@ -100,6 +105,12 @@ class RefitplaneTrainerInitInfo(TrainerInitInfo):
     # Longest send_weights, and longest wait for the vLLM workers / other ranks at init.
     timeout_s: float = 600.0
     init_timeout_s: float = 300.0
+    # The speculative-decoding draft the replica serves (a draft model, an EAGLE head,
+    # DeepSeek-V3's MTP layers), refit with the target in the same refit under one version:
+    # this rank's draft weights, named as in the draft's checkpoint, from a ModuleSource /
+    # DTensorModuleSource of the draft or a ShardsSource. vLLM's workers are then told
+    # `"draft": "refit"`. None: the replica keeps its draft as loaded.
+    draft_source: WeightSource | None = None
 
 
 class WeightSyncError(TransferError, RuntimeError):
@@ -140,6 +151,8 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         self.controller_member: SidecarMember | None = None
         self._refits: RefitClient | None = None
         self._staged: StagedSource | None = None
+        # The replica refits its speculative draft with the target (init_info.draft_source).
+        self.refits_draft = False
 
     @classmethod
     def trainer_init(
@@ -164,26 +177,20 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
             run_id=run_id,
         )
         try:
-            engine._start(source)
+            engine._start(source, init_info.draft_source)
         except BaseException:
             engine.shutdown()
             raise
         return engine
 
-    def _start(self, source: WeightSource) -> None:
+    def _start(self, source: WeightSource, draft_source: WeightSource | None) -> None:
         s = self.settings
+        draft = _draft_shards(source, draft_source)
+        self.refits_draft = draft is not None
         self._refits = RefitClient(s.coordinator, token=s.token, tls_ca=s.tls_ca)
-        module = module_of(source)
-        shards: Callable[[], LocalShards]
         world = s.world_size
-        if isinstance(source, ShardsSource):
-            shards = source.local_shards
-        elif module is not None:
-            from refitplane.trainer.layouts import dtensor_shards
-
-            def shards() -> LocalShards:
-                return dtensor_shards(module.named_parameters())
-        else:
+        shards = in_place_shards(source)
+        if shards is None:
             # Only rank 0 stages (and takes part); the others just iterate at each send.
             world = 1
             self._staged = StagedSource(source, _default_device())
@@ -204,6 +211,7 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
                 tls_ca=s.tls_ca,
                 step_timeout_s=s.timeout_s,
                 labels={"engine": "vllm-trainer", "run_id": self.run_id},
+                draft_shards=draft,
             )
             self.agent.start()
         if self.is_sender:
@@ -232,6 +240,10 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
             "job": s.job,
             "replica_id": s.replica_id,
         }
+        if self.refits_draft:
+            # vLLM's workers refit their draft with the target (left out otherwise: the
+            # server's REFIT_DRAFT decides, as before).
+            init_info["draft"] = "refit"
         status = control.init_engine(init_info)
         if status != 200:
             raise FailedPrecondition(
@@ -313,6 +325,30 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         self.controller = None
         self.agent = None
         self._refits = None
+
+
+def _draft_shards(
+    source: WeightSource, draft_source: WeightSource | None
+) -> Callable[[], LocalShards] | None:
+    """This rank's draft shards (`init_info.draft_source`), published in place beside the
+    target's; refused where they cannot be."""
+    if draft_source is None:
+        return None
+    draft = in_place_shards(draft_source)
+    if draft is None:
+        raise InvalidArgument(
+            f"init_info.draft_source is a {type(draft_source).__name__}: a draft is published "
+            "in place, from a ModuleSource / DTensorModuleSource of the draft or a ShardsSource",
+            field="draft_source",
+        )
+    if in_place_shards(source) is None:
+        raise InvalidArgument(
+            f"init_info.draft_source needs the target published in place too, not staged from "
+            f"a {type(source).__name__} (rank 0 alone sends a staged source): pass a "
+            "ModuleSource, DTensorModuleSource or ShardsSource",
+            field="draft_source",
+        )
+    return draft
 
 
 def _default_device() -> torch.device:

@@ -41,6 +41,21 @@ class ShardsSource(WeightSource):
         )
 
 
+def in_place_shards(source: WeightSource) -> Callable[[], LocalShards] | None:
+    """This rank's shards of `source` described where they lie, nothing copied: a
+    `ShardsSource`'s own, or the views of the parameters of the module behind a
+    `ModuleSource` / `DTensorModuleSource` (`dtensor_shards`). None for any other source,
+    which can only be iterated (`StagedSource`)."""
+    if isinstance(source, ShardsSource):
+        return source.local_shards
+    module = module_of(source)
+    if module is None:
+        return None
+    from refitplane.trainer.layouts import dtensor_shards
+
+    return lambda: dtensor_shards(module.named_parameters())
+
+
 def module_of(source: object) -> torch.nn.Module | None:
     """The module behind vLLM's `ModuleSource` / `DTensorModuleSource` (both keep it as
     `_module`): its parameters are described in place, without iterating the source."""

