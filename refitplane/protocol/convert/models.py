@@ -1,68 +1,97 @@
 """The orchestrator-facing models (`refitplane.protocol.models`: Refit, Topology) ↔ `refit.v1`
 common messages.
 
-The coordinator uses the `*_to_proto` half, the client the `*_from_proto` half."""
+The coordinator uses the `*_to_proto` half, the client the `*_from_proto` half. Fields that a
+model and its message hold under the same name and type are listed once per pair (`_REFIT`,
+`_RANK`, ...) and copied both ways; each converter spells out only what changes on the way
+(enums, repeated fields, nested messages). tests/unit/protocol/test_convert_parity.py fails
+when a field is left out either way."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from refitplane._generated.refit.v1 import common_pb2 as cpb
 from refitplane.protocol.convert import enums
 from refitplane.protocol.models import Member, PhaseTiming, RankProgress, Refit, Replica, Topology
 
+_REFIT = (
+    "refit_id",
+    "job",
+    "version",
+    "idempotency_key",
+    "reason",
+    "message",
+    "created_unix",
+    "updated_unix",
+    "bytes_total",
+    "bytes_done",
+    "plan_digest",
+    "group_epoch",
+    "coalesced",
+    "tensors_verified",
+    "tensors_total",
+    "bytes_on_wire",
+)
+_RANK = (
+    "member_id",
+    "bytes_sent",
+    "bytes_received",
+    "bytes_total",
+    "tensors_verified",
+    "tensors_total",
+)
+_MEMBER = (
+    "member_id",
+    "job",
+    "replica_id",
+    "rank",
+    "world_size",
+    "host",
+    "device",
+    "group_rank",
+    "layout_digest",
+    "version",
+    "lease_expires_unix",
+    "node",
+    "device_uuid",
+)
+_REPLICA = ("replica_id", "version", "world_size")
+_TOPOLOGY = (
+    "job",
+    "group_epoch",
+    "group_size",
+    "committed_version",
+    "source_layout_digest",
+    "target_layout_digest",
+    "healthy",
+)
+
+
+def _same(source: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The fields `names` of `source`, for a target that has them under the same name."""
+    return {name: getattr(source, name) for name in names}
+
 
 def refit_to_proto(refit: Refit) -> cpb.Refit:
     return cpb.Refit(
-        refit_id=refit.refit_id,
-        job=refit.job,
-        version=refit.version,
+        **_same(refit, _REFIT),
         state=enums.refit_state_to_proto(refit.state),
         target_replicas=refit.target_replicas,
-        idempotency_key=refit.idempotency_key,
-        reason=refit.reason,
-        message=refit.message,
-        created_unix=refit.created_unix,
-        updated_unix=refit.updated_unix,
-        bytes_total=refit.bytes_total,
-        bytes_done=refit.bytes_done,
         timings=[
             cpb.PhaseTiming(phase=enums.refit_state_to_proto(t.phase), seconds=t.seconds)
             for t in refit.timings
         ],
-        ranks=[
-            cpb.RankProgress(
-                member_id=r.member_id,
-                bytes_sent=r.bytes_sent,
-                bytes_received=r.bytes_received,
-                bytes_total=r.bytes_total,
-                tensors_verified=r.tensors_verified,
-                tensors_total=r.tensors_total,
-            )
-            for r in refit.ranks
-        ],
-        plan_digest=refit.plan_digest,
-        group_epoch=refit.group_epoch,
-        coalesced=refit.coalesced,
-        tensors_verified=refit.tensors_verified,
-        tensors_total=refit.tensors_total,
-        bytes_on_wire=refit.bytes_on_wire,
+        ranks=[cpb.RankProgress(**_same(r, _RANK)) for r in refit.ranks],
         delta_replicas=refit.delta_replicas,
     )
 
 
 def refit_from_proto(msg: cpb.Refit) -> Refit:
     return Refit(
-        refit_id=msg.refit_id,
-        job=msg.job,
-        version=msg.version,
+        **_same(msg, _REFIT),
         state=enums.refit_state_from_proto(msg.state),
         target_replicas=list(msg.target_replicas),
-        idempotency_key=msg.idempotency_key,
-        reason=msg.reason,
-        message=msg.message,
-        created_unix=msg.created_unix,
-        updated_unix=msg.updated_unix,
-        bytes_total=msg.bytes_total,
-        bytes_done=msg.bytes_done,
         timings=[
             PhaseTiming(
                 phase=enums.refit_state_from_proto(t.phase, field="timings.phase"),
@@ -70,112 +99,56 @@ def refit_from_proto(msg: cpb.Refit) -> Refit:
             )
             for t in msg.timings
         ],
-        ranks=[
-            RankProgress(
-                member_id=r.member_id,
-                bytes_sent=r.bytes_sent,
-                bytes_received=r.bytes_received,
-                bytes_total=r.bytes_total,
-                tensors_verified=r.tensors_verified,
-                tensors_total=r.tensors_total,
-            )
-            for r in msg.ranks
-        ],
-        plan_digest=msg.plan_digest,
-        group_epoch=msg.group_epoch,
-        coalesced=msg.coalesced,
-        tensors_verified=msg.tensors_verified,
-        tensors_total=msg.tensors_total,
-        bytes_on_wire=msg.bytes_on_wire,
+        ranks=[RankProgress(**_same(r, _RANK)) for r in msg.ranks],
         delta_replicas=list(msg.delta_replicas),
     )
 
 
 def _member_to_proto(member: Member) -> cpb.Member:
     return cpb.Member(
-        member_id=member.member_id,
-        job=member.job,
+        **_same(member, _MEMBER),
         role=enums.role_to_proto(member.role),
-        replica_id=member.replica_id,
-        rank=member.rank,
-        world_size=member.world_size,
-        host=member.host,
-        device=member.device,
         state=enums.member_state_to_proto(member.state),
-        group_rank=member.group_rank,
-        layout_digest=member.layout_digest,
-        version=member.version,
-        lease_expires_unix=member.lease_expires_unix,
         labels=member.labels,
-        node=member.node,
-        device_uuid=member.device_uuid,
     )
 
 
 def _member_from_proto(msg: cpb.Member) -> Member:
     return Member(
-        member_id=msg.member_id,
-        job=msg.job,
+        **_same(msg, _MEMBER),
         role=enums.role_from_proto(msg.role, field="members.role"),
-        replica_id=msg.replica_id,
-        rank=msg.rank,
-        world_size=msg.world_size,
-        host=msg.host,
-        device=msg.device,
         state=enums.member_state_from_proto(msg.state, field="members.state"),
-        group_rank=msg.group_rank,
-        layout_digest=msg.layout_digest,
-        version=msg.version,
-        lease_expires_unix=msg.lease_expires_unix,
         labels=dict(msg.labels),
-        node=msg.node,
-        device_uuid=msg.device_uuid,
     )
 
 
 def topology_to_proto(topo: Topology) -> cpb.Topology:
     return cpb.Topology(
-        job=topo.job,
+        **_same(topo, _TOPOLOGY),
         members=[_member_to_proto(x) for x in topo.members],
         replicas=[
             cpb.Replica(
-                replica_id=r.replica_id,
-                version=r.version,
+                **_same(r, _REPLICA),
                 state=enums.member_state_to_proto(r.state),
-                world_size=r.world_size,
                 member_ids=r.member_ids,
             )
             for r in topo.replicas
         ],
-        group_epoch=topo.group_epoch,
-        group_size=topo.group_size,
         backend=enums.backend_to_proto(topo.backend) if topo.backend else cpb.BACKEND_UNSPECIFIED,
-        committed_version=topo.committed_version,
-        source_layout_digest=topo.source_layout_digest,
-        target_layout_digest=topo.target_layout_digest,
-        healthy=topo.healthy,
     )
 
 
 def topology_from_proto(msg: cpb.Topology) -> Topology:
     return Topology(
-        job=msg.job,
+        **_same(msg, _TOPOLOGY),
         members=[_member_from_proto(x) for x in msg.members],
         replicas=[
             Replica(
-                replica_id=r.replica_id,
-                version=r.version,
+                **_same(r, _REPLICA),
                 state=enums.member_state_from_proto(r.state, field="replicas.state"),
-                world_size=r.world_size,
                 member_ids=list(r.member_ids),
             )
             for r in msg.replicas
         ],
-        group_epoch=msg.group_epoch,
-        group_size=msg.group_size,
         backend=enums.backend_from_proto(msg.backend) if msg.backend else None,
-        committed_version=msg.committed_version,
-        source_layout_digest=msg.source_layout_digest,
-        target_layout_digest=msg.target_layout_digest,
-        healthy=msg.healthy,
     )
