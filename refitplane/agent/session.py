@@ -18,7 +18,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,11 @@ import grpc
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.agent.handler import CommandHandler
+from refitplane.agent.layout_upload import layout_requests
 from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
 from refitplane.protocol import Reason, convert
 from refitplane.protocol import messages as m
 from refitplane.protocol.channel import (
-    LAYOUT_CHUNK_BYTES,
     Metadata,
     auth_metadata,
     from_rpc_error,
@@ -250,30 +249,9 @@ class AgentSession:
 
     def _publish(self, layout: Layout) -> str:
         member_id, metadata = self._who
-        whole = convert.layout_to_proto(layout, self.info.rank)
         try:
-            if whole.ByteSize() <= LAYOUT_CHUNK_BYTES:
-                resp = self._call_unary(
-                    "PublishLayout",
-                    apb.PublishLayoutRequest(member_id=member_id, layout=whole),
-                    metadata,
-                )
-            else:
-                # The coordinator accepts only small messages: publish in chunks.
-                chunks = convert.layout_chunks(whole, LAYOUT_CHUNK_BYTES)
-                upload_id = uuid.uuid4().hex
-                for i, part in enumerate(chunks):
-                    resp = self._call_unary(
-                        "PublishLayout",
-                        apb.PublishLayoutRequest(
-                            member_id=member_id,
-                            layout=part,
-                            upload_id=upload_id,
-                            chunk=i,
-                            more=i < len(chunks) - 1,
-                        ),
-                        metadata,
-                    )
+            for request in layout_requests(member_id, layout, self.info.rank):
+                resp = self._call_unary("PublishLayout", request, metadata)
         except NotFound:
             self._reregister(member_id)
             return self._published
