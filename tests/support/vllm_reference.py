@@ -28,7 +28,8 @@ def loaded_reference(
 
     Every parameter starts as NaN (zero would hide a region the loader never writes but the
     layout claims it fills) except where the layout says padding: `load_weights` zero-fills
-    vocabulary padding itself, so those start as NaN too and must come back zero.
+    vocabulary padding itself, so those start as NaN too and must come back zero. Integer
+    parameters (an EAGLE-3 head's `draft_id_to_target_id`) start at their type's minimum.
     """
     fresh: dict[str, torch.nn.Parameter] = {}
     described_params: dict[str, ParamLayout | FallbackParam] = {**layout.params, **layout.fallback}
@@ -42,9 +43,8 @@ def loaded_reference(
             raise KeyError(f"vLLM parameter {name!r} is not registered on {path!r}")
         template = loader_format_param(owner, pname, current)
         assert template is not None
-        data = torch.full(
-            described.shape, float("nan"), dtype=torch_dtype(described.dtype), device=current.device
-        )
+        dtype = torch_dtype(described.dtype)
+        data = torch.full(described.shape, _unset(dtype), dtype=dtype, device=current.device)
         # The class and attributes of the parameter vLLM created (as `materialize_meta_tensor`
         # in vLLM's layerwise reload does), so its weight loader treats it the same way.
         data.__class__ = template.__class__
@@ -52,6 +52,17 @@ def loaded_reference(
         fresh[name] = cast(torch.nn.Parameter, data)
     load_into(model, fresh, weights)
     return {name: param.data for name, param in fresh.items()}
+
+
+def _unset(dtype: torch.dtype) -> float | int:
+    return float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
+def unwritten(loaded: torch.Tensor) -> torch.Tensor:
+    """Where a `loaded_reference` tensor still holds its start value: never written."""
+    if loaded.dtype.is_floating_point:
+        return torch.isnan(loaded.float())
+    return loaded == _unset(loaded.dtype)
 
 
 class AppliedRecorder:

@@ -19,9 +19,17 @@ must then:
 Greedy speculative decoding serves the target's tokens whatever the draft proposes, so the
 tokens alone cannot show the draft was refit: its bytes do (draft A and draft B differ in
 every tensor). CI runs TP 1 (two engine starts, one refit); TP 2 runs with
-REFIT_FULL_MATRIX=1, and so does DeepSeek-V3 MTP: a tiny DeepSeek-V3 with one MTP layer in
+REFIT_FULL_MATRIX=1, and so do DeepSeek-V3 MTP — a tiny DeepSeek-V3 with one MTP layer in
 its checkpoint (`tests.support.mtp_checkpoint`), served with `{"method": "mtp"}`; the MTP
-layer is the draft (`DeepSeekMTP`), its block refit through the fallback.
+layer is the draft (`DeepSeekMTP`), its block refit through the fallback — and EAGLE /
+EAGLE-3 heads (`tests.support.eagle_checkpoint`; `{"method": "eagle" | "eagle3"}`; one
+EAGLE-3 head with a vocabulary of its own, `d2t`), which vLLM gives the target's embedding
+(EAGLE: its LM head too), refit by the target's tensors.
+
+In the draft-model case the same engine then syncs back to A through vLLM's own trainer API
+(`WeightTransferTrainerFactory.trainer_init(RefitplaneTrainerInitInfo(...,
+draft_source=ModuleSource(draft)))`, `send_weights()`): target and draft must equal what
+the engine held as it started on A (a fresh load of A), tokens and log-probs too.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ def _cases() -> list[Any]:
     cases = [("draft_model", 1)]
     if os.environ.get("REFIT_FULL_MATRIX") == "1":
         cases += [("draft_model", 2), ("mtp", 1), ("eagle", 1), ("eagle3", 1), ("eagle3", 2)]
+        cases += [("eagle3_d2t", 1)]
     return [pytest.param(case, id=f"{case[0]}-tp{case[1]}") for case in cases]
 
 
@@ -196,7 +205,12 @@ def test_the_draft_layout_is_what_its_load_weights_writes(run: DraftRun) -> None
         assert report["rules_moved"] == []
         if run.kind != "draft_model":  # a draft LM has an embedding of its own
             assert not any("embed_tokens" in n for n in report["specs"]), report["specs"]
-        if run.kind != "mtp":
+        if run.kind == "eagle3_d2t":
+            # The draft-to-target token map is no layer's parameter (the head's own, a
+            # vocabulary map vLLM renames from `d2t`): the fallback loads it.
+            sources = {name: f[1] for name, f in report["fallback"].items()}
+            assert sources == {"draft_id_to_target_id": ["d2t"]}, report["fallback"]
+        elif run.kind != "mtp":
             # A draft LM's layers and EAGLE heads' (named as their checkpoints name them:
             # `vllm_draft.draft_checkpoint_namer`) all have rules, each proven at start.
             assert report["fallback"] == {}, report["fallback"]
