@@ -195,8 +195,8 @@ def _apply(engine: Any, refit_id: str, version: int) -> None:
     from refitplane.generator.vllm_contract import RefitUpdateInfo
 
     engine.start_weight_update()
-    engine._record(RefitUpdateInfo(refit_id=refit_id), ok=True)
-    engine._pending_version = version
+    engine.sessions.record(RefitUpdateInfo(refit_id=refit_id), ok=True)
+    engine.sessions.verified(refit_id, version)
     engine.finish_weight_update()
 
 
@@ -289,7 +289,7 @@ def test_a_level_2_sleep_by_the_rl_loop_drops_the_replica_version(coordinator, l
         timeout_s=10,
         # What the vLLM worker's engine registers and renews with (vllm_worker_setup.prepare_registration).
         held_version=lambda: rank_engine.version,
-        serving=rank_engine._serves_held,
+        serving=rank_engine.sessions.serves_held,
     )
     trainer_agent.session = trainer
     rank_agent.session = rank

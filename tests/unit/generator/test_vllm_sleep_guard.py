@@ -28,7 +28,8 @@ def _engine(version: int) -> Any:
     engine = vllm_engine.RefitplaneEngine(
         None, VllmConfig(), torch.device("cpu"), torch.nn.Linear(1, 1)
     )
-    engine.version = version  # what a verified, applied refit leaves (finish_weight_update)
+    # What a verified, applied refit leaves (finish_weight_update).
+    engine.sessions.version = version
     return engine
 
 
@@ -61,7 +62,7 @@ def test_vllm_worker_sleep_level_decides_the_held_version(level: int, held: int)
     status = engine("status")
     assert status["version"] == held
     assert status["incomplete"] is (level == 2)
-    assert engine._serves_held() is (level == 1)
+    assert engine.sessions.serves_held() is (level == 1)
 
 
 def test_discarding_the_weights_tag_drops_the_version_and_the_kv_cache_tag_does_not() -> None:
@@ -115,8 +116,7 @@ def test_a_level_2_sleep_mid_update_applies_nothing_at_finish() -> None:
     applies nothing and the version stays none."""
     engine = _engine(4)
     engine.start_weight_update()
-    engine._pending_version = 5  # a receive verified in this session
-    engine._pending_reload = "r5"
+    engine.sessions.verified("r5", 5)  # a receive verified in this session
     engine.weights_discarded("vLLM's sleep at level 2 discards the weights")
     engine.finish_weight_update()
     status = engine("status")

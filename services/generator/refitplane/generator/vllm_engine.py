@@ -64,13 +64,13 @@ from refitplane.generator.vllm_contract import (
     RefitInitInfo,
     RefitUpdateInfo,
     SessionResult,
-    UpdateRecord,
     parse_init_info,
     parse_update_info,
 )
 from refitplane.generator.vllm_describe import vllm_ranks
 from refitplane.generator.vllm_layout import VllmLayout
 from refitplane.generator.vllm_staging import ReceiveBinding
+from refitplane.generator.vllm_update_session import UpdateSessions
 from refitplane.generator.vllm_worker_member import WorkerMember, registration
 from refitplane.generator.vllm_worker_setup import prepare_registration
 from refitplane.protocol import Reason
@@ -125,22 +125,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         self._parse_problem = ""
         # What was wrong with the update_info vLLM's worker parsed last (for receive_weights).
         self._update_problem = ""
-        # The update session vLLM opened (start) and will close (finish).
-        self._session_open = False
-        self._updates: list[UpdateRecord] = []
-        self._discarded = False
-        self._pending_reload = ""
-        # The version the last verified receive of the open session carries (applied, and
-        # then held, only at a finish that completes the session).
-        self._pending_version = 0
-        # The version this worker fully holds (0: none received since start). Read by the
-        # session's lease thread.
-        self.version = 0
-        # How the last finished session ended, and what the weights are since.
-        self._last: SessionResult = "none"
-        self._last_message = ""
-        self._incomplete = False
-        self._applied_sessions = 0
+        # vLLM's update sessions, and the version this worker fully holds.
+        self.sessions = UpdateSessions()
 
     # vLLM parses the payloads inside the worker: never let that raise either.
     def parse_init_info(self, init_dict: dict[str, Any]) -> EngineInitInfo:
@@ -172,20 +158,20 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         return dict(self.status())
 
     def status(self) -> EngineStatus:
-        staged = self.staged
+        staged, sessions = self.staged, self.sessions
         return EngineStatus(
             rank=self._rank(),
             replica=self.replica,
             initialized=self.session is not None,
             error=self.error,
-            session=self._session_open,
-            updates=list(self._updates),
-            discarded=self._discarded,
-            last=self._last,
-            last_message=self._last_message,
-            incomplete=self._incomplete,
-            applied_sessions=self._applied_sessions,
-            version=self.version,
+            session=sessions.open,
+            updates=list(sessions.updates),
+            discarded=sessions.discarded,
+            last=sessions.last,
+            last_message=sessions.last_message,
+            incomplete=sessions.incomplete,
+            applied_sessions=sessions.applied_sessions,
+            version=sessions.version,
             receive_mode=self.mode,
             staging_bytes=staged.staging_bytes if staged is not None else 0,
             staging_peak_bytes=staged.staging_peak_bytes if staged is not None else 0,
@@ -193,6 +179,11 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             rule_checks=[c.as_dict() for layout in self._layouts() for c in layout.rule_checks],
             draft=self.draft,
         )
+
+    @property
+    def version(self) -> int:
+        """The version this worker fully holds (0: none since start, or dropped)."""
+        return self.sessions.version
 
     def _layouts(self) -> list[VllmLayout]:
         """The published layouts: the target's, and the draft's when it is refit."""
@@ -247,8 +238,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             vllm_config=self.vllm_config,
             device=self.device,
             draft_finder=self.draft_finder,
-            held_version=lambda: self.version,
-            serving=self._serves_held,
+            held_version=lambda: self.sessions.version,
+            serving=self.sessions.serves_held,
         )
         self.layout, self.draft, self.draft_layout = built.layout, built.draft, built.draft_layout
         if built.draft_layout is not None:
@@ -272,18 +263,9 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             len(self.shards.names()),
         )
 
-    def _serves_held(self) -> bool | None:
-        """Whether it serves `version` (None while an update session is open: the answer is
-        about to change); False once an update left the weights incomplete."""
-        return None if self._session_open else not self._incomplete
-
     def start_weight_update(self, *args: Any, **kwargs: Any) -> None:
         # Pausing is the caller's (sidecar, or the RL loop); here only the session begins.
-        self._session_open = True
-        self._updates = []
-        self._discarded = False
-        self._pending_reload = ""
-        self._pending_version = 0
+        self.sessions.start()
 
     def update_weights(self, update_info: Any) -> None:
         problems: list[Problem] = []
@@ -294,7 +276,9 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         if problems:
             text = "; ".join(str(p) for p in problems)
             log.error("refitplane: bad update_info: %s", text)
-            self._record(info, ok=False, reason=Reason.INVALID_ARGUMENT, message=f"bad {text}")
+            self.sessions.record(
+                info, ok=False, reason=Reason.INVALID_ARGUMENT, message=f"bad {text}"
+            )
             return
         self.receive_weights(EngineUpdateInfo(**dataclasses.asdict(info)))
 
@@ -303,16 +287,20 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         problem, self._update_problem = self._update_problem, ""
         if problem:
             message = f"bad {problem}"
-            self._record(update_info, ok=False, reason=Reason.INVALID_ARGUMENT, message=message)
+            self.sessions.record(
+                update_info, ok=False, reason=Reason.INVALID_ARGUMENT, message=message
+            )
             return
         if update_info.action == "discard":
             self._discard(f"refit {refit_id or '?'} discarded by the caller")
-            self._record(update_info, ok=True)
+            self.sessions.record(update_info, ok=True)
             return
         if self.member is None or self.session is None:
             message = f"update_weights before a working init ({self.error or 'not initialised'})"
             log.error("refitplane: %s", message)
-            self._record(update_info, ok=False, reason=Reason.FAILED_PRECONDITION, message=message)
+            self.sessions.record(
+                update_info, ok=False, reason=Reason.FAILED_PRECONDITION, message=message
+            )
             return
         if self.binding is not None:
             self.binding.reloader.begin()
@@ -327,7 +315,9 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             )
             self._drop_staging()
             reason, message = self._report(refit_id, exc, weights_modified=modified)
-            self._record(update_info, ok=False, reason=reason, message=message, modified=modified)
+            self.sessions.record(
+                update_info, ok=False, reason=reason, message=message, modified=modified
+            )
             return
         live = (self.mode == "live" and report.bytes_received > 0) or self._staged_touched()
         if report.staged_buckets:
@@ -346,25 +336,22 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
                 f"refit {refit_id}: {report.tensors_verified} of {report.tensors_total} tensors "
                 "verified; refitplane applies only verified updates (checksums off?)"
             )
-            self._record(
+            self.sessions.record(
                 update_info, ok=False, reason=Reason.VERIFY_FAILED, message=message, modified=live
             )
             return
-        self._record(update_info, ok=True, modified=live)
-        # Finish applies the last staged bucket and re-runs attention's post-load processing.
-        self._pending_reload = refit_id
-        # The coordinator's version of this refit (its PrepareRefit), not update_info's.
-        self._pending_version = self.member.completed_version(refit_id)
+        self.sessions.record(update_info, ok=True, modified=live)
+        # Finish applies the last staged bucket and re-runs attention's post-load processing,
+        # at the coordinator's version of this refit (its PrepareRefit), not update_info's.
+        self.sessions.verified(refit_id, self.member.completed_version(refit_id))
 
     def finish_weight_update(self, *args: Any, **kwargs: Any) -> None:
-        updates, self._updates = self._updates, []
-        refit_id, self._pending_reload = self._pending_reload, ""
-        version, self._pending_version = self._pending_version, 0
+        updates, refit_id, version = self.sessions.take()
         modified = any(u["modified"] for u in updates)
         failed = [u for u in updates if not u["ok"]]
-        if self._discarded or failed:
+        if self.sessions.discarded or failed:
             self._drop_staging()
-            why = failed[0]["message"] if failed else self._last_message
+            why = failed[0]["message"] if failed else self.sessions.last_message
             self._end("incomplete" if modified else "failed" if failed else "discarded", why)
             return
         if not any(u["action"] == "receive" for u in updates):
@@ -386,22 +373,16 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
                 _, message = self._report(refit_id, exc, weights_modified=True)
                 self._end("incomplete", f"reload failed: {message}")
                 return
-        if version:
-            self.version = version  # held now: verified and applied
-        self._end("applied", f"refit {updates[-1]['refit_id']}")
+        # Held now: verified and applied.
+        self._end("applied", f"refit {updates[-1]['refit_id']}", version=version)
 
     def weights_discarded(self, why: str) -> None:
         """vLLM is discarding this worker's weights (sleep level 2): it holds no version from
         now on, and an open update session applies nothing (what it received is gone)."""
-        if self.version:
-            log.warning("refitplane: version %d no longer held: %s", self.version, why)
-        self.version = 0
-        # Whatever memory wakes up holds no version: not serving, and vLLM's
-        # /update_weight_version refused (as after a failed live receive), until an update
-        # applies.
-        self._incomplete = True
-        self._last_message = why
-        self._discard(why)
+        if self.sessions.version:
+            log.warning("refitplane: version %d no longer held: %s", self.sessions.version, why)
+        if self.sessions.weights_gone(why):
+            self._drop_staging()
 
     def _drop_staging(self) -> None:
         """Forget whatever is staged (nothing of it is applied any more) and its memory."""
@@ -409,44 +390,12 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         if staged is not None:
             staged.discard()
 
-    def _record(
-        self,
-        info: RefitUpdateInfo,
-        *,
-        ok: bool,
-        reason: str = "",
-        message: str = "",
-        modified: bool = False,
-    ) -> None:
-        self._updates.append(
-            UpdateRecord(
-                refit_id=info.refit_id,
-                action=info.action,
-                ok=ok,
-                reason=reason,
-                message=message,
-                modified=modified,
-            )
-        )
-
     def _discard(self, why: str) -> None:
-        if self._session_open and not self._discarded:
-            self._discarded = True
-            self._last_message = why
-            self._pending_reload = ""
-            self._pending_version = 0
+        if self.sessions.discard(why):
             self._drop_staging()
 
-    def _end(self, result: SessionResult, message: str) -> None:
-        self._last, self._last_message = result, message
-        if result == "applied":
-            self._incomplete = False
-            self._applied_sessions += 1
-        elif result == "incomplete":
-            self._incomplete = True
-        # Closed last, once version and outcome are settled: the lease thread reads no
-        # closed session with the previous outcome (`_serves_held`).
-        self._session_open = False
+    def _end(self, result: SessionResult, message: str, *, version: int = 0) -> None:
+        self.sessions.end(result, message, version=version)
         if result != "applied":
             log.warning("refitplane: weight update not applied (%s): %s", result, message)
 
