@@ -119,12 +119,11 @@ def test_abort_reaches_a_busy_agent_at_once(coordinator, sim_cluster):
     client = cluster.client()
     refit = client.trigger("job")
     wait_until(lambda: client.get(refit.refit_id).state is RefitState.TRANSFERRING)
-    started = time.monotonic()
     client.cancel(refit.refit_id)
     # The worker thread is blocked in the held transfer; the abort came via the stream thread
-    # and released it, then the in-order AbortRefit ran on the worker.
+    # and released it, then the in-order AbortRefit ran on the worker (the wait is bounded:
+    # a worker still blocked never receives it).
     wait_until(lambda: trainer.agent.received(AbortRefitCmd), timeout_s=5)
-    assert time.monotonic() - started < 5
     assert seen == ["refit-agent-stream"]
 
 
