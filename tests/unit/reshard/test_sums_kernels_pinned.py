@@ -1,8 +1,9 @@
-"""The three Triton kernels that accumulate checksum sums (`checksum.py`'s, `copy_sums.py`'s
-copy that checksums, `chunk_copy.py`'s pack that checksums) give these exact (S0, S1) values
-for fixed bytes, in Triton's interpreter: pinned numbers, not a comparison with the torch
-reference (the other tests do that), so a change to the shared accumulation that moved any
-kernel's result by one bit fails here even if the reference moved with it.
+"""The Triton kernels that accumulate checksum sums (`checksum.py`'s, `copy_sums.py`'s copy
+that checksums, `chunk_copy.py`'s pack that checksums, all three through `triton_sums`; and
+`delta_batch.py`'s sender scan, which sums a block in one pass of its own) give these exact
+(S0, S1) values for fixed bytes, in Triton's interpreter: pinned numbers, not a comparison
+with the torch reference (the other tests do that), so a change to the shared accumulation
+that moved any kernel's result by one bit fails here even if the reference moved with it.
 
 The bytes are a fixed arithmetic pattern (no random generator whose stream could change);
 the sizes cover a partial last word, empty and one-byte buffers, and buffers spanning
@@ -23,8 +24,9 @@ pytestmark = [
 ]
 
 # What the kernels left in their output rows on main before the accumulation was shared
-# (one (S0, S1) pair per buffer, int64). The checksum and the copy that checksums sum the
-# same nine buffers into rows that start the same: the same rows.
+# (one (S0, S1) pair per buffer, int64), and the delta scan's on main at c3db6fc. The
+# checksum and the copy that checksums sum the same nine buffers into rows that start the
+# same: the same rows.
 _NINE_BUFFERS = [
     [143, 1000008],
     [16521466388619428, 3000014],
@@ -42,6 +44,12 @@ PINNED: dict[str, list[list[int]]] = {
     "chunk_copy": [
         [-2108366966105667423, 7838963014211568503],
         [-401402709163365273, -4179512524163723911],
+    ],
+    "delta_scan": [
+        [-7343243383487235594, 1000008],
+        [101296111100371599, 6467231320852118826],
+        [-2380986742580809573, 6619656570030783161],
+        [5864089744333691513, -4846543615302901053],
     ],
 }
 
@@ -95,6 +103,19 @@ def sums_of_every_kernel(device: str) -> dict[str, list[list[int]]]:
         chunk_copy.launch(table, message, scatter=False, sums=row)
         assert torch.equal(message, torch.cat(chunks))
     out["chunk_copy"] = rows.tolist()
+
+    # delta_batch.py: the sender's scan of current against base images (2-byte words), whose
+    # pass also sums each current image (whole 8-byte words; blocks of 4096 words, so the
+    # largest spans three programs).
+    from refitplane.reshard import delta_batch
+
+    scan_sizes = (8, 24, 8000, 2 * 8192 + 16)
+    currents = [pattern(n, 200 + i) for i, n in enumerate(scan_sizes)]
+    bases = [pattern(n, 300 + i) for i, n in enumerate(scan_sizes)]
+    rows = start_rows(len(currents))
+    batch = delta_batch.scan_many(currents, bases, 2, update=False, sums=list(rows.unbind(0)))
+    assert all(batch.summed)
+    out["delta_scan"] = rows.tolist()
     return out
 
 
