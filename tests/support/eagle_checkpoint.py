@@ -33,6 +33,8 @@ import torch
 
 WEIGHTS_FILE: Final = "model.safetensors"
 EAGLE_METHODS: Final = ("eagle", "eagle3")
+# The architectures a head's config may name (vLLM prefixes Eagle / Eagle3 to find its class).
+_CONFIGS: Final = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def write_eagle_head(
@@ -42,6 +44,7 @@ def write_eagle_head(
     method: str,
     seed: int,
     draft_vocab_size: int | None = None,
+    architecture: str = "llama",
 ) -> Path:
     """Write an EAGLE (`method` "eagle") or EAGLE-3 ("eagle3") head for the checkpoint in
     `target` (its hidden size, heads and vocabulary) into `directory`; returns it.
@@ -50,20 +53,25 @@ def write_eagle_head(
     most published EAGLE-3 heads have: `lm_head.weight` `[draft_vocab_size, H]`, `d2t`
     (int64, target id = draft id + d2t[draft id]; vLLM loads it as `draft_id_to_target_id`)
     and `t2d` (bool over the target's vocabulary; vLLM skips it), the draft's tokens a
-    seeded subset of the target's."""
+    seeded subset of the target's. `architecture` "qwen3" (EAGLE-3 only) writes a Qwen3
+    config instead, which vLLM serves as `Eagle3Qwen3ForCausalLM` (`qwen3_eagle3.py`: its
+    layer has Qwen3's `q_norm` / `k_norm`)."""
     from safetensors.torch import save_file
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3Config
 
     if method not in EAGLE_METHODS:
         raise ValueError(f"method must be one of {EAGLE_METHODS}, got {method!r}")
     if draft_vocab_size is not None and method != "eagle3":
         raise ValueError("only an EAGLE-3 head has a vocabulary of its own (draft_vocab_size)")
+    if architecture not in _CONFIGS or (architecture != "llama" and method != "eagle3"):
+        raise ValueError(f"no {method} head class in vLLM for architecture {architecture!r}")
+    config_class = LlamaConfig if architecture == "llama" else Qwen3Config
     base = json.loads((target / "config.json").read_text())
     # The target layers whose input hidden states EAGLE-3 reads (real heads read three; the
     # target reads each layer once, so a 2-layer target gives two): fc is [H, n * H].
     layers = int(base["num_hidden_layers"])
     aux_layers = sorted({0, layers // 2, layers - 1})
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=base["vocab_size"],
         hidden_size=base["hidden_size"],
         intermediate_size=base["intermediate_size"],
@@ -79,7 +87,7 @@ def write_eagle_head(
         eos_token_id=None,
         pad_token_id=None,
     )
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [_CONFIGS[architecture]]
     dtype = base.get("torch_dtype") or base.get("dtype") or "float32"
     config_dict: dict[str, Any] = {**config.to_dict(), "torch_dtype": dtype, "dtype": dtype}
     if method == "eagle3":
@@ -129,6 +137,9 @@ def _head_shapes(config: Any, method: str, aux_states: int) -> dict[str, tuple[i
     if method == "eagle":
         shapes["fc.weight"] = (hidden, 2 * hidden)
         return shapes
+    if getattr(config, "model_type", "") == "qwen3":
+        shapes[layer + "self_attn.q_norm.weight"] = (int(config.head_dim),)
+        shapes[layer + "self_attn.k_norm.weight"] = (int(config.head_dim),)
     shapes[layer + "input_layernorm.weight"] = (hidden,)
     shapes[layer + "hidden_norm.weight"] = (hidden,)
     shapes["fc.weight"] = (hidden, aux_states * hidden)

@@ -23,8 +23,8 @@ REFIT_FULL_MATRIX=1, and so do DeepSeek-V3 MTP — a tiny DeepSeek-V3 with one M
 its checkpoint (`tests.support.mtp_checkpoint`), served with `{"method": "mtp"}`; the MTP
 layer is the draft (`DeepSeekMTP`), its block refit through the fallback — and EAGLE /
 EAGLE-3 heads (`tests.support.eagle_checkpoint`; `{"method": "eagle" | "eagle3"}`; one
-EAGLE-3 head with a vocabulary of its own, `d2t`), which vLLM gives the target's embedding
-(EAGLE: its LM head too), refit by the target's tensors.
+EAGLE-3 head with a vocabulary of its own, `d2t`; one in vLLM's Qwen3 EAGLE-3 class), which
+vLLM gives the target's embedding (EAGLE: its LM head too), refit by the target's tensors.
 
 In the draft-model case the same engine then syncs back to A through vLLM's own trainer API
 (`WeightTransferTrainerFactory.trainer_init(RefitplaneTrainerInitInfo(...,
@@ -57,7 +57,7 @@ def _cases() -> list[Any]:
     cases = [("draft_model", 1)]
     if os.environ.get("REFIT_FULL_MATRIX") == "1":
         cases += [("draft_model", 2), ("mtp", 1), ("eagle", 1), ("eagle3", 1), ("eagle3", 2)]
-        cases += [("eagle3_d2t", 1)]
+        cases += [("eagle3_d2t", 1), ("eagle3_qwen3", 1)]
     return [pytest.param(case, id=f"{case[0]}-tp{case[1]}") for case in cases]
 
 
