@@ -8,12 +8,13 @@ so the engine is handed a way to find the draft (`find_draft`) before it initial
 
 With `init_info.draft = "refit"` the engine describes the draft with the same rules and the
 same start-up check as the target (`describe_draft`; layers no rule describes, such as MTP
-blocks and EAGLE heads, take the fallback path through the draft's own `load_weights`),
-drops the parameters the draft shares with the target (MTP and EAGLE heads reuse the
-target's embedding and LM head: the target's tensors refit them), and publishes the rest
-under the `draft.` prefix (`refitplane.protocol.draft`) on the same rank. One refit then
-moves target and draft under one version; staged draft tensors are applied through the
-draft's own layerwise reload (`vllm_staging.ModelPart`).
+blocks, take the fallback path through the draft's own `load_weights`; EAGLE heads are
+named as their checkpoints name them, `draft_checkpoint_namer`, so their layers take their
+rules), leaves out the parameters the draft shares with the target (MTP and EAGLE heads
+use the target's embedding, EAGLE its LM head: the target's tensors refit them, once), and
+publishes the rest under the `draft.` prefix (`refitplane.protocol.draft`) on the same
+rank. One refit then moves target and draft under one version; staged draft tensors are
+applied through the draft's own layerwise reload (`vllm_staging.ModelPart`).
 """
 
 from __future__ import annotations
