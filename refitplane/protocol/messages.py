@@ -100,6 +100,8 @@ class PrepareRefitCmd:
 class StartTransferCmd:
     refit_id: str
     version: int
+    # Sidecars: RanksVerified will come (False from a coordinator that predates it).
+    ranks_verified: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,12 @@ class AbortRefitCmd:
     refit_id: str
     reason: str
     message: str
+
+
+# The label (value "push") with which a sidecar registers that it waits for RanksVerified:
+# the coordinator sends the command, and says so in StartTransfer, only to those (a sidecar
+# from before it polls the refit, and its session could not decode the command).
+RANKS_VERIFIED_LABEL = "ranks_verified"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from refitplane.client.sync import RefitClient
 from refitplane.errors import FailedPrecondition, TransferError
 from refitplane.protocol import RefitState, Role
 from refitplane.protocol.messages import (
+    RANKS_VERIFIED_LABEL,
     AbortRefitCmd,
     LeaveGroupCmd,
     MemberInfo,
@@ -142,7 +143,8 @@ class SidecarMember(NullHandler):
             replica_id=self.replica_id,
             host=host,
             device="",
-            labels=labels or {},
+            # This controller waits for RanksVerified: the coordinator may send it.
+            labels={**(labels or {}), RANKS_VERIFIED_LABEL: "push"},
         )
         session = AgentSession(
             coordinator,
@@ -241,7 +243,7 @@ class SidecarMember(NullHandler):
         self.control.update({"refit_id": cmd.refit_id, "version": cmd.version})
         steps.mark("update")
         try:
-            self._require_ranks_verified(cmd.refit_id)
+            self._require_ranks_verified(cmd.refit_id, pushed=cmd.ranks_verified)
             steps.mark("verified")
         except TransferError:
             self._close_update(cmd.refit_id)
@@ -399,7 +401,7 @@ class SidecarMember(NullHandler):
         s = self.session
         return (s.registrations, s.streams_opened) if s is not None else (0, 0)
 
-    def _require_ranks_verified(self, refit_id: str) -> None:
+    def _require_ranks_verified(self, refit_id: str, *, pushed: bool) -> None:
         """Wait until the coordinator says every rank of the replica verified (RanksVerified,
         pushed when it accepts the last rank's verified TransferDone), or the refit failed
         (AbortRefit, which follows any RanksVerified of the refit on the same stream), for up
@@ -407,8 +409,11 @@ class SidecarMember(NullHandler):
         this member's registration (a coordinator that lost its store, a lapsed lease): once
         either moved since PrepareRefit, and at the deadline, the record is read instead
         (`_read_ranks_verified`), so a restarted coordinator or a lost store shows as the
-        refit's end or as an error, never as success."""
+        refit's end or as an error, never as success. Not `pushed` (a coordinator that does
+        not send RanksVerified): the record is read until the ranks verified, backing off
+        from 2 ms."""
         deadline = time.monotonic() + self.verify_wait_s
+        delay = 0.002
         while True:
             self.told.clear()
             verified, abort = self.told.of(refit_id)
@@ -425,7 +430,7 @@ class SidecarMember(NullHandler):
                 self._read_ranks_verified(refit_id, last=True)
                 return
             mark = self._session_mark()
-            if mark != self._stream_mark:
+            if mark != self._stream_mark or not pushed:
                 self._stream_mark = mark
                 if self._read_ranks_verified(refit_id, last=False):
                     return
@@ -433,7 +438,8 @@ class SidecarMember(NullHandler):
             if remaining <= 0:
                 self._read_ranks_verified(refit_id, last=True)
                 return
-            self.told.wait(min(remaining, _STREAM_LOOK_S))
+            self.told.wait(min(remaining, _STREAM_LOOK_S if pushed else delay))
+            delay = min(2 * delay, 0.05)
 
     def _read_ranks_verified(self, refit_id: str, *, last: bool) -> bool:
         """One GetRefit: whether every rank of the replica verified. Raises when the refit

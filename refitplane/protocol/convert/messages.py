@@ -110,7 +110,11 @@ def command_to_proto(cmd: m.Command) -> apb.Command:
             out.prepare_refit.CopyFrom(prepare)
         case m.StartTransferCmd():
             out.start_transfer.CopyFrom(
-                apb.StartTransfer(refit_id=body.refit_id, version=body.version)
+                apb.StartTransfer(
+                    refit_id=body.refit_id,
+                    version=body.version,
+                    ranks_verified=body.ranks_verified,
+                )
             )
         case m.AbortRefitCmd():
             out.abort_refit.CopyFrom(
@@ -173,8 +177,9 @@ def command_from_proto(msg: apb.Command) -> m.Command:
             delta_base_version=p.delta_base_version,
         )
     elif kind == "start_transfer":
+        t = msg.start_transfer
         body = m.StartTransferCmd(
-            refit_id=msg.start_transfer.refit_id, version=msg.start_transfer.version
+            refit_id=t.refit_id, version=t.version, ranks_verified=t.ranks_verified
         )
     elif kind == "abort_refit":
         a = msg.abort_refit

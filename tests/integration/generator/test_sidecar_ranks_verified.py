@@ -3,12 +3,14 @@ the refit record (issue 23), against a real coordinator on Redis with simulated 
 agent sessions, no data plane): the push arrives once every rank of the replica verified and
 the refit commits with one read (the check after finish); a push the coordinator never
 delivers falls back to one read at the controller's deadline, or at once when the command
-stream it went to broke; a refit that fails elsewhere while the controller waits, or while
+stream it went to broke; a coordinator that does not push (older) is polled as before, and
+a sidecar without the label that asks for the push (older) is not sent it; a refit that fails elsewhere while the controller waits, or while
 vLLM finishes, never lets the replica take the version. Faults are injected into the
 running coordinator's outbox (commands dropped as a broken stream loses them)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +19,12 @@ import pytest
 from refitplane.agent.simulated import Behaviour
 from refitplane.client import RefitClient
 from refitplane.protocol import RefitState, Role
-from refitplane.protocol.messages import AbortRefitCmd, CommandBody, RanksVerifiedCmd
+from refitplane.protocol.messages import (
+    AbortRefitCmd,
+    CommandBody,
+    RanksVerifiedCmd,
+    StartTransferCmd,
+)
 from refitplane.protocol.models import Refit
 from refitplane.replica.control import CallerPausedControl
 from refitplane.replica.controller import SidecarMember
@@ -73,16 +80,21 @@ class _CountingClient(RefitClient):
         return super().get(refit_id)
 
 
-def _drop(coordinator: Any, kind: type, then: Callable[[], None] | None = None) -> list[Any]:
+def _drop(
+    coordinator: Any,
+    kind: type,
+    then: Callable[[], None] | None = None,
+    rewrite: Callable[[CommandBody], CommandBody] = lambda body: body,
+) -> list[Any]:
     """From now on the coordinator's outbox drops commands of `kind` (`then` runs after
-    each); returns the list of (member id, command) dropped."""
+    each) and sends the others through `rewrite`; returns the (member id, command) dropped."""
     outbox = coordinator.core.outbox
     send = outbox.send
     dropped: list[tuple[str, CommandBody]] = []
 
     def send_or_drop(member_id: str, body: CommandBody) -> None:
         if not isinstance(body, kind):
-            send(member_id, body)
+            send(member_id, rewrite(body))
             return
         dropped.append((member_id, body))
         if then is not None:
@@ -136,6 +148,8 @@ def test_the_push_arrives_and_the_refit_commits(replica):
     assert told is not None
     assert (told.refit_id, told.version) == (refit.refit_id, refit.version)
     assert told.member_ids == {r.member_id for r in ranks}
+    assert member.session is not None
+    assert member.session.info.labels["ranks_verified"] == "push"
     # No read while waiting: the one read is the check after finish.
     assert client.reads == 1
     assert engine.calls == ["pause", "start_update", "update", f"finish {refit.version}", "resume"]
@@ -170,6 +184,39 @@ def test_a_push_lost_with_its_stream_is_read_once_the_stream_is_back(replica):
     assert session.streams_opened > opened
     assert client.reads == 2
     assert member.state.version == refit.version
+
+
+def test_a_coordinator_that_does_not_push_is_polled(replica):
+    """A coordinator from before RanksVerified: its StartTransfer does not announce the push
+    and none comes. The controller reads the refit until the ranks verified (as it did
+    before the push), well within the coordinator's VERIFYING timeout (5 s), not at its own
+    deadline (60 s)."""
+    coordinator, cluster, _, _, member, client = replica(verify_wait_s=60.0)
+
+    def as_before(body: CommandBody) -> CommandBody:
+        if isinstance(body, StartTransferCmd):
+            return dataclasses.replace(body, ranks_verified=False)
+        return body
+
+    _drop(coordinator, RanksVerifiedCmd, rewrite=as_before)
+    refit = _refit(cluster)
+    assert refit.state is RefitState.COMMITTED, refit.message
+    assert client.reads >= 2  # at least one poll, then the check after finish
+    assert member.state.version == refit.version
+
+
+def test_a_sidecar_that_does_not_wait_for_the_push_is_not_sent_it(coordinator, sim_cluster):
+    """A sidecar registered without the RanksVerified label (one from before the command,
+    which could not decode it): no RanksVerified is queued for it and its StartTransfer says
+    none will come; the refit commits as before."""
+    cluster = sim_cluster(coordinator)
+    cluster.add(Role.TRAINER, layout=row_layout(0, 1))
+    sidecar = cluster.replica("a", sidecar=True)[-1]
+    sent = _drop(coordinator, RanksVerifiedCmd)
+    refit = _refit(cluster)
+    assert refit.state is RefitState.COMMITTED, refit.message
+    assert sent == []
+    assert [c.ranks_verified for c in sidecar.agent.received(StartTransferCmd)] == [False]
 
 
 def test_a_refit_failing_at_another_replica_while_this_one_waits(replica):

@@ -119,7 +119,12 @@ _commands = st.one_of(
         plan_digest=st.text(alphabet="0123456789abcdef", max_size=64),
         plan_rank=st.integers(0, 2**20),
     ),
-    st.builds(m.StartTransferCmd, refit_id=st.text(max_size=20), version=st.integers(0, 2**50)),
+    st.builds(
+        m.StartTransferCmd,
+        refit_id=st.text(max_size=20),
+        version=st.integers(0, 2**50),
+        ranks_verified=st.booleans(),
+    ),
     st.builds(
         m.AbortRefitCmd,
         refit_id=st.text(max_size=20),

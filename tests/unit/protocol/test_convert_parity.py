@@ -96,7 +96,7 @@ COMMANDS: list[m.CommandBody] = [
         delta_peers=frozenset({0, 1}),
         delta_base_version=6,
     ),
-    m.StartTransferCmd(refit_id="r1", version=7),
+    m.StartTransferCmd(refit_id="r1", version=7, ranks_verified=True),
     m.AbortRefitCmd(refit_id="r1", reason="TIMEOUT", message="too slow"),
     m.RanksVerifiedCmd(refit_id="r1", version=7, member_ids=frozenset({"g0", "g1"})),
 ]

@@ -530,17 +530,24 @@ class StartTransfer(_message.Message):
 
     REFIT_ID_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    RANKS_VERIFIED_FIELD_NUMBER: _builtins.int
     refit_id: _builtins.str
     version: _builtins.int
+    ranks_verified: _builtins.bool
+    """Sidecars: this coordinator sends RanksVerified once the replica's ranks verified, so the
+    sidecar waits for it (a coordinator from before RanksVerified leaves this false: the
+    sidecar reads the refit until they did).
+    """
     def __init__(
         self,
         *,
         refit_id: _builtins.str = ...,
         version: _builtins.int = ...,
+        ranks_verified: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["refit_id", b"refit_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ranks_verified", b"ranks_verified", "refit_id", b"refit_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from refitplane.coordinator.core.planning import ReplicaMembers
 from refitplane.coordinator.core.records import MemberRecord
+from refitplane.protocol import Role
+from refitplane.protocol.messages import RANKS_VERIFIED_LABEL
 
 
 @dataclass
@@ -55,6 +57,16 @@ class Cast:
 
     def data_members(self) -> list[str]:
         return [i for i, p in self.participants.items() if p.data_plane]
+
+    def waits_for_ranks_verified(self, member_id: str) -> bool:
+        """A sidecar that registered the RanksVerified label: told in StartTransfer that
+        RanksVerified will come, and sent it (`RefitRun.ranks_verified`)."""
+        m = self.members.get(member_id)
+        return (
+            m is not None
+            and m.role is Role.GENERATOR_SIDECAR
+            and m.labels.get(RANKS_VERIFIED_LABEL) == "push"
+        )
 
     def receives_staged(self, replica: str) -> bool:
         """Every rank of `replica` receives into staging (label receive_mode=staged): its

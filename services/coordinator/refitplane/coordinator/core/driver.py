@@ -337,9 +337,10 @@ class JobDriver:
     async def _transfer(self, run: RefitRun) -> None:
         await self._enter(run, RefitState.TRANSFERRING, [RefitState.PREPARING])
         for member_id in run.cast.participants:
-            self._ctx.outbox.send(
-                member_id, msg.StartTransferCmd(refit_id=run.refit_id, version=run.record.version)
-            )
+            # Sidecars: RanksVerified (`on_report`) will say their replica's ranks verified.
+            pushed = run.cast.waits_for_ranks_verified(member_id)
+            start = msg.StartTransferCmd(run.refit_id, run.record.version, pushed)
+            self._ctx.outbox.send(member_id, start)
         data = run.cast.data_members()
         await run.wait_until(
             lambda: all(i in run.done for i in data),

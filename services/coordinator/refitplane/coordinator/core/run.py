@@ -132,7 +132,12 @@ class RefitRun:
         replica = rank.replica_id
         sidecar = self.cast.replica_sidecar.get(replica)
         ranks = self.cast.replica_ranks.get(replica, [])
-        if sidecar is None or replica in self._verified_told or rank.member_id not in ranks:
+        if (
+            sidecar is None
+            or not self.cast.waits_for_ranks_verified(sidecar)
+            or replica in self._verified_told
+            or rank.member_id not in ranks
+        ):
             return None
         for member_id in ranks:
             done = self.done.get(member_id)
