@@ -37,12 +37,6 @@ from refitplane.protocol.models import RankProgress
 
 log = logging.getLogger(__name__)
 
-_DEPARTURE_TEXT = {
-    Departure.LEASE_EXPIRED: "lease expired",
-    Departure.MEMBER_REPLACED: "re-registered under the same key (replaced)",
-    Departure.MEMBER_LEFT: "deregistered",
-}
-
 
 @dataclass(frozen=True)
 class _Setup:
@@ -426,7 +420,7 @@ class JobDriver:
             member.member_id in run.cast.participants
             or self.groups.formed_by(run, member.member_id)
         ):
-            run.fail(why.value, f"{member.describe()}: {_DEPARTURE_TEXT[why]}")
+            run.fail(why.value, f"{member.describe()}: {why.text}")
         await self.groups.departed(member)
 
     async def on_report(self, member: MemberRecord, report: msg.Report) -> bool:

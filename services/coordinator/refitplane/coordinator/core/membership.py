@@ -38,6 +38,18 @@ class Departure(enum.StrEnum):
     MEMBER_REPLACED = "MEMBER_REPLACED"
     MEMBER_LEFT = "MEMBER_LEFT"
 
+    @property
+    def text(self) -> str:
+        """What happened to the member, as a refit's failure message says it."""
+        return _DEPARTURE_TEXT[self]
+
+
+_DEPARTURE_TEXT = {
+    Departure.LEASE_EXPIRED: "lease expired",
+    Departure.MEMBER_REPLACED: "re-registered under the same key (replaced)",
+    Departure.MEMBER_LEFT: "deregistered",
+}
+
 
 DepartureListener = Callable[[MemberRecord, Departure], Awaitable[None]]
 
