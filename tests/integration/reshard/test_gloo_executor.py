@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from refitplane.errors import TransferError
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.executor import Executor
 from refitplane.reshard.planner import build_plan
@@ -64,7 +65,18 @@ def _rank_worker(
                 if rank == die_rank and done > 0:
                     os._exit(17)
 
-            report = Executor(transport, cfg).run(plan.rank_plan(rank), shards, progress=progress)
+            began = time.monotonic()
+            try:
+                report = Executor(transport, cfg).run(
+                    plan.rank_plan(rank), shards, progress=progress
+                )
+            except TransferError as exc:
+                if die_rank < 0 and stall_rank < 0:
+                    raise
+                # How long this rank's transfer took to fail, from its own start: the
+                # processes' start-up (seconds of imports on a loaded machine) is not in it.
+                failed = {"type": type(exc).__name__, "message": exc.message}
+                return {"failed": failed, "seconds": time.monotonic() - began}
             result.update(
                 sent=report.bytes_sent,
                 received=report.bytes_received,
@@ -172,42 +184,56 @@ def test_dp_replicas_share_the_load() -> None:
 
 
 def test_peer_killed_mid_transfer_fails_others_in_time() -> None:
+    """Rank 0 exits once its first group completed. Every rank that receives from it fails
+    (none hangs) within its transfer's own timeout, counted from its own start: the bound is
+    the product's deadline, not how fast a loaded machine starts five processes."""
     sc = SCENARIOS["tp2_to_tp3"]()
     config = {"bucket_bytes": 128, "max_inflight_bytes": 512, "num_channels": 1, "timeout_s": 20}
-    started = time.monotonic()
-    results = run_world(
-        _rank_worker, sc.world_size, scenario="tp2_to_tp3", config=config, die_rank=0, timeout_s=60
+    plan = build_plan(sc.source, sc.target)
+    needs_rank_0 = sorted(
+        r for r in sc.target.ranks() if any(link.src == 0 for link in plan.rank_plan(r).recvs)
     )
-    elapsed = time.monotonic() - started
+    assert needs_rank_0
+    # Generous: only a rank that hangs past its own deadline would reach it.
+    results = run_world(
+        _rank_worker, sc.world_size, scenario="tp2_to_tp3", config=config, die_rank=0, timeout_s=300
+    )
     assert 0 not in results  # it died
-    # Destinations that needed rank 0's data must fail, not hang, and within the timeout.
-    failed = [r for r, (status, _) in results.items() if status == "error"]
-    assert failed, results
-    for r in failed:
-        assert results[r][1]["type"] in {"PeerFailure", "TransferTimeout", "TransferError"}, (
-            results[r]
-        )
-    assert elapsed < 20 + 30
+    for r in needs_rank_0:
+        failed, seconds = _failure_of(results, r)
+        assert failed["type"] in {"PeerFailure", "TransferTimeout", "TransferError"}, (r, failed)
+        # The deadline is 20 s; the margin covers the failure's own handling, not start-up.
+        assert seconds < config["timeout_s"] + 10, (r, failed, seconds)
+
+
+def _failure_of(
+    results: dict[int, tuple[str, dict[str, Any]]], rank: int
+) -> tuple[dict[str, str], float]:
+    """How `rank`'s transfer failed, and how long after its own start."""
+    assert rank in results, f"rank {rank} neither finished nor failed: it hung"
+    status, detail = results[rank]
+    assert status == "ok", (rank, detail)
+    assert "failed" in detail, (rank, detail)  # its transfer completed
+    return detail["failed"], detail["seconds"]
 
 
 def test_stalled_peer_times_out() -> None:
+    """Rank 1 joins the group, then sleeps past the deadline: its receivers time out (or
+    see it leave) within their transfer's own timeout, counted from their own start."""
     sc = SCENARIOS["tp2_to_tp3"]()
     config = {"bucket_bytes": 4096, "max_inflight_bytes": 8192, "num_channels": 1, "timeout_s": 4}
-    started = time.monotonic()
     results = run_world(
         _rank_worker,
         sc.world_size,
         scenario="tp2_to_tp3",
         config=config,
         stall_rank=1,
-        timeout_s=60,
+        timeout_s=300,
     )
-    elapsed = time.monotonic() - started
     for r in (2, 3, 4):
-        status, detail = results[r]
-        assert status == "error", (r, detail)
-        assert detail["type"] in {"TransferTimeout", "PeerFailure"}, (r, detail)
-    assert elapsed < 40
+        failed, seconds = _failure_of(results, r)
+        assert failed["type"] in {"TransferTimeout", "PeerFailure"}, (r, failed)
+        assert seconds < config["timeout_s"] + 10, (r, failed, seconds)
 
 
 def test_repeated_refits_reuse_the_schedule_and_stay_exact() -> None:
