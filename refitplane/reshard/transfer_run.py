@@ -472,9 +472,14 @@ class TransferRun:
                 m = messages[link][bad[0]]
                 where = ", ".join(f"{c.tensor!r} {format_box(c.box)}" for c in m.chunks[:4])
                 more = f" and {len(m.chunks) - 4} more" if len(m.chunks) > 4 else ""
+                # The message's round and both rows say which message of the link it was
+                # and how far apart the ends are (an all-zero row: nothing was summed).
+                sent = remote[link][bad[0]].tolist()
+                got = self.sums[link][bad[0]].tolist()
                 raise ChecksumMismatch(
                     f"rank {self.rank}: bytes from rank {link[0]} do not match the sender's checksum "
-                    f"({len(bad)} of {len(messages[link])} message(s)); first: {where}{more}"
+                    f"({len(bad)} of {len(messages[link])} message(s)); first: round {m.round}, "
+                    f"{where}{more} (sender's sums {sent}, received {got})"
                 )
         self.report.tensors_verified = len(verified - failed)
 

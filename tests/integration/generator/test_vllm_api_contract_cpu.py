@@ -280,10 +280,16 @@ def test_two_trainer_ranks_send_their_own_shards(world: World, trainer: Trainer)
     from tests.integration.generator.vllm_api_trainer import RankConfig, trainer_rank_main
 
     trainer.engine.shutdown()  # the one-rank trainer leaves the job
-    version = int(world.weight_version())
+    with world.client() as client:
+        before = [r.refit_id for r in client.list(JOB, limit=1)]
+    # Rank 1 steps and calls send_weights first; rank 0 steps only once the refit rank 1
+    # triggered waits for it. (Before the refit waited, it read rank 0's weights during its
+    # optimizer step: CHECKSUM_MISMATCH on 'lm_head.weight' in a clean-clone CI run, or the
+    # step's old bytes committed.)
     cfg = RankConfig(
-        str(world.trained), world.grpc, JOB, world.url, 2, free_port(), PROMPT, NEW_TOKENS
-    )
+        str(world.trained), world.grpc, JOB, world.url, 2, free_port(), PROMPT, NEW_TOKENS,
+        late_rank=0,
+    )  # fmt: skip
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     ranks = [ctx.Process(target=trainer_rank_main, args=(r, cfg, results)) for r in range(2)]
@@ -303,11 +309,12 @@ def test_two_trainer_ranks_send_their_own_shards(world: World, trainer: Trainer)
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    assert world.weight_version() == str(version + 1)
-    assert world.tokens() == done[0]["tokens"]
     with world.client() as client:
         refit = client.list(JOB, limit=1)[0]
+    assert refit.refit_id not in before
     assert refit.state is RefitState.COMMITTED
+    assert world.weight_version() == str(refit.version)
+    assert world.tokens() == done[0]["tokens"]
     # Both trainer ranks sent (their own shards: nothing was gathered onto one rank).
     senders = [r for r in refit.ranks if r.bytes_sent > 0]
     assert len(senders) == 2

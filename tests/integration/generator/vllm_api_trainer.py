@@ -9,6 +9,7 @@ or ("error", rank, traceback) on `results`.
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,9 @@ class RankConfig:
     master_port: int
     prompt: tuple[int, ...]
     new_tokens: int
+    # This rank steps its optimizer only once the refit the others' send_weights triggered
+    # waits for it (-1: none): its weights must not be read before its own send_weights.
+    late_rank: int = -1
 
 
 def trainer_rank_main(rank: int, cfg: RankConfig, results: Any) -> None:
@@ -68,6 +72,8 @@ def _run(rank: int, cfg: RankConfig) -> dict[str, Any]:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             model.train()
             model(input_ids=batch, labels=batch).loss.backward()
+            if rank == cfg.late_rank:
+                _until_the_refit_waits_for(engine, rank, cfg)
             optimizer.step()
             engine.send_weights()
             full = full_state_dict(model)  # collective: only to check what vLLM serves
@@ -81,3 +87,23 @@ def _run(rank: int, cfg: RankConfig) -> dict[str, Any]:
         return {"tokens": tokens, "rounds": engine.rounds, "run_id": engine.run_id}
     finally:
         dist.destroy_process_group()
+
+
+def _until_the_refit_waits_for(engine: Any, rank: int, cfg: RankConfig) -> None:
+    """Return once this round's refit (another rank's send_weights triggered it) waits for
+    this rank before reading its weights; fail if it ends without this rank's send_weights
+    (it read weights this rank was still training)."""
+    from refitplane.client.sync import RefitClient
+
+    key = f"{cfg.job}:{engine.run_id}:{engine.rounds + 1}"
+    deadline = time.monotonic() + 300
+    with RefitClient(cfg.coordinator) as client:
+        while not engine.agent.guard.refit_waiting.wait(0.05):
+            for refit in client.list(cfg.job, limit=5):
+                if refit.idempotency_key == key and refit.state.terminal:
+                    raise AssertionError(
+                        f"refit {refit.refit_id} ended {refit.state.value} before rank {rank} "
+                        "called send_weights: it read weights this rank was still training"
+                    )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no refit waited for rank {rank} within 300 s")

@@ -61,17 +61,25 @@ class WeightsGuard:
         self._cond = threading.Condition()
         self._writing = False
         self._hold_until: float | None = None
+        # Set while a refit waits for a step to end before it reads the weights.
+        self.refit_waiting = threading.Event()
 
     def hold(self, timeout_s: float, expires_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._writing:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransferTimeout(
-                        f"the optimizer step did not finish within {timeout_s:.0f} s; the refit cannot read the weights"
-                    )
-                self._cond.wait(remaining)
+            if self._writing:
+                log.info("a refit waits for this rank's optimizer step before reading its weights")
+            try:
+                while self._writing:
+                    self.refit_waiting.set()
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TransferTimeout(
+                            f"the optimizer step did not finish within {timeout_s:.0f} s; the refit cannot read the weights"
+                        )
+                    self._cond.wait(remaining)
+            finally:
+                self.refit_waiting.clear()
             self._hold_until = time.monotonic() + expires_s
 
     def release(self) -> None:

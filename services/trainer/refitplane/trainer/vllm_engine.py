@@ -27,7 +27,10 @@ with `--weight-transfer-config '{"backend": "refitplane"}'`. What changes undern
   controller drives `start_weight_update` → `update_weights` → `finish_weight_update(
   version)` through the client, so vLLM reports the refit's version only once every rank
   verified. It returns when the refit committed (the caller may then step the optimizer)
-  and raises `WeightSyncError` naming the reason when it did not.
+  and raises `WeightSyncError` naming the reason when it did not. The refit reads a rank's
+  weights only while that rank is inside `send_weights`: one triggered by a rank that
+  finished its step first waits, at PREPARING, for the others' `send_weights` (their
+  optimizer steps may still be changing what they would send).
 
 A replica serving a speculative-decoding draft gets it refit with the target, in the same
 refit under one version, when the trainers pass its weights as
@@ -43,6 +46,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
@@ -153,6 +157,9 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         self._staged: StagedSource | None = None
         # The replica refits its speculative draft with the target (init_info.draft_source).
         self.refits_draft = False
+        # Held from trainer_init to send_weights and again after it: the caller may be
+        # changing the weights (its optimizer step), so no refit reads them (`_training`).
+        self._training = ExitStack()
 
     @classmethod
     def trainer_init(
@@ -213,6 +220,8 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
                 labels={"engine": "vllm-trainer", "run_id": self.run_id},
                 draft_shards=draft,
             )
+            # Before the agent can be asked to prepare anything (see `_training`).
+            self._train()
             self.agent.start()
         if self.is_sender:
             self._start_controller()
@@ -277,9 +286,19 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
                 )
             time.sleep(0.05)
 
+    def _train(self) -> None:
+        """The caller may change the weights from now until its next send_weights: a refit
+        prepared meanwhile (another rank's send_weights triggers it) waits, at PREPARING,
+        for this rank's send_weights before it reads them."""
+        if self.agent is not None:  # None after shutdown
+            self._training.enter_context(self.agent.updating_weights())
+
     def send_weights(self) -> None:
         """One refit, on every rank: returns once it committed (the weights it read may then
-        change), raises `WeightSyncError` otherwise."""
+        change), raises `WeightSyncError` otherwise. The refit reads this rank's weights
+        only inside this call: the first rank's trigger starts it, and it waits for every
+        other rank's send_weights (up to the coordinator's prepare timeout), so no rank's
+        optimizer step can still be changing what it sends."""
         s = self.settings
         if self._staged is not None:
             self._staged.refill(keep=self.is_sender)
@@ -291,8 +310,15 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         self.agent.publish()  # a no-op unless the parameters were re-allocated
         key = f"{s.job}:{self.run_id}:{self.rounds}"
         targets = [] if s.all_replicas else [s.replica_id]
-        refit = self._refits.trigger(s.job, target_replicas=targets, idempotency_key=key)
-        final = self._refits.wait(refit.refit_id, timeout_s=s.timeout_s)
+        self._training.close()  # the weights hold still: refits may read them now
+        try:
+            refit = self._refits.trigger(s.job, target_replicas=targets, idempotency_key=key)
+            final = self._refits.wait(refit.refit_id, timeout_s=s.timeout_s)
+        finally:
+            # Waits until a refit still reading the weights lets go of them (one that
+            # failed elsewhere may still be sending from here), so the caller's next step
+            # never changes them under a transfer.
+            self._train()
         if final.state is not RefitState.COMMITTED:
             raise WeightSyncError(
                 f"refit {final.refit_id} (version {final.version}) {final.state.value}: "
@@ -311,6 +337,7 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
         )
 
     def shutdown(self) -> None:
+        self._training.close()
         for close in (
             self.controller.close if self.controller is not None else None,
             self.agent.close if self.agent is not None else None,
