@@ -133,7 +133,11 @@ def test_an_undecodable_command_is_skipped_and_the_stream_stays(coordinator, sim
     would not bring the skipped one back)."""
     gen = sim_cluster(coordinator).replica("a")[0]
     outbox = coordinator.core.outbox
-    wait_until(lambda: outbox.connected(gen.member_id), what="the command stream")
+    # The coordinator can see the stream before the agent's thread counts it as opened.
+    wait_until(
+        lambda: outbox.connected(gen.member_id) and gen.session.streams_opened >= 1,
+        what="the command stream, counted by the agent",
+    )
     opened = gen.session.streams_opened
     after = AbortRefitCmd(refit_id="r", reason="TEST", message="after the unknown one")
 
