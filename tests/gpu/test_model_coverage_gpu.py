@@ -143,7 +143,18 @@ def test_receive_path_equals_vllms_own_reload(case: str, tmp_path: Path) -> None
         (report,) = llm.collective_rpc(receive_like_the_engine, args=(str(model_dir),))
     print(f"{case}: {report['mode']}, {report['summary']}; fallback: {report['fallback']}")
     assert report["digests"] > 0
-    assert report["differ"] == [], report["differ"][:8]
+    if case == "qwen3-fp8-kv":
+        # Where vLLM's reload and a fresh load disagree the fresh load is right: the receive
+        # path re-folds the KV-cache scales from the float32 checkpoint scale as a fresh load
+        # does (test_fresh_load_gpu.py: equal, 2026-11-26), and vLLM 0.26's layerwise reload
+        # folds its own bf16-rounded copy (docs/models.md). So exactly the folded scales of
+        # every attention layer differ from the reload, nothing else.
+        layers = {n.rsplit(".self_attn", 1)[0] for n in report["differ"]}
+        folded = {f"{layer}.self_attn.attn._{kv}_scale" for layer in layers for kv in "kv"}
+        assert set(report["differ"]) == folded, report["differ"]
+        assert len(layers) == 4, report["differ"]
+    else:
+        assert report["differ"] == [], report["differ"][:8]
     if case == "qwen3-fp8-kv":
         # FP8 layers always reload, a bucket of decoder layers at a time; the KV-cache
         # scales come through the fallback path (vLLM's Attention layer), and its post-load
