@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from refitplane.client.sync import RefitClient
-from refitplane.errors import Unavailable
+from refitplane.errors import FailedPrecondition, Unavailable
 from refitplane.protocol import Role
 
 log = logging.getLogger("refitplane.sidecar")
@@ -116,9 +116,21 @@ def call_verb(verb: str, fn: Callable[[], object]) -> int:
     return 200
 
 
-def wait_replica_ranks(client: RefitClient, job: str, replica_id: str, timeout_s: float) -> None:
-    """Wait until every vLLM worker of the replica registered and published its layout."""
+def wait_replica_ranks(
+    client: RefitClient,
+    job: str,
+    replica_id: str,
+    timeout_s: float,
+    *,
+    failure: Callable[[], str] | None = None,
+    failure_every_s: float = 1.0,
+) -> None:
+    """Wait until every vLLM worker of the replica registered and published its layout.
+    `failure` (asked every `failure_every_s`) says why the workers never will (an engine
+    that failed to initialise): a non-empty answer ends the wait at once with it, instead
+    of at the deadline."""
     deadline = time.monotonic() + timeout_s
+    next_failure_check = time.monotonic() + 0.5
     while True:
         ranks = [
             m
@@ -127,6 +139,11 @@ def wait_replica_ranks(client: RefitClient, job: str, replica_id: str, timeout_s
         ]
         if ranks and all(m.layout_digest for m in ranks) and len(ranks) == ranks[0].world_size:
             return
+        if failure is not None and time.monotonic() >= next_failure_check:
+            why = failure()
+            if why:
+                raise FailedPrecondition(why)
+            next_failure_check = time.monotonic() + failure_every_s
         if time.monotonic() > deadline:
             raise Unavailable(
                 f"vLLM's workers did not register with the coordinator as replica {replica_id!r} "
@@ -135,3 +152,16 @@ def wait_replica_ranks(client: RefitClient, job: str, replica_id: str, timeout_s
                 "installed in its environment? See the vLLM log"
             )
         time.sleep(0.2)
+
+
+def engine_init_failure(statuses: Sequence[dict[str, Any]] | None) -> str:
+    """Why a replica's workers will never register, from their refitplane engines'
+    statuses: the first engine that failed to initialise, naming its rank and what failed
+    (empty while none did, or where the engines cannot be asked)."""
+    for status in statuses or ():
+        if status.get("error") and not status.get("initialized"):
+            return (
+                f"vLLM worker rank {status.get('rank')} could not start the refitplane "
+                f"engine: {status['error']}"
+            )
+    return ""

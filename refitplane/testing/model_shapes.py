@@ -104,6 +104,21 @@ def tensor_specs(shape: str, dtype: str = "bfloat16", quant: str = "") -> list[A
     return out
 
 
+def unquantized_modules(shape: str, dtype: str = "bfloat16", quant: str = "fp8") -> list[str]:
+    """The linear modules an FP8 checkpoint keeps unquantized (the MoE routers `mlp.gate`,
+    the LM head), as Qwen3-30B-A3B-FP8's `modules_to_not_convert` lists them: vLLM gives
+    the quantization config to every linear, routers included, so a checkpoint that does
+    not name them gets float8 routers its bf16 tensors cannot load into."""
+    return sorted(
+        ts.name.removesuffix(".weight")
+        for ts in tensor_specs(shape, dtype, quant)
+        if ts.name.endswith(".weight")
+        and len(ts.shape) == 2
+        and ts.dtype == dtype
+        and not ts.name.endswith("embed_tokens.weight")
+    )
+
+
 def write_config(path: Path, shape: str, dtype: str = "bfloat16", quant: str = "") -> Path:
     """config.json (+ generation config) only: vLLM starts with dummy weights."""
     config = model_spec(shape, dtype).hf_config()
@@ -113,6 +128,7 @@ def write_config(path: Path, shape: str, dtype: str = "bfloat16", quant: str = "
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": list(FP8_BLOCK),
+            "modules_to_not_convert": unquantized_modules(shape, dtype, quant),
         }
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))

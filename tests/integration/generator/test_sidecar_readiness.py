@@ -129,3 +129,43 @@ def test_readyz_answers_from_the_last_worker_answer(coordinator, sim_cluster, vl
     finally:
         vllm.answering.set()
         sidecar.close()
+
+
+def test_a_worker_engine_that_failed_to_start_fails_the_start_at_once(coordinator, vllm) -> None:
+    """vLLM 0.26 (no API guard) answers /init_weight_transfer_engine 200 even when a worker's
+    refitplane engine failed its start-up check: the sidecar reads the workers' status while
+    it waits for them to register and fails with their reason at once, not at its deadline
+    (the real vLLM 0.32 path, where the guard answers 500:
+    test_sidecar_engine_failure.py)."""
+    import time
+
+    from refitplane.errors import FailedPrecondition
+    from refitplane.generator.sidecar import Sidecar, SidecarSettings
+
+    reason = "tensor 'model.layers.0.mlp.gate.weight_scale_inv': no fast path"
+    vllm.statuses = [
+        {"rank": 0, "initialized": True, "error": ""},
+        {"rank": 1, "initialized": False, "error": reason},
+    ]
+    sidecar = Sidecar(
+        SidecarSettings(
+            coordinator=coordinator.grpc_target,
+            job="job",
+            replica_id="a",
+            vllm_url=vllm.url,
+            sidecar_host="127.0.0.1",
+            sidecar_port=free_port(),
+            register_timeout_s=120.0,
+        )
+    )
+    started = time.monotonic()
+    try:
+        with pytest.raises(FailedPrecondition) as caught:
+            sidecar.start()
+    finally:
+        sidecar.close()
+    assert caught.value.message == (
+        f"vLLM worker rank 1 could not start the refitplane engine: {reason}"
+    )
+    assert time.monotonic() - started < 30
+    assert not sidecar.alive

@@ -39,7 +39,7 @@ from pydantic import Field, model_validator
 
 from refitplane.agent.settings import AgentSettings
 from refitplane.client.sync import RefitClient
-from refitplane.errors import Unavailable
+from refitplane.errors import FailedPrecondition, Unavailable
 from refitplane.generator.sidecar_readiness import WorkerCheck
 from refitplane.generator.vllm_http_control import VllmControl
 from refitplane.http_json import JsonRequestHandler
@@ -48,6 +48,7 @@ from refitplane.protocol import RefitState
 from refitplane.replica.control import (
     CallerPausedControl,
     EngineControl,
+    engine_init_failure,
     succeeded,
     wait_replica_ranks,
 )
@@ -226,6 +227,11 @@ class Sidecar:
             }
         )
         if not succeeded(status):
+            # vLLM 0.32's API guard fails the verb when a worker's engine failed: the
+            # workers' status names the reason (the tensor, the field).
+            why = engine_init_failure(self.control.engine_status())
+            if why:
+                raise FailedPrecondition(why)
             raise Unavailable(
                 f"vLLM answered HTTP {status} to /init_weight_transfer_engine; see the vLLM log"
             )
@@ -237,7 +243,17 @@ class Sidecar:
 
     def _wait_workers_registered(self) -> None:
         s = self.settings
-        wait_replica_ranks(self.client, s.job, s.replica_id, s.register_timeout_s)
+        # Without vLLM 0.32's API guard (0.26) /init_weight_transfer_engine answers 200
+        # even when a worker's engine failed (the engine never raises into vLLM): its
+        # status says so, and the start fails with that reason at once, not at the
+        # registration deadline.
+        wait_replica_ranks(
+            self.client,
+            s.job,
+            s.replica_id,
+            s.register_timeout_s,
+            failure=lambda: engine_init_failure(self.control.engine_status()),
+        )
 
     def close(self) -> None:
         self.workers.stop()
