@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from refitplane.protocol.enums import Backend, Role
+from refitplane.protocol.models import fully_verified
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.plan import RankPlan
 
@@ -185,6 +186,10 @@ class TransferDone:
     # now keeps as its delta base (0: none).
     bytes_full: int = 0
     delta_base_version: int = 0
+
+    @property
+    def fully_verified(self) -> bool:
+        return fully_verified(self.tensors_verified, self.tensors_total)
 
 
 @dataclass(frozen=True)

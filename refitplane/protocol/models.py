@@ -21,6 +21,13 @@ class PhaseTiming(BaseModel):
     seconds: float
 
 
+def fully_verified(tensors_verified: int, tensors_total: int) -> bool:
+    """A receiver's report vouches for its share: it received tensors and every one matched
+    its sender's checksum. The one rule for "this rank verified" — the coordinator's
+    RanksVerified push and a controller reading the record both apply it."""
+    return 0 < tensors_total == tensors_verified
+
+
 class RankProgress(BaseModel):
     """Bytes one participant moved in one refit (and, for receivers, tensors verified)."""
 
@@ -32,6 +39,10 @@ class RankProgress(BaseModel):
     bytes_total: int = 0
     tensors_verified: int = 0
     tensors_total: int = 0
+
+    @property
+    def fully_verified(self) -> bool:
+        return fully_verified(self.tensors_verified, self.tensors_total)
 
 
 class Refit(BaseModel):

@@ -451,13 +451,7 @@ class SidecarMember(NullHandler):
                 f"refit {refit.state.value}: {refit.reason} {refit.message}",
                 touched=self.state.weights_touched,
             )
-        done = {
-            r.member_id
-            for r in refit.ranks
-            if r.member_id in ranks
-            and r.tensors_total > 0
-            and r.tensors_verified == r.tensors_total
-        }
+        done = {r.member_id for r in refit.ranks if r.member_id in ranks and r.fully_verified}
         if ranks and done == ranks:
             return True
         if last:

@@ -125,9 +125,8 @@ class RefitRun:
 
     def ranks_verified(self, rank: MemberRecord) -> tuple[str, msg.RanksVerifiedCmd] | None:
         """Right after `rank`'s TransferDone was accepted: (its replica's sidecar, the command
-        that tells it) when that made every rank of the replica verified — each reported
-        `0 < tensors_verified == tensors_total`, as the sidecar used to read it from the
-        record — once per replica; else None. The caller accepts reports only while the refit
+        that tells it) when that made every rank of the replica verified (`fully_verified`,
+        the rule a controller applies to the record) — once per replica; else None. The caller accepts reports only while the refit
         has not failed, so on the sidecar's stream this precedes any AbortRefit of the refit."""
         replica = rank.replica_id
         sidecar = self.cast.replica_sidecar.get(replica)
@@ -141,7 +140,7 @@ class RefitRun:
             return None
         for member_id in ranks:
             done = self.done.get(member_id)
-            if done is None or not 0 < done.tensors_total == done.tensors_verified:
+            if done is None or not done.fully_verified:
                 return None
         self._verified_told.add(replica)
         return sidecar, msg.RanksVerifiedCmd(
