@@ -1,5 +1,6 @@
 """cancel_and_wait ends a task whose cancellation was lost (as Python 3.11's asyncio.wait_for
-loses one inside redis-py), and leaves a short clean-up after a cancellation alone."""
+loses one inside redis-py), leaves a short clean-up after a cancellation alone, and gives up
+(logged, False) on a task that ignores every cancellation, so no stop waits forever."""
 
 from __future__ import annotations
 
@@ -56,3 +57,29 @@ async def test_a_short_clean_up_after_the_cancellation_is_not_cut_short():
     await cancel_and_wait(task, again_after_s=5.0)
     assert cleaned.is_set()
     assert task.cancelled()
+
+
+async def test_a_task_that_ignores_every_cancellation_is_given_up_on():
+    waiting = asyncio.Event()
+    release = asyncio.Event()
+    cancellations = 0
+
+    async def ignores_cancellations() -> None:
+        nonlocal cancellations
+        waiting.set()
+        while not release.is_set():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancellations += 1
+
+    task = asyncio.create_task(ignores_cancellations(), name="stubborn")
+    await waiting.wait()
+    ended = await cancel_and_wait(task, again_after_s=0.02, give_up_after_s=0.2)
+    assert ended is False
+    assert not task.done()
+    assert cancellations >= 2  # it was cancelled again and again before the owner gave up
+    release.set()
+    task.cancel()
+    await asyncio.wait({task}, timeout=5)
+    assert task.done()
