@@ -84,25 +84,34 @@ def _readyz(url: str) -> tuple[int, dict[str, Any]]:
     return response.status_code, response.json()
 
 
-def test_readyz_answers_from_the_last_worker_answer(coordinator, sim_cluster, vllm) -> None:
+def _sidecar(coordinator: Any, vllm: _VllmStandIn, **settings: Any) -> Any:
+    """A sidecar of replica "a" of job "job" in front of the stand-in vLLM."""
     from refitplane.generator.sidecar import Sidecar, SidecarSettings
 
-    cluster = sim_cluster(coordinator)
-    cluster.add(Role.GENERATOR, replica="a", layout=row_layout(0, 1))
-    # A sidecar restarted next to a vLLM whose worker holds version 3.
-    vllm.statuses = [{"rank": 0, "version": 3, "incomplete": False}]
-    port = free_port()
-    sidecar = Sidecar(
+    return Sidecar(
         SidecarSettings(
             coordinator=coordinator.grpc_target,
             job="job",
             replica_id="a",
             vllm_url=vllm.url,
             sidecar_host="127.0.0.1",
-            sidecar_port=port,
-            worker_check_interval_s=0.2,
-            worker_check_max_age_s=2.0,
+            **settings,
         )
+    )
+
+
+def test_readyz_answers_from_the_last_worker_answer(coordinator, sim_cluster, vllm) -> None:
+    cluster = sim_cluster(coordinator)
+    cluster.add(Role.GENERATOR, replica="a", layout=row_layout(0, 1))
+    # A sidecar restarted next to a vLLM whose worker holds version 3.
+    vllm.statuses = [{"rank": 0, "version": 3, "incomplete": False}]
+    port = free_port()
+    sidecar = _sidecar(
+        coordinator,
+        vllm,
+        sidecar_port=port,
+        worker_check_interval_s=0.2,
+        worker_check_max_age_s=2.0,
     )
     readyz = f"http://127.0.0.1:{port}/readyz"
     try:
@@ -140,24 +149,13 @@ def test_a_worker_engine_that_failed_to_start_fails_the_start_at_once(coordinato
     import time
 
     from refitplane.errors import FailedPrecondition
-    from refitplane.generator.sidecar import Sidecar, SidecarSettings
 
     reason = "tensor 'model.layers.0.mlp.gate.weight_scale_inv': no fast path"
     vllm.statuses = [
         {"rank": 0, "initialized": True, "error": ""},
         {"rank": 1, "initialized": False, "error": reason},
     ]
-    sidecar = Sidecar(
-        SidecarSettings(
-            coordinator=coordinator.grpc_target,
-            job="job",
-            replica_id="a",
-            vllm_url=vllm.url,
-            sidecar_host="127.0.0.1",
-            sidecar_port=free_port(),
-            register_timeout_s=120.0,
-        )
-    )
+    sidecar = _sidecar(coordinator, vllm, sidecar_port=free_port(), register_timeout_s=120.0)
     started = time.monotonic()
     try:
         with pytest.raises(FailedPrecondition) as caught:
