@@ -16,9 +16,13 @@ GPU 0 → vLLM TP1 on GPU 1):
    COMMITTED time and the data-plane (TRANSFERRING) time; checksums verified; peak extra GPU
    memory on the generator and the trainer;
 3. vLLM's built-in `nccl` engine: trainer rank 0 broadcasts every full tensor, packed, to
-   every worker (its gather is not counted), start → finish measured on the replicas; in
-   the refit world's own replicas (their workers swap engines) where GPU 0 holds the
-   trainer's weights and a whole copy, else in replicas of its own (a second vLLM start).
+   every worker (its gather is not counted), start → finish measured on the replicas, in
+   replicas of its own (a second vLLM start). `--world-baseline` runs it in the refit
+   world's own replicas instead (their workers swap engines) where GPU 0 holds the
+   trainer's weights and a whole copy: one vLLM start fewer, but on two H100s with vLLM 0.26
+   that path never finished for Qwen3-8B (2026-11-26 WB and the fourth session: no answer
+   within 120 / 170 s after the refits), so it is opt-in until a GPU run shows it works —
+   except with `--quant`, whose comparison with vLLM's own load reads the world's replicas.
 
 `--quant fp8`: the checkpoint block-quantized (float8_e4m3fn linear weights, experts
 included, with float32 128x128 `weight_scale_inv`; vLLM's FP8 kernels, which repack them, so
@@ -191,12 +195,13 @@ def run_ours(
 
 
 def baseline_kind(args: argparse.Namespace, total_bytes: int) -> str:
-    """Where vLLM's nccl engine runs: "world" (in the refit world's replicas, when GPU 0 can
-    hold the trainer's weights and the broadcaster's whole copy, with room to spare),
-    "separate" (its own replicas, a second vLLM start) or "none"."""
+    """Where vLLM's nccl engine runs: "separate" (its own replicas, a second vLLM start),
+    "world" (in the refit world's replicas, when GPU 0 can hold the trainer's weights and
+    the broadcaster's whole copy, with room to spare: with `--world-baseline`, and for
+    `--quant`, whose comparison with vLLM's own load reads those replicas) or "none"."""
     if args.device != "cuda" or args.no_baseline:
         return "none"
-    if args.separate_baseline:
+    if not (args.world_baseline or args.quant):
         return "separate"
     import torch
 
@@ -261,9 +266,10 @@ def main() -> int:
         help="measure the raw NCCL ceiling after the refits (the refits come first in a short run)",
     )
     parser.add_argument(
-        "--separate-baseline",
+        "--world-baseline",
         action="store_true",
-        help="run vLLM's nccl engine in its own replicas even where the refit world's fit",
+        help="run vLLM's nccl engine in the refit world's replicas where they fit (one vLLM "
+        "start fewer; never finished on vLLM 0.26, see the module docstring)",
     )
     parser.add_argument(
         "--gpu-memory-utilization",
