@@ -374,25 +374,12 @@ def receive_with_draft(worker: Any, target_dir: str, draft_dir: str) -> dict[str
     target's checkpoint and the draft's (`draft_dir`; the same directory for MTP) and apply
     as the transfer and `finish_weight_update` do. Returns the mode, the draft's summary and
     what the worker reports about its draft."""
-    from refitplane.generator.vllm_draft import draft_part, find_draft, install
-    from refitplane.generator.vllm_rule_check import RuleCheckPolicy
+    from refitplane.generator.vllm_draft import install
     from refitplane.protocol.draft import draft_name
 
     target = worker.model_runner.get_model()
     device = next(target.parameters()).device
-    layout = describe_vllm_model(
-        target, checkpoint=safetensors_specs(target_dir), vllm_config=worker.vllm_config
-    )
-    served = find_draft(worker)
-    state, part = draft_part(
-        lambda: served,
-        "refit",
-        target=target,
-        target_layout=layout,
-        skip_rules=[],
-        rule_check=RuleCheckPolicy(),
-    )
-    assert part is not None
+    layout, served, state, part = describe_with_draft(worker, target_dir)
     binding = bind_receive(
         [ModelPart(target, layout, worker.vllm_config), part], device=device, requested="auto"
     )
@@ -410,3 +397,28 @@ def receive_with_draft(worker: Any, target_dir: str, draft_dir: str) -> dict[str
         # The worker verb the engine needs to find its draft is wrapped (vllm_draft.install).
         "verb_wrapped": install(),
     }
+
+
+def describe_with_draft(worker: Any, target_dir: str) -> tuple[VllmLayout, Any, str, ModelPart]:
+    """The worker's target described from `target_dir`'s checkpoint, and its draft (found
+    through vLLM's worker) described as the engine does with `init_info.draft = "refit"`
+    (`vllm_draft.draft_part`): the target's layout, the served draft, the draft state and
+    the draft's part."""
+    from refitplane.generator.vllm_draft import draft_part, find_draft
+    from refitplane.generator.vllm_rule_check import RuleCheckPolicy
+
+    target = worker.model_runner.get_model()
+    layout = describe_vllm_model(
+        target, checkpoint=safetensors_specs(target_dir), vllm_config=worker.vllm_config
+    )
+    served = find_draft(worker)
+    state, part = draft_part(
+        lambda: served,
+        "refit",
+        target=target,
+        target_layout=layout,
+        skip_rules=[],
+        rule_check=RuleCheckPolicy(),
+    )
+    assert part is not None
+    return layout, served, state, part

@@ -175,43 +175,60 @@ def _named_call(loader: Any, name: str) -> Any:
 
 def _materialize_for_direct_writes(
     roots: Iterable[torch.nn.Module],
-) -> list[tuple[torch.nn.Module, Any]]:
+) -> list[tuple[torch.nn.Module, Any, tuple[str, ...]]]:
     """Give every layer vLLM's reload put on the meta device its loader-format tensors now,
     NaN-filled, rather than when its weight loaders have seen everything: some models'
     `load_weights` write parameters directly (`param.copy_(w)`: gpt-oss's sinks and fused
     experts), which a meta tensor silently drops, leaving the old weights in place after
-    the reload. Returns the layers and their reload records, for `_process_direct_writes`."""
+    the reload. Returns the layers, their reload records and the names of the tensors
+    materialized here, for `_process_direct_writes`.
+
+    Only the tensors that were on meta are NaN-filled and later judged: vLLM's reload keeps
+    some tensors live (`SKIP_TENSORS`: DeepSeek's `e_score_correction_bias`, which the
+    router and the routed experts both register, the same Parameter), and those are the
+    kernel tensors themselves. Filling them would corrupt the live weights of a layer this
+    reload does not feed; reading them would take the routed experts as written whenever
+    the router's bias was reloaded, and replace their live (received in place) weights by
+    the processed zeros of an unwritten layer."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_layer
     from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
-    awaiting: list[tuple[torch.nn.Module, Any]] = []
+    awaiting: list[tuple[torch.nn.Module, Any, tuple[str, ...]]] = []
     for layer in (m for root in roots for m in root.modules()):
         info = get_layerwise_info(layer)
-        tensors = get_layer_tensors(layer)
-        if not info.can_load() or not any(t.is_meta for t in tensors.values()):
+        on_meta = tuple(n for n, t in get_layer_tensors(layer).items() if t.is_meta)
+        if not info.can_load() or not on_meta:
             continue
         materialize_layer(layer, info)
-        for tensor in get_layer_tensors(layer).values():
-            if tensor.is_floating_point():
-                tensor.data.fill_(float("nan"))
-        awaiting.append((layer, info))
+        for tensor in _materialized(layer, on_meta):
+            tensor.data.fill_(float("nan"))
+        awaiting.append((layer, info, on_meta))
     return awaiting
 
 
-def _process_direct_writes(awaiting: Iterable[tuple[torch.nn.Module, Any]]) -> None:
-    """After `load_weights`: a layer no weight loader reached (so vLLM's reload would put its
-    old kernel tensors back) but whose tensors were written directly is processed and
-    copied into its kernel tensors as if its loaders had run (vLLM's `_layerwise_process`).
-    Elements still NaN in a layer that was written (padding no loader fills) become zero,
-    as vLLM's `create_weights` leaves padding, before any processing reads them."""
-    from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process
-    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+def _materialized(layer: torch.nn.Module, names: Iterable[str]) -> list[torch.Tensor]:
+    """The floating-point tensors `names` of `layer` (those `_materialize_for_direct_writes`
+    materialized), as the layer holds them now."""
+    tensors = [getattr(layer, name, None) for name in names]
+    return [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
-    for layer, info in awaiting:
+
+def _process_direct_writes(
+    awaiting: Iterable[tuple[torch.nn.Module, Any, tuple[str, ...]]],
+) -> None:
+    """After `load_weights`: a layer no weight loader reached (so vLLM's reload would put its
+    old kernel tensors back) but whose materialized tensors were written directly is
+    processed and copied into its kernel tensors as if its loaders had run (vLLM's
+    `_layerwise_process`). Elements still NaN in a layer that was written (padding no loader
+    fills) become zero, as vLLM's `create_weights` leaves padding, before any processing
+    reads them."""
+    from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process
+
+    for layer, info, names in awaiting:
         if not info.can_load():
             continue  # complete: vLLM processed it during the load
-        floats = [t for t in get_layer_tensors(layer).values() if t.is_floating_point()]
+        floats = _materialized(layer, names)
         if all(bool(torch.isnan(t).all()) for t in floats):
             continue  # nothing of it in these weights: vLLM puts its kernel tensors back
         for tensor in floats:

