@@ -229,7 +229,7 @@ class Sidecar:
         if not succeeded(status):
             # vLLM 0.32's API guard fails the verb when a worker's engine failed: the
             # workers' status names the reason (the tensor, the field).
-            why = engine_init_failure(self.control.engine_status())
+            why = self._engine_init_failure()
             if why:
                 raise FailedPrecondition(why)
             raise Unavailable(
@@ -252,8 +252,13 @@ class Sidecar:
             s.job,
             s.replica_id,
             s.register_timeout_s,
-            failure=lambda: engine_init_failure(self.control.engine_status()),
+            failure=self._engine_init_failure,
         )
+
+    def _engine_init_failure(self) -> str:
+        """Why vLLM's workers will not register (a worker whose engine failed to start),
+        from their status; empty while none says so."""
+        return engine_init_failure(self.control.engine_status())
 
     def close(self) -> None:
         self.workers.stop()

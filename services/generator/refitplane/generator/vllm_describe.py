@@ -324,8 +324,7 @@ def parameter_owners(
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    others = set() if shared_with is None else {storage_key(p) for p in shared_with.parameters()}
-    others.discard(None)
+    others = set() if shared_with is None else storage_keys(shared_with)
     owners: dict[int, tuple[str, torch.nn.Module, str]] = {}
     for path, module in model.named_modules():
         derived = _derived_parameters(module)
@@ -342,6 +341,11 @@ def parameter_owners(
         entry = grouped.setdefault(path, (module, {}))
         entry[1][pname] = getattr(module, pname)
     return [(path, module, owned) for path, (module, owned) in grouped.items()]
+
+
+def storage_keys(module: torch.nn.Module) -> set[tuple[int, int, tuple[int, ...]]]:
+    """Where `module`'s parameters live (`storage_key`), meta and empty ones left out."""
+    return {key for p in module.parameters() if (key := storage_key(p)) is not None}
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:

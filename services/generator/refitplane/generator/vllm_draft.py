@@ -30,7 +30,7 @@ import torch
 from refitplane.errors import RefitError
 from refitplane.generator.checkpoint_index import checkpoint_specs
 from refitplane.generator.vllm_contract import DRAFT_GETTER, DRAFTER_ATTR, ENGINE_ATTR
-from refitplane.generator.vllm_describe import describe_vllm_model, storage_key
+from refitplane.generator.vllm_describe import describe_vllm_model, storage_key, storage_keys
 from refitplane.generator.vllm_layout import VllmLayout
 from refitplane.generator.vllm_rule_check import RuleCheckPolicy
 from refitplane.generator.vllm_staging import ModelPart
@@ -176,8 +176,7 @@ def draft_checkpoint_namer(
 def shared_parameters(draft: torch.nn.Module, target: torch.nn.Module) -> frozenset[str]:
     """Draft parameters whose memory is a target parameter's (MTP / EAGLE share the
     embedding and LM head): by storage, whatever the module path."""
-    held = {storage_key(p) for p in target.parameters()}
-    held.discard(None)
+    held = storage_keys(target)
     return frozenset(name for name, p in draft.named_parameters() if storage_key(p) in held)
 
 

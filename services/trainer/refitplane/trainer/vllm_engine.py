@@ -192,11 +192,11 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
 
     def _start(self, source: WeightSource, draft_source: WeightSource | None) -> None:
         s = self.settings
-        draft = _draft_shards(source, draft_source)
+        shards = in_place_shards(source)
+        draft = _draft_shards(draft_source, source, target_in_place=shards is not None)
         self.refits_draft = draft is not None
         self._refits = RefitClient(s.coordinator, token=s.token, tls_ca=s.tls_ca)
         world = s.world_size
-        shards = in_place_shards(source)
         if shards is None:
             # Only rank 0 stages (and takes part); the others just iterate at each send.
             world = 1
@@ -355,10 +355,10 @@ class RefitplaneTrainerEngine(TrainerWeightTransferEngine[RefitplaneTrainerInitI
 
 
 def _draft_shards(
-    source: WeightSource, draft_source: WeightSource | None
+    draft_source: WeightSource | None, source: WeightSource, *, target_in_place: bool
 ) -> Callable[[], LocalShards] | None:
     """This rank's draft shards (`init_info.draft_source`), published in place beside the
-    target's; refused where they cannot be."""
+    target's (`source`, in place when `target_in_place`); refused where they cannot be."""
     if draft_source is None:
         return None
     draft = in_place_shards(draft_source)
@@ -368,7 +368,7 @@ def _draft_shards(
             "in place, from a ModuleSource / DTensorModuleSource of the draft or a ShardsSource",
             field="draft_source",
         )
-    if in_place_shards(source) is None:
+    if not target_in_place:
         raise InvalidArgument(
             f"init_info.draft_source needs the target published in place too, not staged from "
             f"a {type(source).__name__} (rank 0 alone sends a staged source): pass a "

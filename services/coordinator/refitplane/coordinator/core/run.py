@@ -126,8 +126,9 @@ class RefitRun:
     def ranks_verified(self, rank: MemberRecord) -> tuple[str, msg.RanksVerifiedCmd] | None:
         """Right after `rank`'s TransferDone was accepted: (its replica's sidecar, the command
         that tells it) when that made every rank of the replica verified (`fully_verified`,
-        the rule a controller applies to the record) — once per replica; else None. The caller accepts reports only while the refit
-        has not failed, so on the sidecar's stream this precedes any AbortRefit of the refit."""
+        the rule a controller applies to the record) — once per replica; else None. The
+        caller accepts reports only while the refit has not failed, so on the sidecar's
+        stream this precedes any AbortRefit of the refit."""
         replica = rank.replica_id
         sidecar = self.cast.replica_sidecar.get(replica)
         ranks = self.cast.replica_ranks.get(replica, [])
