@@ -15,6 +15,10 @@ from refitplane.protocol import Role
 
 log = logging.getLogger("refitplane.sidecar")
 
+# How long one ask for the workers' engine status may take by default (one dev-mode
+# /collective_rpc: every worker answers between its steps, so a busy vLLM is slow to).
+ENGINE_STATUS_TIMEOUT_S = 30.0
+
 
 class EngineControl(Protocol):
     """The engine verbs a sidecar drives (HTTP for a server, method calls in-process)."""
@@ -28,8 +32,12 @@ class EngineControl(Protocol):
     def update(self, update_info: dict[str, Any]) -> int: ...
     # None closes the update without naming a version (a discarded or failed one).
     def finish(self, version: int | None) -> int: ...
-    # Every worker's engine status (the refitplane engine's status channel), or None.
-    def engine_status(self) -> list[dict[str, Any]] | None: ...
+    # Every worker's engine status (the refitplane engine's status channel), or None; None
+    # too where an engine asked over the network did not answer within `timeout_s` (an
+    # in-process engine answers as its workers do: no call into it can be cut short).
+    def engine_status(
+        self, timeout_s: float = ENGINE_STATUS_TIMEOUT_S
+    ) -> list[dict[str, Any]] | None: ...
     # vLLM's sleep mode (an engine started with enable_sleep_mode): whether it sleeps now,
     # waking parts of it ("weights", "kv_cache") and putting it back to sleep.
     def is_sleeping(self) -> bool: ...
@@ -122,13 +130,15 @@ def wait_replica_ranks(
     replica_id: str,
     timeout_s: float,
     *,
-    failure: Callable[[], str] | None = None,
+    failure: Callable[[float], str] | None = None,
     failure_every_s: float = 1.0,
 ) -> None:
     """Wait until every vLLM worker of the replica registered and published its layout.
     `failure` (asked every `failure_every_s`) says why the workers never will (an engine
     that failed to initialise): a non-empty answer ends the wait at once with it, instead
-    of at the deadline."""
+    of at the deadline. It is given the seconds left before the deadline and must answer
+    within them (an empty answer where it cannot), so that the wait ends at its deadline
+    whatever the engine does."""
     deadline = time.monotonic() + timeout_s
     next_failure_check = time.monotonic() + 0.5
     while True:
@@ -139,8 +149,9 @@ def wait_replica_ranks(
         ]
         if ranks and all(m.layout_digest for m in ranks) and len(ranks) == ranks[0].world_size:
             return
-        if failure is not None and time.monotonic() >= next_failure_check:
-            why = failure()
+        now = time.monotonic()
+        if failure is not None and now >= next_failure_check and now < deadline:
+            why = failure(deadline - now)
             if why:
                 raise FailedPrecondition(why)
             next_failure_check = time.monotonic() + failure_every_s

@@ -14,14 +14,12 @@ sidecar driving it in-process. The engine's start fails for a reason any model g
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-
-import pytest
 
 from refitplane.errors import FailedPrecondition
 from refitplane.testing.child_processes import free_port
 from tests.integration.vllm_marks import VLLM_CPU
+from tests.support.controllers import failed_start
 
 pytestmark = VLLM_CPU
 
@@ -51,15 +49,8 @@ def test_an_engine_that_cannot_start_fails_the_sidecar_start_at_once(
         )
 
     with vllm_cpu_engine(served, weight_transfer_config={"backend": "refitplane"}) as llm:
-        failing = sidecar(llm, "refit")
-        started = time.monotonic()
-        try:
-            with pytest.raises(FailedPrecondition) as caught:
-                failing.start()
-        finally:
-            failing.close()
-        waited = time.monotonic() - started
-        message = caught.value.message
+        error, waited = failed_start(sidecar(llm, "refit"), FailedPrecondition)
+        message = error.message
         assert "vLLM worker rank 0 could not start the refitplane engine" in message, message
         assert "init_info.draft" in message, message
         # The reason is known within a second of the init; the deadline was 120 s.

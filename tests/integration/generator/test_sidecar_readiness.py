@@ -2,7 +2,9 @@
 (`sidecar_readiness.WorkerCheck`): a vLLM whose `/collective_rpc` hangs never holds a probe
 (not ready once the answer is older than REFIT_WORKER_CHECK_MAX_AGE_S, ready again once vLLM
 answers), and a worker that reports incomplete weights (vLLM's sleep at level 2) makes it
-not ready and drops the sidecar's version to the one the workers hold.
+not ready and drops the sidecar's version to the one the workers hold. The start reads the
+workers' status too, while it waits for them to register: a failed engine ends it at once,
+and a vLLM that stops answering cannot hold it past its registration deadline.
 
 vLLM is a stand-in HTTP server with the dev-mode routes the sidecar calls here (`/health`,
 `/init_weight_transfer_engine`, `/collective_rpc`), because a real vLLM cannot be made to
@@ -21,21 +23,25 @@ from typing import Any
 import httpx
 import pytest
 
+from refitplane.errors import FailedPrecondition, Unavailable
 from refitplane.protocol import Role
 from refitplane.testing.child_processes import free_port
 from tests.integration.conftest import row_layout, wait_until
+from tests.support.controllers import failed_start
 
 pytestmark = pytest.mark.integration
 
 
 class _VllmStandIn:
     """vLLM's dev-mode routes the sidecar calls outside refits; `/collective_rpc` answers
-    `statuses` (every worker's engine status), or hangs while `answering` is clear."""
+    `statuses` (every worker's engine status), or hangs while `answering` is clear (from
+    `/init_weight_transfer_engine` on, with `hang_from_init`)."""
 
     def __init__(self) -> None:
         self.statuses: list[dict[str, Any]] = []
         self.answering = threading.Event()
         self.answering.set()
+        self.hang_from_init = False
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -47,8 +53,12 @@ class _VllmStandIn:
                 if self.path == "/collective_rpc":
                     stand_in.answering.wait(timeout=120)
                     self._json(200, {"results": stand_in.statuses})
+                elif self.path == "/init_weight_transfer_engine":
+                    if stand_in.hang_from_init:
+                        stand_in.answering.clear()
+                    self._json(200, {})
                 else:
-                    self._json(200 if self.path == "/init_weight_transfer_engine" else 404, {})
+                    self._json(404, {})
 
             def _json(self, code: int, body: dict[str, Any]) -> None:
                 data = json.dumps(body).encode()
@@ -146,24 +156,32 @@ def test_a_worker_engine_that_failed_to_start_fails_the_start_at_once(coordinato
     it waits for them to register and fails with their reason at once, not at its deadline
     (the real vLLM 0.32 path, where the guard answers 500:
     test_sidecar_engine_failure.py)."""
-    import time
-
-    from refitplane.errors import FailedPrecondition
-
     reason = "tensor 'model.layers.0.mlp.gate.weight_scale_inv': no fast path"
     vllm.statuses = [
         {"rank": 0, "initialized": True, "error": ""},
         {"rank": 1, "initialized": False, "error": reason},
     ]
     sidecar = _sidecar(coordinator, vllm, sidecar_port=free_port(), register_timeout_s=120.0)
-    started = time.monotonic()
-    try:
-        with pytest.raises(FailedPrecondition) as caught:
-            sidecar.start()
-    finally:
-        sidecar.close()
-    assert caught.value.message == (
-        f"vLLM worker rank 1 could not start the refitplane engine: {reason}"
-    )
-    assert time.monotonic() - started < 30
-    assert not sidecar.alive
+    error, waited = failed_start(sidecar, FailedPrecondition)
+    assert error.message == f"vLLM worker rank 1 could not start the refitplane engine: {reason}"
+    assert waited < 30
+
+
+def test_a_vllm_that_stops_answering_ends_the_start_at_the_registration_deadline(
+    coordinator, vllm
+) -> None:
+    """vLLM answers /init_weight_transfer_engine, then never answers again; its workers never
+    register. Each ask for their status while the sidecar waits is bounded by the time left,
+    so the start fails at REFIT_REGISTER_TIMEOUT_S (here 3 s), not up to one ask's own 30 s
+    later, naming what it waited for and that vLLM gave no status."""
+    vllm.hang_from_init = True
+    sidecar = _sidecar(coordinator, vllm, sidecar_port=free_port(), register_timeout_s=3.0)
+    error, waited = failed_start(sidecar, Unavailable)
+    # Unbounded, the first ask (0.5 s in) alone ends 30 s later; the margin is for a busy
+    # machine.
+    assert waited < 20, waited
+    message = error.message
+    assert "did not register with the coordinator as replica 'a' of job 'job' within 3 s" in (
+        message
+    ), message
+    assert f"vLLM at {vllm.url} gave no status of its workers" in message, message

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from refitplane.replica.control import CallerPausedControl, call_verb
+from refitplane.replica.control import ENGINE_STATUS_TIMEOUT_S, CallerPausedControl, call_verb
 
 
 def offline_is_sleeping(llm: Any) -> bool:
@@ -65,6 +65,9 @@ class OfflineLLMControl(CallerPausedControl):
     def sleep(self, level: int) -> int:
         return call_verb("sleep", lambda: self.llm.sleep(level=level))
 
-    def engine_status(self) -> list[dict[str, Any]] | None:
+    def engine_status(
+        self, timeout_s: float = ENGINE_STATUS_TIMEOUT_S
+    ) -> list[dict[str, Any]] | None:
+        # In-process: the call returns when the workers answer (nothing to cut short).
         statuses = self.llm.collective_rpc("weight_transfer_engine", kwargs={"op": "status"})
         return list(statuses) if isinstance(statuses, list) else None

@@ -46,6 +46,7 @@ from refitplane.http_json import JsonRequestHandler
 from refitplane.lifecycle import StartupError, bind_failure
 from refitplane.protocol import RefitState
 from refitplane.replica.control import (
+    ENGINE_STATUS_TIMEOUT_S,
     CallerPausedControl,
     EngineControl,
     engine_init_failure,
@@ -164,6 +165,8 @@ class Sidecar:
             labels={"sleep_level": str(settings.sleep_level)},
         )
         self.alive = False
+        # The workers' status was not given when last asked (`_engine_init_failure`).
+        self._status_unanswered = False
         self._http: ThreadingHTTPServer | None = None
         self.workers = WorkerCheck(
             self._ask_workers,
@@ -246,19 +249,32 @@ class Sidecar:
         # Without vLLM 0.32's API guard (0.26) /init_weight_transfer_engine answers 200
         # even when a worker's engine failed (the engine never raises into vLLM): its
         # status says so, and the start fails with that reason at once, not at the
-        # registration deadline.
-        wait_replica_ranks(
-            self.client,
-            s.job,
-            s.replica_id,
-            s.register_timeout_s,
-            failure=self._engine_init_failure,
-        )
+        # registration deadline. Each ask is bounded by the time left, so a vLLM that
+        # stops answering cannot hold the wait past REFIT_REGISTER_TIMEOUT_S.
+        try:
+            wait_replica_ranks(
+                self.client,
+                s.job,
+                s.replica_id,
+                s.register_timeout_s,
+                failure=self._engine_init_failure,
+            )
+        except Unavailable as exc:
+            if not self._status_unanswered:
+                raise
+            raise Unavailable(
+                f"{exc.message}. vLLM at {s.vllm_url} gave no status of its workers either "
+                "when last asked (/collective_rpc: no answer within the time left, or an "
+                "error: is it stuck?)"
+            ) from None
 
-    def _engine_init_failure(self) -> str:
+    def _engine_init_failure(self, within_s: float = ENGINE_STATUS_TIMEOUT_S) -> str:
         """Why vLLM's workers will not register (a worker whose engine failed to start),
-        from their status; empty while none says so."""
-        return engine_init_failure(self.control.engine_status())
+        from their status asked within `within_s`; empty while none says so, or when they
+        gave no status (`_status_unanswered`)."""
+        statuses = self.control.engine_status(timeout_s=within_s)
+        self._status_unanswered = statuses is None
+        return engine_init_failure(statuses)
 
     def close(self) -> None:
         self.workers.stop()

@@ -13,6 +13,7 @@ import httpx
 
 from refitplane.errors import FailedPrecondition, Unavailable
 from refitplane.generator.vllm_contract import ENGINE_ATTR
+from refitplane.replica.control import ENGINE_STATUS_TIMEOUT_S
 
 log = logging.getLogger("refitplane.sidecar")
 
@@ -99,12 +100,14 @@ class VllmControl:
     def sleep(self, level: int) -> int:
         return self._post("/sleep", params={"level": str(level)})
 
-    def engine_status(self) -> list[dict[str, Any]] | None:
+    def engine_status(
+        self, timeout_s: float = ENGINE_STATUS_TIMEOUT_S
+    ) -> list[dict[str, Any]] | None:
         try:
             response = self._http.post(
                 "/collective_rpc",
                 json={"method": ENGINE_ATTR, "kwargs": {"op": "status"}},
-                timeout=30.0,
+                timeout=timeout_s,
             )
         except httpx.HTTPError as exc:
             log.debug("vLLM /collective_rpc: %s", exc)

@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 
-from refitplane.replica.control import CallerPausedControl, call_verb
+from refitplane.replica.control import ENGINE_STATUS_TIMEOUT_S, CallerPausedControl, call_verb
 
 
 class ClientControl(CallerPausedControl):
@@ -36,7 +36,9 @@ class ClientControl(CallerPausedControl):
         label = None if version is None else str(version)
         return call_verb("finish_weight_update", lambda: self.client.finish_weight_update(label))
 
-    def engine_status(self) -> list[dict[str, Any]] | None:
+    def engine_status(
+        self, timeout_s: float = ENGINE_STATUS_TIMEOUT_S
+    ) -> list[dict[str, Any]] | None:
         # vLLM's weight-sync clients have no status channel (the controller exports no
         # staging metric; each worker's status has it).
         return None
