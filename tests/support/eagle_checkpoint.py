@@ -31,8 +31,11 @@ from typing import Any, Final
 
 import torch
 
+# The methods vLLM serves an EAGLE head for, as the product names them (test support may
+# import product code): a head of each can be written here.
+from refitplane.generator.vllm_draft import EAGLE_METHODS
+
 WEIGHTS_FILE: Final = "model.safetensors"
-EAGLE_METHODS: Final = ("eagle", "eagle3")
 # The architectures a head's config may name (vLLM prefixes Eagle / Eagle3 to find its class).
 _CONFIGS: Final = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -60,7 +63,7 @@ def write_eagle_head(
     from transformers import LlamaConfig, Qwen3Config
 
     if method not in EAGLE_METHODS:
-        raise ValueError(f"method must be one of {EAGLE_METHODS}, got {method!r}")
+        raise ValueError(f"method must be one of {sorted(EAGLE_METHODS)}, got {method!r}")
     if draft_vocab_size is not None and method != "eagle3":
         raise ValueError("only an EAGLE-3 head has a vocabulary of its own (draft_vocab_size)")
     if architecture not in _CONFIGS or (architecture != "llama" and method != "eagle3"):
