@@ -445,12 +445,7 @@ class SidecarMember(NullHandler):
         """One GetRefit: whether every rank of the replica verified. Raises when the refit
         ended, and (`last`) when a rank did not verify, naming it."""
         ranks = self._rank_ids
-        refit: Refit = self.client.get(refit_id)
-        if refit.state in _ENDED:
-            raise self._failed(
-                f"refit {refit.state.value}: {refit.reason} {refit.message}",
-                touched=self.state.weights_touched,
-            )
+        refit = self._read_unended(refit_id, when="", touched=self.state.weights_touched)
         done = {r.member_id for r in refit.ranks if r.member_id in ranks and r.fully_verified}
         if ranks and done == ranks:
             return True
@@ -472,11 +467,19 @@ class SidecarMember(NullHandler):
             raise self._failed(
                 f"refit aborted while finishing: {abort.reason} {abort.message}", touched=True
             )
-        refit = self.client.get(refit_id)
+        self._read_unended(refit_id, when=" while finishing", touched=True)
+
+    def _read_unended(self, refit_id: str, *, when: str, touched: bool) -> Refit:
+        """One GetRefit: the refit, unless it ended (FAILED or CANCELLED): then this
+        replica's failure, naming the state, `when` it was read, the reason and the
+        coordinator's message."""
+        refit: Refit = self.client.get(refit_id)
         if refit.state in _ENDED:
             raise self._failed(
-                f"refit {refit.state.value} while finishing: {refit.message}", touched=True
+                f"refit {refit.state.value}{when}: {refit.reason} {refit.message}",
+                touched=touched,
             )
+        return refit
 
     def _failed(self, message: str, *, touched: bool) -> TransferError:
         if touched:

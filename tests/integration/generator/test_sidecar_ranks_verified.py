@@ -238,6 +238,28 @@ def test_a_refit_failing_at_another_replica_while_this_one_waits(replica):
     assert client.reads == 0  # the abort said it: nothing read
 
 
+def test_a_refit_failing_at_another_replica_with_its_abort_lost_is_read_at_the_deadline(replica):
+    """As above, but the AbortRefit is lost: at its deadline (2 s) the controller reads the
+    record, which says FAILED, and fails naming the state, the reason and the coordinator's
+    message; the replica stays paused and not ready."""
+    coordinator, cluster, _, engine, member, client = replica(
+        verify_wait_s=2.0,
+        ranks=Behaviour(hold_transfer_s=3.0),
+        other=Behaviour(fail={"start_transfer": ("PEER_FAILED", "b lost its peer", True)}),
+    )
+    _drop(coordinator, AbortRefitCmd)
+    refit = _refit(cluster)
+    assert refit.state is RefitState.FAILED, refit.message
+    wait_until(lambda: "finish None" in engine.calls, what="vLLM's update closed")
+    assert member.state.degraded
+    assert member.state.paused
+    assert engine.calls == ["pause", "start_update", "update", "discard", "finish None"]
+    assert client.reads == 1
+    error = member.state.last_error
+    assert error.startswith("refit FAILED: PEER_FAILED "), error
+    assert "b lost its peer" in error, error
+
+
 @pytest.mark.parametrize("abort", ["delivered", "lost"])
 def test_a_refit_cancelled_while_vllm_finishes_is_not_taken(replica, abort):
     """The ranks verified and vLLM finishes when the refit is cancelled. With the AbortRefit
@@ -264,4 +286,5 @@ def test_a_refit_cancelled_while_vllm_finishes_is_not_taken(replica, abort):
     assert member.state.paused
     assert client.reads == (1 if abort == "lost" else 0)
     if abort == "lost":  # else the AbortRefit's own handling wrote its reason last
-        assert "CANCELLED while finishing" in member.state.last_error
+        error = member.state.last_error
+        assert f"refit CANCELLED while finishing: {refit.reason} " in error, error
