@@ -168,6 +168,19 @@ def test_sidecar_drives_the_local_vllm(generator: Manifest) -> None:
     assert env["REFIT_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
+def test_the_sidecars_readiness_gates_the_pod(generator: Manifest) -> None:
+    """The sidecar's /readyz (not ready while the replica holds incomplete weights, or vLLM
+    does not answer) is the pod's readiness too, probed on the port the sidecar listens on."""
+    from refitplane.generator.sidecar import SidecarSettings
+
+    sidecar = container(generator, "refit-sidecar")
+    probe = sidecar["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/readyz"
+    (port,) = [p["containerPort"] for p in sidecar["ports"] if p["name"] == probe["port"]]
+    listens = env_of(sidecar).get("REFIT_SIDECAR_PORT", {}).get("value")
+    assert port == int(listens or SidecarSettings.model_fields["sidecar_port"].default)
+
+
 @pytest.mark.parametrize("path", [GENERATOR, TRAINER], ids=lambda p: p.name)
 def test_example_pods_are_hardened_and_pinned(path: Path) -> None:
     for workload in load_yaml_documents(path):
