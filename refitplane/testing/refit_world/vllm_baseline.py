@@ -39,13 +39,27 @@ def baseline_receive(llm: Any, phase: str, info: dict[str, Any]) -> Any:
     return time.perf_counter() - started
 
 
+def wrapped_worker(obj: Any) -> Any:
+    """The vLLM worker itself, given what `collective_rpc` hands a function: the worker
+    (multiprocessing executor) or, in a one-process replica (`UniProcExecutor`, every TP1
+    replica), its `WorkerWrapperBase`, which forwards reads to the worker but keeps writes:
+    an attribute set on it never reaches the worker's verbs."""
+    inner = vars(obj).get("worker")
+    return obj if inner is None else inner
+
+
 def swap_transfer_engine(worker: Any, backend: str) -> str:
     """In a vLLM worker: make `backend`'s weight-transfer engine the worker's (created on
     first use, then kept), and return the backend it replaced. A refit world's replica can
-    so also run vLLM's own `nccl` engine: same process, same memory, no second vLLM."""
+    so also run vLLM's own `nccl` engine: same process, same memory, no second vLLM.
+    Set on the worker itself (`wrapped_worker`): set on a TP1 replica's wrapper, the swap
+    left the worker's verbs on refitplane's engine, which refused vLLM's `nccl` init_info,
+    and the broadcaster waited for a rank that never joined (the in-world baseline's
+    "hang" on vLLM 0.26)."""
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    worker = wrapped_worker(worker)
     engines: dict[str, Any] = worker.__dict__.setdefault("_refit_transfer_engines", {})
     active = str(
         worker.__dict__.get(
