@@ -14,7 +14,7 @@ from typing import Any
 from refitplane.agent.handler import NullHandler
 from refitplane.agent.session import AgentSession
 from refitplane.client.sync import RefitClient
-from refitplane.errors import FailedPrecondition, TransferError
+from refitplane.errors import FailedPrecondition, RefitError, TransferError
 from refitplane.protocol import RefitState, Role
 from refitplane.protocol.messages import (
     RANKS_VERIFIED_LABEL,
@@ -261,33 +261,58 @@ class SidecarMember(NullHandler):
                 touched=True,
             )
         steps.mark("finish")
+        if self.state.woke:
+            self._wake_kv_cache_and_report(cmd, steps)
+        else:
+            self._require_not_told_aborted(cmd.refit_id)
+            # Before the report: once it commits, the caller may use the engine again.
+            if self._export_staging():
+                steps.mark("metrics")
+            # The answer is the check that the refit did not fail meanwhile; the engine
+            # resumes only after it (requests sent meanwhile wait in vLLM's pause queue).
+            self._report_version(cmd.refit_id, cmd.version)
+            steps.mark("reported")
+            self._take_version(cmd.version)
+            self.control.resume()
+            steps.mark("resume")
+            self._resumed()
+        log.info("replica %s serves version %d: %s", self.replica_id, cmd.version, steps)
+
+    def _wake_kv_cache_and_report(self, cmd: StartTransferCmd, steps: _Steps) -> None:
+        """The end of a refit that woke the engine from sleep: the KV cache takes memory back
+        only for a refit that has not failed (read first), and the engine runs again before
+        the report, so a caller that puts it to sleep once the refit commits finds it
+        resumed."""
         self._require_not_failed(cmd.refit_id)
         steps.mark("checked")
-        if self.state.woke:
-            # The weights are in and verified: only now the KV cache takes its memory back.
-            status = self.control.wake_up(["kv_cache"])
-            if not succeeded(status):
-                raise self._failed(
-                    f"vLLM answered HTTP {status} to /wake_up?tags=kv_cache after refit "
-                    f"{cmd.refit_id}; the weights are in, but the engine cannot serve",
-                    touched=True,
-                )
-            steps.mark("wake kv_cache")
+        status = self.control.wake_up(["kv_cache"])
+        if not succeeded(status):
+            raise self._failed(
+                f"vLLM answered HTTP {status} to /wake_up?tags=kv_cache after refit "
+                f"{cmd.refit_id}; the weights are in, but the engine cannot serve",
+                touched=True,
+            )
+        steps.mark("wake kv_cache")
         self.control.resume()
         steps.mark("resume")
-        with self._lock:
-            self.state.woke = self.state.weights_lost = False
-            self.state.paused = False
-            self.state.degraded = False
-            self.state.version = cmd.version
-            self.state.last_error = ""
-        # Before the report: once it commits, the caller may use the engine again.
+        self._take_version(cmd.version)
+        self._resumed()
         if self._export_staging():
             steps.mark("metrics")
         assert self.session is not None
         self.session.report_replica_updated(cmd.refit_id, cmd.version)
         steps.mark("reported")
-        log.info("replica %s serves version %d: %s", self.replica_id, cmd.version, steps)
+
+    def _take_version(self, version: int) -> None:
+        with self._lock:
+            self.state.degraded = False
+            self.state.version = version
+            self.state.last_error = ""
+
+    def _resumed(self) -> None:
+        with self._lock:
+            self.state.woke = self.state.weights_lost = False
+            self.state.paused = False
 
     def on_ranks_verified(self, cmd: RanksVerifiedCmd) -> None:
         """From the stream thread: wakes the StartTransfer waiting in `_require_ranks_verified`."""
@@ -457,16 +482,21 @@ class SidecarMember(NullHandler):
             )
         return False
 
-    def _require_not_failed(self, refit_id: str) -> None:
-        """After vLLM's finish, before the replica takes the version: the refit did not fail
-        meanwhile. An AbortRefit already here says so without asking; otherwise the record
-        is read, because the AbortRefit that the coordinator queues before it shows the
-        failure may still be on its way (docs/generator.md, "Waiting for the ranks")."""
+    def _require_not_told_aborted(self, refit_id: str) -> None:
+        """After vLLM's finish: an AbortRefit of the refit already on the stream fails it
+        without asking anyone."""
         _, abort = self.told.of(refit_id)
         if abort is not None:
             raise self._failed(
                 f"refit aborted while finishing: {abort.reason} {abort.message}", touched=True
             )
+
+    def _require_not_failed(self, refit_id: str) -> None:
+        """After vLLM's finish, before the KV cache wakes: the refit did not fail meanwhile.
+        An AbortRefit already here says so without asking; otherwise the record is read,
+        because the AbortRefit that the coordinator queues before it shows the failure may
+        still be on its way (docs/generator.md, "Waiting for the ranks")."""
+        self._require_not_told_aborted(refit_id)
         self._read_unended(refit_id, when=" while finishing", touched=True)
 
     def _read_unended(self, refit_id: str, *, when: str, touched: bool) -> Refit:
@@ -480,6 +510,28 @@ class SidecarMember(NullHandler):
                 touched=touched,
             )
         return refit
+
+    def _report_version(self, refit_id: str, version: int) -> None:
+        """Report ReplicaUpdated; the replica takes the version only if the coordinator
+        accepted it. The coordinator accepts a report only while the refit is current and
+        has not failed (a failure is set in its memory before AbortRefit is queued and
+        before FAILED is written), so the answer says what a read of the record after
+        vLLM's finish said, one round trip sooner and no later than the commit it causes
+        (docs/generator.md, "Waiting for the ranks"). Not accepted: the replica stays
+        paused and not ready, and one read names why."""
+        assert self.session is not None
+        if self.session.report_replica_updated(refit_id, version):
+            return
+        why = "the coordinator did not accept its ReplicaUpdated"
+        try:
+            refit = self._read_unended(refit_id, when=" while finishing", touched=True)
+        except RefitError as exc:
+            if isinstance(exc, TransferError):
+                raise  # the refit ended: named by `_read_unended`
+            why += f" ({exc.message})"
+        else:
+            why += f" (the refit is {refit.state.value})"
+        raise self._failed(why, touched=True)
 
     def _failed(self, message: str, *, touched: bool) -> TransferError:
         if touched:

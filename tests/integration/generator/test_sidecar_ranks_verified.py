@@ -1,7 +1,7 @@
 """The replica controller waits for the coordinator's RanksVerified push instead of reading
 the refit record (issue 23), against a real coordinator on Redis with simulated ranks (real
 agent sessions, no data plane): the push arrives once every rank of the replica verified and
-the refit commits with one read (the check after finish); a push the coordinator never
+the refit commits without a read (the report's answer is the check after finish); a push the coordinator never
 delivers falls back to one read at the controller's deadline, or at once when the command
 stream it went to broke; a coordinator that does not push (older) is polled as before, and
 a sidecar without the label that asks for the push (older) is not sent it; a refit that fails elsewhere while the controller waits, or while
@@ -150,8 +150,10 @@ def test_the_push_arrives_and_the_refit_commits(replica):
     assert told.member_ids == {r.member_id for r in ranks}
     assert member.session is not None
     assert member.session.info.labels["ranks_verified"] == "push"
-    # No read while waiting: the one read is the check after finish.
-    assert client.reads == 1
+    # No read while waiting, none after finish: the accepted report was the check.
+    assert client.reads == 0
+    # The engine resumes once the coordinator accepted the report (that committed the refit).
+    wait_until(lambda: not member.state.paused, what="the engine resumed")
     assert engine.calls == ["pause", "start_update", "update", f"finish {refit.version}", "resume"]
     assert member.state.version == refit.version
     assert not member.state.degraded
@@ -166,7 +168,7 @@ def test_a_lost_push_falls_back_to_one_read_at_the_deadline(replica):
         (member.session.member_id, refit.refit_id)
     ]
     assert member.told.of(refit.refit_id) == (None, None)
-    assert client.reads == 2  # the fallback read, then the check after finish
+    assert client.reads == 1  # the fallback read; the report checks after finish
     assert member.state.version == refit.version
 
 
@@ -182,7 +184,7 @@ def test_a_push_lost_with_its_stream_is_read_once_the_stream_is_back(replica):
     refit = _refit(cluster)
     assert refit.state is RefitState.COMMITTED, refit.message
     assert session.streams_opened > opened
-    assert client.reads == 2
+    assert client.reads == 1
     assert member.state.version == refit.version
 
 
@@ -201,7 +203,7 @@ def test_a_coordinator_that_does_not_push_is_polled(replica):
     _drop(coordinator, RanksVerifiedCmd, rewrite=as_before)
     refit = _refit(cluster)
     assert refit.state is RefitState.COMMITTED, refit.message
-    assert client.reads >= 2  # at least one poll, then the check after finish
+    assert client.reads >= 1  # at least one poll; the report checks after finish
     assert member.state.version == refit.version
 
 
@@ -263,9 +265,10 @@ def test_a_refit_failing_at_another_replica_with_its_abort_lost_is_read_at_the_d
 @pytest.mark.parametrize("abort", ["delivered", "lost"])
 def test_a_refit_cancelled_while_vllm_finishes_is_not_taken(replica, abort):
     """The ranks verified and vLLM finishes when the refit is cancelled. With the AbortRefit
-    already at the controller it fails without a read; with the AbortRefit lost, the read
-    after finish sees CANCELLED. Either way the replica does not take the version, is not
-    resumed, and is not ready (finish applied the weights)."""
+    already at the controller it fails without reporting; with the AbortRefit lost, the
+    coordinator refuses the report (the refit failed) and one read names CANCELLED. Either
+    way the replica does not take the version, is not resumed, and is not ready (finish
+    applied the weights)."""
     coordinator, cluster, _, engine, member, client = replica()
     if abort == "lost":
         _drop(coordinator, AbortRefitCmd)
@@ -288,3 +291,28 @@ def test_a_refit_cancelled_while_vllm_finishes_is_not_taken(replica, abort):
     if abort == "lost":  # else the AbortRefit's own handling wrote its reason last
         error = member.state.last_error
         assert f"refit CANCELLED while finishing: {refit.reason} " in error, error
+
+
+def test_a_refit_that_times_out_refuses_reports_before_it_aborts(
+    coordinator_factory, redis_url, sim_cluster
+):
+    """A failure raised rather than signalled (the TRANSFERRING timeout here) refuses reports
+    from the moment the coordinator decides it, before any AbortRefit is queued and before
+    FAILED is written: an accepted ReplicaUpdated (what lets a controller take the version)
+    always means the refit had not failed."""
+    coordinator = coordinator_factory(redis_url, transfer_timeout_s=1.0)
+    cluster = sim_cluster(coordinator)
+    cluster.add(Role.TRAINER, layout=row_layout(0, 1))
+    cluster.replica("a", behaviour=Behaviour(silent=frozenset({"start_transfer"})))
+    refused_at_abort: list[bool] = []
+
+    def look() -> None:
+        run = coordinator.core._drivers["job"].current
+        refused_at_abort.append(run is not None and run.failure is not None)
+
+    _drop(coordinator, AbortRefitCmd, then=look)
+    refit = _refit(cluster)
+    assert refit.state is RefitState.FAILED, refit.message
+    assert refit.reason == "TIMEOUT"
+    assert refused_at_abort  # AbortRefit went out (to every participant)
+    assert all(refused_at_abort)

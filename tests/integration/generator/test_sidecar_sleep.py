@@ -135,6 +135,8 @@ def test_a_refit_wakes_weights_first_and_the_kv_cache_after_verifying(
         engine.calls.clear()
         assert _refit(client).state.value == "COMMITTED"
         assert "wake_up weights" not in engine.calls
+        # Not woken by the refit: the engine resumes once the report committed it.
+        wait_until(lambda: not member.state.paused, what="the engine resumed")
         assert engine.calls[-1] == "resume"
     finally:
         session.close()

@@ -43,6 +43,10 @@ class RefitEndings:
         a coordinator that died before the write would leave the refit in flight for the
         next one to fail with another reason.) The write is retried until it lands or the
         driver stops; the job's driver has nothing else to do without its store."""
+        # From here on reports are refused (`JobDriver.on_report`), also for a failure that was
+        # raised rather than signalled (a timeout): a replica controller takes a version only
+        # on an accepted ReplicaUpdated, and one accepted while this runs would be DEGRADED.
+        run.fail(failure.reason, failure.message)
         cancelled = run.cancelled and failure.reason == Reason.CANCELLED
         state = RefitState.CANCELLED if cancelled else RefitState.FAILED
         if run.commands_sent:
