@@ -32,9 +32,9 @@ class EngineControl(Protocol):
     def update(self, update_info: dict[str, Any]) -> int: ...
     # None closes the update without naming a version (a discarded or failed one).
     def finish(self, version: int | None) -> int: ...
-    # Every worker's engine status (the refitplane engine's status channel), or None; None
-    # too where an engine asked over the network did not answer within `timeout_s` (an
-    # in-process engine answers as its workers do: no call into it can be cut short).
+    # Every worker's engine status (the refitplane engine's status channel), or None where
+    # there is none; Unavailable where an engine asked over the network did not answer
+    # within `timeout_s` (an in-process one answers as its workers do: nothing to cut short).
     def engine_status(
         self, timeout_s: float = ENGINE_STATUS_TIMEOUT_S
     ) -> list[dict[str, Any]] | None: ...

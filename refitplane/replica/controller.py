@@ -27,6 +27,7 @@ from refitplane.protocol.messages import (
 )
 from refitplane.protocol.models import Refit
 from refitplane.replica.control import (
+    ENGINE_STATUS_TIMEOUT_S,
     EngineControl,
     StatusSink,
     succeeded,
@@ -171,14 +172,15 @@ class SidecarMember(NullHandler):
         if any(s.get("incomplete") for s in statuses):
             self._degrade("a worker holds incomplete weights (an update failed after writing)")
 
-    def engines_hold_version(self) -> bool:
+    def engines_hold_version(self, timeout_s: float = ENGINE_STATUS_TIMEOUT_S) -> bool:
         """Whether vLLM's workers still hold this replica's version (asked at every readiness
         check): False once one holds weights no refit produced (vLLM's sleep at level 2
         discarded them, whoever asked) or a lower version; this controller's version then
         drops to what they hold. True when they cannot be asked (no dev-mode
-        /collective_rpc) or an update of ours is open."""
+        /collective_rpc) or an update of ours is open; Unavailable when they do not answer
+        within `timeout_s`."""
         version = self.state.version
-        statuses = self.control.engine_status()
+        statuses = self.control.engine_status(timeout_s=timeout_s)
         if not statuses:
             return True
         versions = [s.get("version") for s in statuses]

@@ -66,7 +66,7 @@ class _Engine(CallerPausedControl):
             self.on_finish()
         return self._ok(f"finish {version}")
 
-    def engine_status(self) -> list[dict[str, Any]] | None:
+    def engine_status(self, timeout_s: float = 30.0) -> list[dict[str, Any]] | None:
         return None
 
 

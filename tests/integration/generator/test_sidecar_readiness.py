@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -130,10 +131,17 @@ def test_readyz_answers_from_the_last_worker_answer(coordinator, sim_cluster, vl
         assert sidecar.member.state.version == 3
 
         # vLLM stops answering: every probe is still answered, first from the last answer,
-        # then not ready once that answer is too old.
+        # then not ready once that answer is too old, or once the ask (bounded by that age)
+        # timed out; and not ready for as long as vLLM does not answer: a timed-out ask is
+        # no "cannot be asked" (a vLLM without dev mode), which would read ready.
         vllm.answering.clear()
         wait_until(lambda: _readyz(readyz)[0] == 503, timeout_s=30, what="/readyz 503")
-        assert "last answered" in _readyz(readyz)[1]["message"]
+        not_answering = ("last answered", f"vLLM at {vllm.url} did not answer /collective_rpc")
+        for _ in range(25):  # 5 s: two asks' timeouts and more
+            status, body = _readyz(readyz)
+            assert status == 503, body
+            assert any(why in body["message"] for why in not_answering), body
+            time.sleep(0.2)
         vllm.answering.set()
         wait_until(lambda: _readyz(readyz)[0] == 200, timeout_s=30, what="/readyz 200 again")
 
@@ -148,6 +156,24 @@ def test_readyz_answers_from_the_last_worker_answer(coordinator, sim_cluster, vl
     finally:
         vllm.answering.set()
         sidecar.close()
+
+
+def test_a_status_ask_vllm_does_not_answer_in_time_is_unavailable(vllm) -> None:
+    """Not None ("no status channel", which reads as ready): the ask that timed out names
+    vLLM, the route and the bound."""
+    from refitplane.generator.vllm_http_control import VllmControl
+
+    vllm.answering.clear()
+    control = VllmControl(vllm.url)
+    try:
+        with pytest.raises(Unavailable) as caught:
+            control.engine_status(timeout_s=0.5)
+    finally:
+        control.close()
+    assert caught.value.message == (
+        f"vLLM at {vllm.url} did not answer /collective_rpc (its workers' engine status) "
+        "within 0.5 s"
+    )
 
 
 def test_a_worker_engine_that_failed_to_start_fails_the_start_at_once(coordinator, vllm) -> None:
@@ -173,7 +199,7 @@ def test_a_vllm_that_stops_answering_ends_the_start_at_the_registration_deadline
     """vLLM answers /init_weight_transfer_engine, then never answers again; its workers never
     register. Each ask for their status while the sidecar waits is bounded by the time left,
     so the start fails at REFIT_REGISTER_TIMEOUT_S (here 3 s), not up to one ask's own 30 s
-    later, naming what it waited for and that vLLM gave no status."""
+    later, naming what it waited for and that vLLM did not answer."""
     vllm.hang_from_init = True
     sidecar = _sidecar(coordinator, vllm, sidecar_port=free_port(), register_timeout_s=3.0)
     error, waited = failed_start(sidecar, Unavailable)
@@ -184,4 +210,6 @@ def test_a_vllm_that_stops_answering_ends_the_start_at_the_registration_deadline
     assert "did not register with the coordinator as replica 'a' of job 'job' within 3 s" in (
         message
     ), message
-    assert f"vLLM at {vllm.url} gave no status of its workers" in message, message
+    assert f"Nor did vLLM at {vllm.url} answer when last asked for its workers' status" in (
+        message
+    ), message

@@ -70,7 +70,7 @@ class SleepyEngine:
         self.calls.append("finish")
         return 200
 
-    def engine_status(self) -> list[dict[str, Any]] | None:
+    def engine_status(self, timeout_s: float = 30.0) -> list[dict[str, Any]] | None:
         return None
 
     def is_sleeping(self) -> bool:
@@ -226,7 +226,7 @@ class _WorkersEngine(SleepyEngine):
             _apply(self.rank_engine, info["refit_id"], int(info["version"]))
         return super().finish(version)
 
-    def engine_status(self) -> list[dict[str, Any]] | None:
+    def engine_status(self, timeout_s: float = 30.0) -> list[dict[str, Any]] | None:
         return [dict(self.rank_engine.status())]
 
     def sleep(self, level: int) -> int:

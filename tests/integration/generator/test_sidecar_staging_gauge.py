@@ -42,7 +42,7 @@ class StatusEngine(CallerPausedControl):
     def finish(self, version: int | None) -> int:
         return 200
 
-    def engine_status(self) -> list[dict[str, Any]] | None:
+    def engine_status(self, timeout_s: float = 30.0) -> list[dict[str, Any]] | None:
         self.status_calls += 1
         return self.statuses
 

@@ -165,7 +165,7 @@ class Sidecar:
             labels={"sleep_level": str(settings.sleep_level)},
         )
         self.alive = False
-        # The workers' status was not given when last asked (`_engine_init_failure`).
+        # vLLM did not answer its workers' status when last asked (`_engine_init_failure`).
         self._status_unanswered = False
         self._http: ThreadingHTTPServer | None = None
         self.workers = WorkerCheck(
@@ -193,8 +193,9 @@ class Sidecar:
         if not self.control.healthy():
             return f"vLLM at {self.settings.vllm_url} is not healthy (/health)"
         # Never ready at a version its weights lost (vLLM's sleep at level 2); this also
-        # lowers the sidecar's version to what the workers hold.
-        if not self.member.engines_hold_version():
+        # lowers the sidecar's version to what the workers hold. An answer later than the
+        # age /readyz accepts is no use: vLLM not answering by then is itself the answer.
+        if not self.member.engines_hold_version(timeout_s=self.settings.worker_check_max_age_s):
             return "a vLLM worker holds incomplete weights (discarded by a level-2 sleep?)"
         return ""
 
@@ -263,17 +264,20 @@ class Sidecar:
             if not self._status_unanswered:
                 raise
             raise Unavailable(
-                f"{exc.message}. vLLM at {s.vllm_url} gave no status of its workers either "
-                "when last asked (/collective_rpc: no answer within the time left, or an "
-                "error: is it stuck?)"
+                f"{exc.message}. Nor did vLLM at {s.vllm_url} answer when last asked for its "
+                "workers' status (/collective_rpc, within the time left): is it stuck?"
             ) from None
 
     def _engine_init_failure(self, within_s: float = ENGINE_STATUS_TIMEOUT_S) -> str:
         """Why vLLM's workers will not register (a worker whose engine failed to start),
-        from their status asked within `within_s`; empty while none says so, or when they
-        gave no status (`_status_unanswered`)."""
-        statuses = self.control.engine_status(timeout_s=within_s)
-        self._status_unanswered = statuses is None
+        from their status asked within `within_s`; empty while none says so, or when vLLM
+        did not answer in time (`_status_unanswered`)."""
+        try:
+            statuses = self.control.engine_status(timeout_s=within_s)
+        except Unavailable:
+            self._status_unanswered = True
+            return ""
+        self._status_unanswered = False
         return engine_init_failure(statuses)
 
     def close(self) -> None:

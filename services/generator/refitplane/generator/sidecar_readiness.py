@@ -2,7 +2,8 @@
 
 Whether the replica can serve depends on vLLM: its `/health`, and whether every worker still
 holds the replica's version (the refitplane engines' status, one dev-mode `/collective_rpc`
-that may take up to 30 s on a busy or stuck vLLM). Kubernetes probes every few seconds, so
+that a busy or stuck vLLM is slow to answer: the sidecar allows it `max_age_s`, and an ask
+that timed out is not ready). Kubernetes probes every few seconds, so
 `/readyz` asks neither: `WorkerCheck` asks every `interval_s` on a thread of its own, beside
 the session's lease thread, and `/readyz` reads the last answer. It is not ready while that
 answer is older than `max_age_s` (vLLM too slow to answer, or the check stuck), or says a

@@ -109,6 +109,13 @@ class VllmControl:
                 json={"method": ENGINE_ATTR, "kwargs": {"op": "status"}},
                 timeout=timeout_s,
             )
+        except httpx.TimeoutException as exc:
+            # Not "no status channel" (None): a vLLM that stopped answering must not read as
+            # one whose workers hold their version.
+            raise Unavailable(
+                f"vLLM at {self.base_url} did not answer /collective_rpc (its workers' engine "
+                f"status) within {timeout_s:g} s"
+            ) from exc
         except httpx.HTTPError as exc:
             log.debug("vLLM /collective_rpc: %s", exc)
             return None
