@@ -292,12 +292,17 @@ def _refresh_cpu_lm_heads(model: torch.nn.Module) -> None:
 
 
 def refresh_attention_layers(
-    model: torch.nn.Module, vllm_config: Any, *, skip: Iterable[str] = ()
+    model: torch.nn.Module,
+    vllm_config: Any,
+    *,
+    skip: Iterable[str] = (),
+    layers: Sequence[tuple[str, Any]] | None = None,
 ) -> int:
     """Re-run the post-load processing of every attention layer, as the end of a layerwise
     reload does, except those inside the modules at `skip` (module paths: layers a reload
     already processed) and those whose processing derives nothing from weights
-    (`_constant_processing`); returns how many ran.
+    (`_constant_processing`); returns how many ran. `layers`: what
+    `attention_layers_to_refresh` found for this model (found here if None).
 
     Attention layers derive state from other layers' weights when processed: MLA attention
     computes `W_UV` / `W_UK_T` from `kv_b_proj`, FP8 attention its cache scales. A live
@@ -306,6 +311,23 @@ def refresh_attention_layers(
     """
     from vllm.config import set_current_vllm_config
 
+    if layers is None:
+        layers = attention_layers_to_refresh(model, vllm_config)
+    done = list(skip)
+    todo = [layer for path, layer in layers if not (done and _under(path, done))]
+    if todo:
+        with set_current_vllm_config(vllm_config):
+            for layer in todo:
+                layer.process_weights_after_loading(vllm_config.model_config.dtype)
+    return len(todo)
+
+
+def attention_layers_to_refresh(model: torch.nn.Module, vllm_config: Any) -> list[tuple[str, Any]]:
+    """The attention layers (module path, vLLM attention layer) whose post-load processing a refit must
+    re-run: every one vLLM's layerwise reload defers, less those that derive nothing from
+    weights. Which they are depends only on the model's modules and its config, so a
+    worker finds them once, not at every refit's finish (a walk over every module: ~0.5 ms
+    for a 48-layer MoE model's ~700 modules on one core, BENCHMARKS.md)."""
     try:  # vLLM 0.32
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
     except ImportError:  # vLLM 0.26: what its layerwise reload defers
@@ -314,24 +336,16 @@ def refresh_attention_layers(
         def is_deferred_attention_layer(layer: torch.nn.Module) -> bool:
             return isinstance(layer, (Attention, MLAAttention))
 
-    done = list(skip)
-    count = skipped = 0
     constant = _constant_processing(vllm_config)
-    with set_current_vllm_config(vllm_config):
-        for path, layer in model.named_modules():
-            if not is_deferred_attention_layer(layer) or (done and _under(path, done)):
-                continue
-            if constant(layer):
-                skipped += 1
-                continue
-            layer.process_weights_after_loading(vllm_config.model_config.dtype)
-            count += 1
+    found = [(path, m) for path, m in model.named_modules() if is_deferred_attention_layer(m)]
+    wanted = [(path, m) for path, m in found if not constant(m)]
     log.debug(
-        "refitplane: re-processed %d attention layer(s); %d derive nothing from weights",
-        count,
-        skipped,
+        "refitplane: %d attention layer(s) re-processed at every refit's finish; %d derive "
+        "nothing from weights",
+        len(wanted),
+        len(found) - len(wanted),
     )
-    return count
+    return wanted
 
 
 def _constant_processing(vllm_config: Any) -> Callable[[torch.nn.Module], bool]:

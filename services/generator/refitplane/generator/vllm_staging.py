@@ -43,7 +43,11 @@ from refitplane.generator.vllm_aliases import WeightAlias, find_weight_aliases
 from refitplane.generator.vllm_kv_scales import attention_scale_sources, fold_attention_scales
 from refitplane.generator.vllm_layout import VllmLayout
 from refitplane.generator.vllm_live import live_storage
-from refitplane.generator.vllm_reload import refresh_attention_layers, reload_layers
+from refitplane.generator.vllm_reload import (
+    attention_layers_to_refresh,
+    refresh_attention_layers,
+    reload_layers,
+)
 from refitplane.reshard.boxes import full_box
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.staged import StagedBucket, StagedShards
@@ -79,6 +83,9 @@ class LayerReloader:
     # Checkpoint KV-cache scale → (attention layer, scale parameter): folded again after
     # each reload that carries them, as a fresh load folds them (`vllm_kv_scales`).
     kv_scales: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    # The attention layers every finish re-processes (`attention_layers_to_refresh`), found
+    # at the first finish.
+    _refreshed: list[tuple[str, Any]] | None = field(default=None, init=False, repr=False)
 
     def units(self, names: Iterable[str]) -> list[frozenset[str]]:
         """`names` grouped by the vLLM layer they feed (each group applied together)."""
@@ -117,7 +124,11 @@ class LayerReloader:
         """After the last bucket: re-run the post-load processing of attention layers no
         reload covered (their inputs may have been written in place: MLA's W_UV / W_UK_T
         follow kv_b_proj), as the end of a full layerwise reload does. Returns how many."""
-        count = refresh_attention_layers(self.model, self.vllm_config, skip=self.applied_roots)
+        if self._refreshed is None:
+            self._refreshed = attention_layers_to_refresh(self.model, self.vllm_config)
+        count = refresh_attention_layers(
+            self.model, self.vllm_config, skip=self.applied_roots, layers=self._refreshed
+        )
         self.applied_roots.clear()
         return count
 
