@@ -306,6 +306,92 @@ def scan_many(
     return ScanBatch(word, blocks, list(currents), bits, bits_at, block_counts, counts, summed)
 
 
+# Blocks a sampled estimate reads across all messages (`sample_changed`): ~8 M words.
+SAMPLE_BLOCKS = 2048
+
+
+def sample_blocks(ns: Sequence[int], budget: int = SAMPLE_BLOCKS) -> tuple[Any, Any, Any]:
+    """Which blocks of `BLOCK` words a sampled estimate reads: per message about its share
+    of `budget` (at least one, at most all), spread evenly through it. Returns numpy arrays
+    (each sample's message, its block within it, its word count)."""
+    import numpy as np
+
+    words = np.asarray(ns, dtype=np.int64)
+    blocks = np.maximum(1, (words + BLOCK - 1) // BLOCK)
+    share = np.maximum(1, budget * blocks // max(1, int(blocks.sum())))
+    take = np.minimum(blocks, share)
+    message = np.repeat(np.arange(len(words)), take)
+    j = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
+    local = (2 * j + 1) * blocks[message] // (2 * take[message])
+    size = np.maximum(0, np.minimum(BLOCK, words[message] - local * BLOCK))
+    return message, local, size
+
+
+def sample_changed(
+    currents: Sequence[torch.Tensor],
+    bases: Sequence[torch.Tensor],
+    word: int,
+    *,
+    kernel: bool = True,
+    budget: int = SAMPLE_BLOCKS,
+) -> list[int]:
+    """Each (current, base) message's changed words estimated from a sample of its blocks
+    (`sample_blocks`): how an "auto" sender decides, before scanning, which messages cannot
+    beat dense (`delta_cost`). With `kernel`, one launch of the scan (nothing written but
+    scratch) and one host read; else torch, block by block."""
+    import numpy as np
+
+    ns = [c.numel() // word for c in currents]
+    message, local, size = sample_blocks(ns, budget)
+    seen = np.bincount(message, weights=size, minlength=len(ns))
+    if not kernel:
+        changed = [0] * len(ns)
+        dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word]
+        for m, first, n in zip(message.tolist(), local.tolist(), size.tolist(), strict=True):
+            a = currents[m].view(dtype)[first * BLOCK : first * BLOCK + n]
+            b = bases[m].view(dtype)[first * BLOCK : first * BLOCK + n]
+            changed[m] += int(torch.count_nonzero(a != b))
+        return _scaled(changed, ns, seen.tolist())
+    scan, _ = _compile()
+    device = currents[0].device
+    count = len(message)
+    at = torch.from_numpy(local * BLOCK * word)
+    index = torch.from_numpy(message)
+    cur = torch.tensor([c.data_ptr() for c in currents], dtype=torch.int64)[index] + at
+    old = torch.tensor([b.data_ptr() for b in bases], dtype=torch.int64)[index] + at
+    firsts = torch.arange(count, dtype=torch.int64)
+    # Each sampled block is a message of its own to the scan: one block, at its address.
+    tables = torch.stack([cur, old, firsts, torch.from_numpy(size), firsts * _BITS]).to(device)
+    found = torch.empty(count, dtype=torch.int32, device=device)
+    scan[(count,)](
+        firsts.to(device=device, dtype=torch.int32),
+        tables[2],
+        tables[3],
+        tables[0],
+        tables[1],
+        tables[4],
+        torch.empty(count * _BITS, dtype=torch.uint8, device=device),
+        found,
+        found,
+        UPDATE=False,
+        WORD=_TL_WORDS[word],
+        WORD_BYTES=word,
+        BLOCK=BLOCK,
+        ALIGNED=all(t.data_ptr() % 16 == 0 for t in (*currents, *bases)),
+        SUMS=False,
+    )
+    per_message = torch.zeros(len(ns), dtype=torch.int64, device=device)
+    per_message.index_add_(0, index.to(device), found.long())
+    return _scaled(per_message.tolist(), ns, seen.tolist())
+
+
+def _scaled(found: Sequence[int], words: Sequence[int], seen: Sequence[float]) -> list[int]:
+    """Changed words found in `seen` sampled words, scaled to each message's `words`."""
+    return [
+        round(int(n) * total / max(1.0, s)) for n, total, s in zip(found, words, seen, strict=True)
+    ]
+
+
 def _sections(
     header: DeltaHeader, words: int, word: int, payload: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:

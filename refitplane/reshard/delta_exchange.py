@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from refitplane.errors import InvalidArgument, TransferError
-from refitplane.reshard import delta_triton
+from refitplane.reshard import delta_cost, delta_triton
 from refitplane.reshard.checksum import accumulate_sums_many
 from refitplane.reshard.delta import (
     DeltaHeader,
@@ -75,6 +75,10 @@ class DeltaLinks:
     # Senders: the weights being sent (the base's boxes), for the tensors an in-place advance
     # of the base copies whole.
     current: LocalShards | None = None
+    # Senders in "auto" mode: the link rate (bytes/s) a delta must beat (`delta_cost`: a
+    # message that cannot goes dense, unscanned where a sample tells); None or 0: the
+    # fraction rule alone (`max_changed`).
+    link_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,9 @@ class DeltaExchange:
         self._presummed: dict[MessageKey, int] = {}
         self._sums: Mapping[Direction, torch.Tensor] = {}
         self._rows_ready: torch.cuda.Event | None = None
+        # Senders advancing their base: (base image, current image) of the messages that go
+        # dense unscanned, copied behind the payloads' launches (`launch_payloads`).
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def is_delta_link(self, m: Message) -> bool:
         peer = m.dst if m.src == self.rank else m.src
@@ -167,23 +174,37 @@ class DeltaExchange:
             and unsent is not None
             and (current_shards is not None or not unsent)
         )
-        todo, self._arena = images(views, delta_sends, base_device, self.device, specs)
+        every, self._arena = images(views, delta_sends, base_device, self.device, specs)
+        rate = self.links.link_bytes_per_s if self.links.mode == "auto" else None
+        scanned = delta_cost.to_scan(every, rate, self.links.max_changed)
+        todo = [every[i] for i in scanned]
+        delta_sends = [delta_sends[i] for i in scanned]
         counts, encode, summed = self._scan(todo, sums)
         if self.advanced:
-            base_ios = [views.ios[(m.src, m.dst, m.round)] for m, _ in delta_sends]
-            advance(views, self._arena, todo, base_ios)  # staged base images are copies
+            base_ios = [views.ios[(m.src, m.dst, m.round)] for m, _, _, _ in every]
+            advance(views, self._arena, every, base_ios)  # staged base images are copies
+            # Messages that go dense unscanned: their base images (the snapshot's own
+            # memory where direct) take the current bytes, while the transfer runs.
+            chosen = set(scanned)
+            self._copies = [
+                (old, current)
+                for i, ((_, current, old, _), io) in enumerate(zip(every, base_ios, strict=True))
+                if i not in chosen and io.direct is not None
+            ]
             if unsent and current_shards is not None:
                 names = set(unsent)
                 for sv in base:
                     if sv.spec.name in names:
                         sv.tensor.copy_(current_shards.view(sv.spec.name, sv.box))
-        headers: list[DeltaHeader] = []
-        for (m, _, _, word), n in zip(todo, counts, strict=True):
-            header = choose_encoding(m.nbytes, n, word)
-            if self.links.mode == "auto" and n > self.links.max_changed * (m.nbytes // word):
-                header = DeltaHeader(Encoding.DENSE, n, m.nbytes)
+        headers = [
+            self._choose(m.nbytes, n, word) for (m, _, _, word), n in zip(todo, counts, strict=True)
+        ]
+        # The header rows in send order (a receiver checks each row's message), unscanned
+        # messages dense.
+        found = dict(zip(scanned, zip(headers, counts, strict=True), strict=True))
+        for i, (m, _, _, _) in enumerate(every):
+            header, n = found.get(i, (DeltaHeader(Encoding.DENSE, -1, m.nbytes), -1))
             rows.setdefault(m.dst, []).append([m.round, int(header.encoding), n])
-            headers.append(header)
         # One zero-filled buffer for every payload (alignment gaps zero: the same bytes on
         # every device), each starting at a multiple of 16 bytes.
         offsets, total = [], 0
@@ -211,6 +232,20 @@ class DeltaExchange:
                 # alignment gaps as its staging slice holds them): its row starts again.
                 sums(m).zero_()
         self._tables(rows)
+
+    def _choose(self, nbytes: int, changed: int, word: int) -> DeltaHeader:
+        """A scanned message's encoding: the smallest, dense above `max_changed` in "auto"
+        mode, and there, with a link rate, a delta only where it beats dense on that link
+        (`delta_cost.choose`, the scan's cost sunk)."""
+        header = choose_encoding(nbytes, changed, word)
+        if self.links.mode != "auto":
+            return header
+        if changed > self.links.max_changed * (nbytes // word):
+            return DeltaHeader(Encoding.DENSE, changed, nbytes)
+        rate = self.links.link_bytes_per_s
+        if rate:
+            return delta_cost.choose(nbytes, changed, word, rate, scanned=True)
+        return header
 
     def _scan(
         self,
@@ -280,7 +315,15 @@ class DeltaExchange:
         work in the order the messages are sent, each followed by an event; a channel's
         sends of a part's messages wait for its event on the device (`before_send`), not
         the host, so the first payloads travel (and are applied) while later ones are
-        still being gathered."""
+        still being gathered. Then the copies that advance the base of the messages that go
+        dense unscanned (after the gathers on the stream: the sends do not wait for them)."""
+        self._launch_gathers(parts)
+        if self._copies:
+            bases, currents = zip(*self._copies, strict=True)
+            torch._foreach_copy_(list(bases), list(currents))
+            self._copies = []
+
+    def _launch_gathers(self, parts: int) -> None:
         if not self._gathers:
             return
         n, total = len(self._order), sum(self._blocks)

@@ -53,11 +53,13 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
 from refitplane.errors import InvalidArgument
 from refitplane.reshard.checksum import LaunchTables
 from refitplane.reshard.config import TransferConfig
+from refitplane.reshard.delta_cost import link_rate_setting
 from refitplane.reshard.delta_exchange import DeltaLinks
 from refitplane.reshard.message_io import resolve_messages, with_copy_tables
 from refitplane.reshard.plan import RankPlan
@@ -103,6 +105,9 @@ class Executor:
         self._prepared: PreparedPlan | None = None
         # Link copies (`ipc_run.py`): the links of the prepared plan, kept with it.
         self._links: LinkCopies | None = None
+        # Senders on CUDA: the fastest rate (bytes/s) a mostly dense transfer of this
+        # executor moved its bytes at, what "auto" deltas must beat (`delta_cost`).
+        self.link_rate: float | None = None
 
     def run(
         self,
@@ -146,7 +151,7 @@ class Executor:
             cancel,
             started,
             staged,
-            delta,
+            self._rated(delta),
         )
         run.report.prepared_seconds = time.monotonic() - started
         try:
@@ -162,11 +167,33 @@ class Executor:
         self.receives_posted = run.receives_posted
         report.seconds = time.monotonic() - started
         report.staging_peak_bytes = self.ring.peak
+        self._measure(report)
         write_report(plan.rank, report)
         if staged is not None:
             # A staged receiver holds no transfer memory between refits.
             self.ring.free()
         return report
+
+    def _rated(self, delta: DeltaLinks | None) -> DeltaLinks | None:
+        """`delta` with the link rate its "auto" decisions assume, on CUDA senders:
+        REFIT_DELTA_LINK_GBPS if set ("off": none), else the measured `link_rate`."""
+        if delta is None or delta.link_bytes_per_s is not None or delta.base is None:
+            return delta
+        if self.transport.device.type != "cuda":
+            return delta  # the cost model's figures are a GPU's
+        rate = link_rate_setting()
+        return replace(delta, link_bytes_per_s=self.link_rate if rate is None else rate)
+
+    def _measure(self, report: TransferReport) -> None:
+        """Keep the fastest rate a sender's mostly dense transfer moved its bytes at (the
+        transfer's time less its preparation, delta exchange and verification; the first
+        transfers, slowed by connections and kernel loads, only count until a faster one)."""
+        if self.transport.device.type != "cuda" or 2 * report.bytes_sent < report.bytes_full:
+            return
+        wire = report.seconds - report.prepared_seconds - report.delta_seconds
+        wire -= report.verify_seconds
+        if report.bytes_sent and wire > 0:
+            self.link_rate = max(self.link_rate or 0.0, report.bytes_sent / wire)
 
     def _run_links(
         self,

@@ -53,7 +53,14 @@ def _set_version(
 
 
 def _delta_worker(
-    *, rank: int, world: int, transport: Any, barrier: Any, case_name: str, gib: float
+    *,
+    rank: int,
+    world: int,
+    transport: Any,
+    barrier: Any,
+    case_name: str,
+    gib: float,
+    rates: tuple[float | None, ...] = (),
 ) -> dict[str, Any]:
     from refitplane.reshard.config import TransferConfig
     from refitplane.reshard.delta_base import DeltaSnapshot
@@ -80,6 +87,8 @@ def _delta_worker(
             peers=frozenset({1 - rank}),
             base=snapshot.base_for(shards) if rank == 0 else None,
             current=shards if rank == 0 else None,
+            # The link rate "auto" decides against (None: the executor's; 0: none).
+            link_bytes_per_s=rates[steps - 1] if rates and rank == 0 else None,
         )
         report = executor.run(plan, shards, delta=links)
         if rank == 0:
@@ -104,11 +113,10 @@ def _delta_worker(
     return {"refits": refits}
 
 
-@pytest.mark.parametrize("case_name", ["whole", "tp2"])
-def test_delta_refits_between_two_gpus_are_byte_exact(case_name: str) -> None:
-    results = run_nccl_world(
-        _delta_worker, 2, channels=2, timeout_s=150, case_name=case_name, gib=1
-    )
+def _exact_refits(**kwargs: Any) -> list[dict[str, Any]]:
+    """The sender's refits of a two-GPU world (`_delta_worker`), each checked byte-exact,
+    verified, with the same delta messages on both ends and the base advanced."""
+    results = run_nccl_world(_delta_worker, 2, channels=2, timeout_s=150, gib=1, **kwargs)
     for rank in (0, 1):
         status, detail = results[rank]
         assert status == "ok", detail
@@ -118,8 +126,27 @@ def test_delta_refits_between_two_gpus_are_byte_exact(case_name: str) -> None:
         assert got["verified"] == got["tensors"] > 0, (i, got)
         assert sent["delta_messages"] == got["delta_messages"], i
         assert sent["advanced"], i  # one replica fed whole: the scan advances the base
+    return list(sender)
+
+
+@pytest.mark.parametrize("case_name", ["whole", "tp2"])
+def test_delta_refits_between_two_gpus_are_byte_exact(case_name: str) -> None:
+    sender = _exact_refits(case_name=case_name)
     # Sparse updates go as deltas and move less than a full refit.
     assert sender[0]["delta_messages"] == sender[0]["messages"]
     assert sender[0]["wire"] < sender[0]["full"] // 50
     assert sender[1]["wire"] == 0
     assert sender[4]["delta_messages"] == 0  # 70 % changed: over max_changed, dense
+
+
+def test_messages_that_go_dense_unscanned_keep_the_base_exact() -> None:
+    """In "auto" against a link rate (`delta_cost`): a link faster than any scan sends every
+    message dense, unscanned, its base copied; the next refits' deltas against that base
+    (the fraction rule alone, then at 5e10 B/s a sampled choice per message) stay
+    byte-exact."""
+    sender = _exact_refits(case_name="whole", rates=(1e18, 1e18, 0.0, 5e10, 5e10))
+    assert sender[0]["delta_messages"] == sender[1]["delta_messages"] == 0
+    assert sender[0]["wire"] == sender[0]["full"]
+    assert sender[2]["delta_messages"] == sender[2]["messages"]  # 5 % against the copied base
+    assert sender[3]["wire"] < sender[3]["full"]  # 30 %: bitmaps beat a 50 GB/s link
+    assert sender[4]["delta_messages"] == 0  # 70 %: dense

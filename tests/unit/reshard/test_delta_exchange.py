@@ -73,3 +73,56 @@ def test_base_views_are_kept_while_the_base_lives_and_payloads_stay_exact() -> N
     del base, links, exchange, views, kept
     gc.collect()
     assert len(delta_images._BASE_VIEWS) == 0  # the released base takes its views along
+
+
+def _exchange(links: DeltaLinks, sends: list, specs: dict) -> DeltaExchange:
+    exchange = DeltaExchange(0, links, torch.device("cpu"))
+    exchange.encode(sends, specs)
+    exchange.launch_payloads()  # (the base copies of the messages that go dense unscanned)
+    return exchange
+
+
+def _dense_rows(exchange: DeltaExchange) -> list[int]:
+    (table,) = exchange.headers_out.values()
+    return [r for r, encoding, _ in table.tolist() if encoding == Encoding.DENSE]
+
+
+def test_auto_deltas_go_dense_where_the_link_is_faster_and_the_base_still_advances() -> None:
+    """With a link rate, "auto" sends dense what cannot beat the link (`delta_cost`): on a
+    link faster than any scan every message goes dense, unscanned, and the base still ends
+    holding what was sent; on a slow link every message is a delta, as without a rate; in
+    between, a sample of each message decides: the one with half its words changed goes
+    dense, the others (a few words changed) stay deltas, every payload exact."""
+    sends, current, base, specs = _sender()
+    rounds = sorted(m.round for m, _ in sends)
+    for step, (rate, dense) in enumerate(((1e18, rounds), (1e6, []), (None, []))):
+        for sv in current:
+            sv.tensor.view(-1)[step::7] += 1
+        links = DeltaLinks(frozenset({1}), base, current=current, link_bytes_per_s=rate)
+        exchange = _exchange(links, sends, specs)
+        assert exchange.advanced
+        assert all(torch.equal(b.tensor, c.tensor) for b, c in zip(base, current, strict=True))
+        assert _dense_rows(exchange) == dense, rate
+        assert len(exchange.messages) == len(sends) - len(dense)
+    # Every second element of "norm" and "v" changes, a few of "w"'s: at a rate where a delta
+    # of a few words wins and one of half the words does not, their message goes dense.
+    old = {sv.spec.name: sv.tensor.clone() for sv in current}
+    for sv in current:
+        sv.tensor.view(-1)[:: 9 if sv.spec.name == "w" else 2] += 1
+    dense = [m.round for m, _ in sends if m.chunks[0].tensor != "w"]
+    links = DeltaLinks(frozenset({1}), base, current=current, link_bytes_per_s=5e10)
+    exchange = _exchange(links, sends, specs)
+    assert _dense_rows(exchange) == dense
+    assert all(torch.equal(b.tensor, c.tensor) for b, c in zip(base, current, strict=True))
+    checked = 0
+    for m, io in sends:
+        delta = exchange.messages.get((m.src, m.dst, m.round))
+        if delta is None:
+            continue
+        (chunk,) = m.chunks
+        view = old[chunk.tensor][tuple(slice(a, b) for a, b in chunk.box)]
+        image = view.contiguous().view(-1).view(torch.uint8)
+        apply_delta(image, delta.header, delta.word, delta.payload)
+        assert torch.equal(image, io.direct)
+        checked += 1
+    assert checked == 2  # "w"'s two messages

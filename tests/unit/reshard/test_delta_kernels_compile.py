@@ -47,6 +47,14 @@ def test_the_senders_kernels_compile() -> None:
         {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": delta_batch.BLOCK}
         | {"ALIGNED": True, "SUMS": True},
     )
+    # The sampled estimate's launch (`sample_changed`): nothing written but scratch.
+    for aligned in (True, False):
+        _compile(
+            scan,
+            {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i32"},
+            {"UPDATE": False, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": delta_batch.BLOCK}
+            | {"ALIGNED": aligned, "SUMS": False},
+        )
     per_message = ("kinds", "maps", "map_bytes", "indexes", "values", "starts")
     _compile(
         gather,
