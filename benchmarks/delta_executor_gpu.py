@@ -43,6 +43,7 @@ TRANSPORTS = {
 _REPORT_KEYS = (
     "seconds",
     "delta_seconds",
+    "wire_seconds",
     "prepared_seconds",
     "posted_seconds",
     "host_add_seconds",
@@ -206,7 +207,13 @@ def _print(name: str, ranks: list[dict[str, Any]]) -> None:
     full = statistics.median(
         max(a, b) for a, b in zip(send["full"]["seconds"], recv["full"]["seconds"], strict=True)
     )
-    print(f"[{name}] full refit {full * 1e3:.1f} ms ({send['device']})")
+    last = send["full"]["reports"][-1]
+    rate = last["bytes_sent"] / max(1e-9, last["wire_seconds"])
+    # The rate "auto" decides against (`delta_cost`), unless REFIT_DELTA_LINK_GBPS is set.
+    print(
+        f"[{name}] full refit {full * 1e3:.1f} ms ({send['device']}); sender's link rate "
+        f"{rate / 1e9:.1f} GB/s, REFIT_DELTA_LINK_GBPS={os.environ.get('REFIT_DELTA_LINK_GBPS')}"
+    )
     print(
         f"  {'changed':>8} {'ms':>8} {'x full':>7} {'wire/full':>9} | sender: delta_s posted_s "
         "wait_s verify_s | receiver: delta_s posted_s wait_s after_s verify_s | verified"

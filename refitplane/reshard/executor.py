@@ -185,15 +185,14 @@ class Executor:
         return replace(delta, link_bytes_per_s=self.link_rate if rate is None else rate)
 
     def _measure(self, report: TransferReport) -> None:
-        """Keep the fastest rate a sender's mostly dense transfer moved its bytes at (the
-        transfer's time less its preparation, delta exchange and verification; the first
-        transfers, slowed by connections and kernel loads, only count until a faster one)."""
+        """Keep the fastest rate a sender's mostly dense transfer moved its bytes at over
+        its posting loop (`wire_seconds`: no connection, delta exchange or verification; a
+        first transfer slowed by kernel loads only counts until a faster one)."""
         if self.transport.device.type != "cuda" or 2 * report.bytes_sent < report.bytes_full:
             return
-        wire = report.seconds - report.prepared_seconds - report.delta_seconds
-        wire -= report.verify_seconds
-        if report.bytes_sent and wire > 0:
-            self.link_rate = max(self.link_rate or 0.0, report.bytes_sent / wire)
+        if report.bytes_sent and report.wire_seconds > 0:
+            rate = report.bytes_sent / report.wire_seconds
+            self.link_rate = max(self.link_rate or 0.0, rate)
 
     def _run_links(
         self,

@@ -37,6 +37,9 @@ class TransferReport:
     # Host seconds of the delta exchange before the first message (senders: scan, counts
     # read back, payloads written; both ends: the header tables swapped).
     delta_seconds: float = 0.0
+    # From the first message added to the last completed (connections, staging room and the
+    # delta exchange before it, verification after): what the link rate is measured over.
+    wire_seconds: float = 0.0
     # Staged receivers (`StagedShards`): buckets of stages, how many were applied during the
     # transfer (the last one is left to the owner), and the staging arena's size.
     staged_buckets: int = 0

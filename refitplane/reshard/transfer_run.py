@@ -116,6 +116,7 @@ class TransferRun:
             self._exchange_delta_headers(self.delta)
             self.report.delta_base_advanced = self.delta.advanced
             self.report.delta_seconds = time.monotonic() - began
+        wire_began = time.monotonic()
         for i, step in enumerate(self.steps):
             self._check_cancel()
             bucket = self.bucket_starts.get(i)
@@ -143,6 +144,7 @@ class TransferRun:
                     self._flush(channel)
             self._retire_completed()
         self._drain()
+        self.report.wire_seconds = time.monotonic() - wire_began
         if self.verify:
             t0 = time.perf_counter()
             self._verify()
