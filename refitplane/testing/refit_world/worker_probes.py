@@ -176,3 +176,15 @@ def stale_views(worker: Any) -> dict[str, Any]:
             if not any(start <= ptr < start + size for start, size in spans):
                 stale.append(name)
     return {"checked": checked, "stale": stale[:5], "stale_count": len(stale)}
+
+
+def last_refit_seconds(worker: Any) -> dict[str, float]:
+    """In a vLLM worker: how long its refitplane engine's last transfer ran ("executor": the
+    executor's wall time, `TransferReport.seconds`) and its last finish_weight_update
+    ("finish"); 0.0 where it made none."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    report = getattr(getattr(engine, "member", None), "last_report", None)
+    return {
+        "executor": float(report.seconds) if report is not None else 0.0,
+        "finish": float(getattr(engine, "last_finish_s", 0.0)),
+    }

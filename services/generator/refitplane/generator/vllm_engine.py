@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
@@ -127,6 +128,9 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         self._update_problem = ""
         # vLLM's update sessions, and the version this worker fully holds.
         self.sessions = UpdateSessions()
+        # Seconds the last finish_weight_update took in this worker (the control plane's
+        # per-refit breakdown, benchmarks/gpu_refit.py: the rest of vLLM's finish is its RPC).
+        self.last_finish_s = 0.0
 
     # vLLM parses the payloads inside the worker: never let that raise either.
     def parse_init_info(self, init_dict: dict[str, Any]) -> EngineInitInfo:
@@ -346,6 +350,13 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         self.sessions.verified(refit_id, self.member.completed_version(refit_id))
 
     def finish_weight_update(self, *args: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        try:
+            self._finish()
+        finally:
+            self.last_finish_s = time.perf_counter() - started
+
+    def _finish(self) -> None:
         updates, refit_id, version = self.sessions.take()
         modified = any(u["modified"] for u in updates)
         failed = [u for u in updates if not u["ok"]]
