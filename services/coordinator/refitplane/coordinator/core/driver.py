@@ -404,11 +404,12 @@ class JobDriver:
         if transfer_s > 0 and record.bytes_done:
             self._ctx.metrics.throughput.observe(record.bytes_done / transfer_s)
         log.info(
-            "refit %s committed version %d (%d bytes, %.3f s)",
+            "refit %s committed version %d (%d bytes, %.3f s); last reports: %s",
             run.refit_id,
             record.version,
             record.bytes_done,
             total,
+            run.critical_path(),
         )
 
     # --- signals from reports and membership ---------------------------------------------
@@ -437,6 +438,7 @@ class JobDriver:
             or run.failure is not None
         ):
             return False
+        run.reported(type(body).__name__, mid)
         match body:
             case msg.Prepared():
                 run.prepared.add(mid)
