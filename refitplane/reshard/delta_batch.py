@@ -23,6 +23,7 @@ messages (`Gather.launch`) so sends can follow part by part. Receivers apply pay
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,23 @@ import torch
 from refitplane.errors import InvalidArgument
 from refitplane.reshard.delta import DeltaHeader, Encoding, encoded_nbytes
 
-BLOCK = 4096  # words per program (a multiple of 8: bitmap bytes never straddle programs)
+
+def _launch_setting(name: str, default: int, lowest: int) -> int:
+    """A power of two from the environment (read once, at import: the kernels' shapes)."""
+    raw = os.environ.get(name, "").strip()
+    value = int(raw) if raw.isdigit() else (default if not raw else -1)
+    if value < lowest or value & (value - 1):
+        raise InvalidArgument(
+            f"{name} must be a power of two of at least {lowest}, got {raw!r}", field=name
+        )
+    return value
+
+
+# Words per program of the sender's scan and gather (a power of two, at least 8: bitmap
+# bytes never straddle programs), and the scan's warps per program. Settings for measuring
+# the scan's speed (`benchmarks/delta_scan_gpu.py`); the defaults are what ran on 2xH100.
+BLOCK = _launch_setting("REFIT_DELTA_SCAN_BLOCK", 4096, 8)
+SCAN_WARPS = _launch_setting("REFIT_DELTA_SCAN_WARPS", 4, 1)
 _BITS = BLOCK // 8
 _kernels: Any = None
 _TL_WORDS: dict[int, Any] = {}
@@ -300,6 +317,7 @@ def scan_many(
         BLOCK=BLOCK,
         ALIGNED=aligned,
         SUMS=any(summed),
+        num_warps=SCAN_WARPS,
     )
     counts = torch.zeros(len(currents), dtype=torch.int64, device=device)
     counts.index_add_(0, blocks.block_msg.long(), block_counts.long())
@@ -379,6 +397,7 @@ def sample_changed(
         BLOCK=BLOCK,
         ALIGNED=all(t.data_ptr() % 16 == 0 for t in (*currents, *bases)),
         SUMS=False,
+        num_warps=SCAN_WARPS,
     )
     per_message = torch.zeros(len(ns), dtype=torch.int64, device=device)
     per_message.index_add_(0, index.to(device), found.long())

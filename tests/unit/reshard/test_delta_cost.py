@@ -69,14 +69,14 @@ def check_sample(device: str) -> None:
         current[torch.rand(n, generator=g) < fraction] += 1
         bases.append(base.view(torch.uint8).to(device))
         currents.append(current.view(torch.uint8).to(device))
-    kernel = delta_batch.sample_changed(currents, bases, 2, budget=64)
-    assert kernel == delta_batch.sample_changed(currents, bases, 2, kernel=False, budget=64)
+    kernel = delta_batch.sample_changed(currents, bases, 2, budget=8)
+    assert kernel == delta_batch.sample_changed(currents, bases, 2, kernel=False, budget=8)
     exact = [
         int((c.view(torch.int16) != b.view(torch.int16)).sum())
         for c, b in zip(currents, bases, strict=True)
     ]
     assert kernel[:2] == exact[:2]  # every block of the one-block messages sampled
-    message, _, size = delta_batch.sample_blocks(list(sizes), budget=64)
+    message, _, size = delta_batch.sample_blocks(list(sizes), budget=8)
     assert size[message == 3].sum() < sizes[3] // 2  # of the large one, a sample
     assert abs(kernel[3] - exact[3]) < 0.3 * exact[3]
     assert delta_batch.sample_changed(currents, bases, 2) == exact  # budget above the blocks

@@ -24,43 +24,51 @@ def _cuda_backend() -> bool:
 pytestmark = pytest.mark.skipif(not _cuda_backend(), reason="needs Triton's CUDA backend")
 
 
-def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any]) -> None:
+def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], warps: int = 4) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kinds = {name: signature.get(name, "constexpr") for name in fn.arg_names}
-    triton.compile(ASTSource(fn, kinds, constants), target=GPUTarget("cuda", 90, 32))
+    source = ASTSource(fn, kinds, constants)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def test_the_senders_kernels_compile() -> None:
+# The sender's launch shapes: the default, and the largest `benchmarks/delta_scan_gpu.py`
+# sweeps (REFIT_DELTA_SCAN_BLOCK, REFIT_DELTA_SCAN_WARPS).
+@pytest.mark.parametrize(("block", "warps"), [(None, None), (16384, 16)])
+def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> None:
     import triton.language as tl
 
     from refitplane.reshard import delta_batch
 
+    block = block or delta_batch.BLOCK
+    warps = warps or delta_batch.SCAN_WARPS
     scan, gather = delta_batch._compile()
     tables = {"block_msg": "*i32", "blk0": "*i64", "ns": "*i64", "curs": "*i64"}
     tables |= {"bits_at": "*i64", "bits": "*u8"}
     _compile(
         scan,
         {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
-        {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": delta_batch.BLOCK}
+        {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
         | {"ALIGNED": True, "SUMS": True},
+        warps,
     )
     # The sampled estimate's launch (`sample_changed`): nothing written but scratch.
     for aligned in (True, False):
         _compile(
             scan,
             {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i32"},
-            {"UPDATE": False, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": delta_batch.BLOCK}
+            {"UPDATE": False, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
             | {"ALIGNED": aligned, "SUMS": False},
+            warps,
         )
     per_message = ("kinds", "maps", "map_bytes", "indexes", "values", "starts")
     _compile(
         gather,
         {**tables, "first_block": "i64", "kinds": "*i32"}
         | {name: "*i64" for name in per_message if name != "kinds"},
-        {"WORD": tl.int16, "BLOCK": delta_batch.BLOCK},
+        {"WORD": tl.int16, "BLOCK": block},
     )
 
 

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""How fast a sender's delta kernels read memory on one GPU, per launch shape: what the scan
+costs against the copy that moves the same bytes.
+
+    python benchmarks/delta_scan_gpu.py --model qwen3-8b --fraction 0.01 [--sweep] [--out r.json]
+
+The trainer TP1 rank's tensors of `--model` (synthetic bf16 on cuda:0, one message per
+tensor) and a base that differs in `--fraction` of the elements. Timed with CUDA events,
+median of `--repeats` after a warm-up:
+
+- copy: `torch._foreach_copy_` of every current tensor (reads and writes the bytes once:
+  the scan reads current and base once, the same traffic, so this is its bound);
+- scan: `delta_batch.scan_many` as a sender runs it (base advanced where changed, checksum
+  rows added) — the base is restored before each run, outside the timing;
+- scan, no sums: the same without the checksum rows;
+- gather: every payload written (`prepare_gather` + one launch) after the scan;
+- sample: `sample_changed`, the "auto" estimate before a scan.
+
+`--sweep` runs the shapes of `SWEEP` (REFIT_DELTA_SCAN_BLOCK words per program,
+REFIT_DELTA_SCAN_WARPS warps), each in a process of its own (the kernels' shapes are read at
+import), and prints one row each; the first row is the default shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# (words per program, warps per program): the default first.
+SWEEP = ((4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (2048, 4))
+
+
+def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dict[str, Any]:
+    import time
+
+    import torch
+
+    from refitplane.reshard import delta_batch
+    from refitplane.reshard.delta import Encoding, choose_encoding
+    from refitplane.testing.model_layouts import GPU_LAYOUTS, model_layouts
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from model_refit import _shards
+
+    device = torch.device(device_name)  # cpu: a smoke test, in Triton's interpreter
+    source, _ = model_layouts(model, GPU_LAYOUTS["tp1"])
+    shards = _shards(source, 0, device, fill=True)
+    currents = [sv.tensor.view(-1).view(torch.uint8) for sv in shards]
+    originals = [c.clone() for c in currents]
+    gen = torch.Generator(device=device).manual_seed(7)
+    for c in currents:
+        words = c.view(torch.int16)
+        words[torch.rand(words.numel(), device=device, generator=gen) < fraction] ^= 1
+    bases = [o.clone() for o in originals]
+    scratch = [torch.empty_like(c) for c in currents]
+    rows = torch.zeros((len(currents), 2), dtype=torch.int64, device=device)
+    nbytes = sum(c.numel() for c in currents)
+
+    on_cuda = device.type == "cuda"
+
+    def timed(run: Any, before: Any = None) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            if before is not None:
+                before()
+            if not on_cuda:
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+                continue
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            torch.cuda.synchronize()
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times[1:])
+
+    def restore() -> None:
+        torch._foreach_copy_(bases, originals)
+        rows.zero_()
+
+    def scan(sums: bool) -> Any:
+        return delta_batch.scan_many(
+            currents,
+            bases,
+            2,
+            update=True,
+            sums=[rows[i] for i in range(len(currents))] if sums else None,
+        )
+
+    copy_s = timed(lambda: torch._foreach_copy_(scratch, currents))
+    scan_s = timed(lambda: scan(True), restore)
+    plain_s = timed(lambda: scan(False), restore)
+    restore()
+    batch = scan(True)
+    counts = [int(n) for n in batch.counts.tolist()]
+    exact = [
+        int((c.view(torch.int16) != o.view(torch.int16)).sum())
+        for c, o in zip(currents, originals, strict=True)
+    ]
+    if counts != exact:
+        raise SystemExit(f"block {delta_batch.BLOCK}: the scan's counts differ from torch's")
+    headers = [choose_encoding(c.numel(), n, 2) for c, n in zip(currents, counts, strict=True)]
+    # One zeroed arena, a payload per sparse message (as `DeltaExchange.encode` lays them).
+    sparse = [h.nbytes if h.encoding is not Encoding.DENSE else 0 for h in headers]
+    arena = torch.zeros(sum(sparse), dtype=torch.uint8, device=device)
+    cuts = list(torch.split(arena, sparse))
+    payloads = [cut if n else None for cut, n in zip(cuts, sparse, strict=True)]
+    gather = delta_batch.prepare_gather(batch, headers, payloads)
+    gather_s = timed(gather.launch) if gather is not None else 0.0
+    restore()
+    sample_s = timed(lambda: delta_batch.sample_changed(currents, bases, 2))
+    changed = sum(counts)
+    return {
+        "block": delta_batch.BLOCK,
+        "warps": delta_batch.SCAN_WARPS,
+        "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor(),
+        "messages": len(currents),
+        "bytes": nbytes,
+        "changed_words": changed,
+        "encodings": {e.name: sum(h.encoding is e for h in headers) for e in Encoding},
+        "copy_s": copy_s,
+        "scan_s": scan_s,
+        "scan_no_sums_s": plain_s,
+        "gather_s": gather_s,
+        "sample_s": sample_s,
+    }
+
+
+def _row(r: dict[str, Any]) -> str:
+    read = 2 * r["bytes"] / 1e9  # both images (the copy: read + write)
+    passes = [
+        f"{r[k] * 1e3:.1f} ({read / r[k]:.0f})" for k in ("copy_s", "scan_s", "scan_no_sums_s")
+    ]
+    cells = [str(r["block"]), str(r["warps"]), *passes]
+    cells += [f"{r['gather_s'] * 1e3:.1f}", f"{r['sample_s'] * 1e3:.2f}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--fraction", type=float, default=0.01)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--json", action="store_true", help="print one JSON line (sweep rows)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not args.sweep:
+        result = _measure(args.model, args.fraction, args.repeats, args.device)
+        results = [result]
+        if args.json:
+            print(json.dumps(result))
+            return
+    else:
+        results = []
+        for block, warps in SWEEP:
+            env = {
+                **os.environ,
+                "REFIT_DELTA_SCAN_BLOCK": str(block),
+                "REFIT_DELTA_SCAN_WARPS": str(warps),
+            }
+            command = [sys.executable, __file__, "--model", args.model, "--json"]
+            command += ["--device", args.device]
+            command += ["--fraction", str(args.fraction), "--repeats", str(args.repeats)]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                print(f"block {block}, warps {warps}: failed\n{done.stderr[-2000:]}")
+                continue
+            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first = results[0]
+    print(
+        f"{first['device']}, {args.model}: {first['messages']} messages, "
+        f"{first['bytes'] / 1e9:.2f} GB, {args.fraction:.2%} changed "
+        f"({first['changed_words']} words; {first['encodings']}); ms (GB/s over both images)"
+    )
+    print("| words/program | warps | copy | scan | scan, no sums | gather | sample |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(_row(r))
+    if args.out:
+        meta = {"host": platform.node(), "model": args.model, "fraction": args.fraction}
+        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
