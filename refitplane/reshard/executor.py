@@ -105,9 +105,6 @@ class Executor:
         self._prepared: PreparedPlan | None = None
         # Link copies (`ipc_run.py`): the links of the prepared plan, kept with it.
         self._links: LinkCopies | None = None
-        # Senders on CUDA: the fastest rate (bytes/s) a mostly dense transfer of this
-        # executor moved its bytes at, what "auto" deltas must beat (`delta_cost`).
-        self.link_rate: float | None = None
 
     def run(
         self,
@@ -176,13 +173,15 @@ class Executor:
 
     def _rated(self, delta: DeltaLinks | None) -> DeltaLinks | None:
         """`delta` with the link rate its "auto" decisions assume, on CUDA senders:
-        REFIT_DELTA_LINK_GBPS if set ("off": none), else the measured `link_rate`."""
+        REFIT_DELTA_LINK_GBPS if set ("off": none), else the transport's measured
+        `link_rate`."""
         if delta is None or delta.link_bytes_per_s is not None or delta.base is None:
             return delta
         if self.transport.device.type != "cuda":
             return delta  # the cost model's figures are a GPU's
         rate = link_rate_setting()
-        return replace(delta, link_bytes_per_s=self.link_rate if rate is None else rate)
+        measured = self.transport.link_rate
+        return replace(delta, link_bytes_per_s=measured if rate is None else rate)
 
     def _measure(self, report: TransferReport) -> None:
         """Keep the fastest rate a sender's mostly dense transfer moved its bytes at over
@@ -192,7 +191,7 @@ class Executor:
             return
         if report.bytes_sent and report.wire_seconds > 0:
             rate = report.bytes_sent / report.wire_seconds
-            self.link_rate = max(self.link_rate or 0.0, rate)
+            self.transport.link_rate = max(self.transport.link_rate or 0.0, rate)
 
     def _run_links(
         self,

@@ -52,6 +52,10 @@ class Transport(ABC):
     copies_links: bool = False
     # Host seconds `issue` spent waiting for the transport to take posted groups (a profile).
     settle_seconds: float = 0.0
+    # Senders on CUDA: the fastest rate (bytes/s) a mostly dense transfer over this
+    # transport moved its bytes at (`Executor`; what "auto" deltas must beat, `delta_cost`).
+    # Kept here, not on the executor: an agent makes a new executor when its config changes.
+    link_rate: float | None = None
 
     def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
         """Context for work that must precede the channel's next posted transfer (packing)."""
