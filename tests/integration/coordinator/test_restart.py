@@ -108,3 +108,26 @@ def _lists(client) -> bool:
     except Unavailable:
         return False
     return True
+
+
+def test_every_member_of_a_replica_is_stored_at_the_committed_version(
+    redis_url, coordinator_factory, sim_cluster
+):
+    """A replica's members take a refit's version together (their writes in flight at once,
+    `Membership.update_all`): the store, read back from Redis, holds each of them at it, and
+    a coordinator restarted on it shows them there."""
+    first = coordinator_factory(redis_url)
+    cluster = sim_cluster(first)
+    cluster.trainers(world=1)
+    replica = [*cluster.replica("a", world=3), *cluster.replica("b", sidecar=True)]
+    client = cluster.client()
+    refit = client.wait(client.trigger("job").refit_id, timeout_s=20)
+    assert refit.state is RefitState.COMMITTED, refit.message
+    stored = {m.member_id: m for m in first.call(first.core.store.load_members())}
+    assert {m.member_id: stored[m.member_id].version for m in replica} == {
+        m.member_id: refit.version for m in replica
+    }
+    first.stop(graceful=False)
+    second = coordinator_factory(redis_url, grpc_port=first.server.grpc_port)
+    for m in replica:
+        assert second.core.membership.find(m.member_id).version == refit.version

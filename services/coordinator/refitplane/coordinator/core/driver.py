@@ -377,6 +377,7 @@ class JobDriver:
         if not newly:
             return
         run.update(replicas_done=[*run.record.replicas_done, *newly], updated_unix=time.time())
+        updated = []
         for replica in newly:
             members = [*cast.replica_ranks[replica]]
             if replica in cast.replica_sidecar:
@@ -384,9 +385,8 @@ class JobDriver:
             for member_id in members:
                 member = self._ctx.membership.find(member_id)
                 if member is not None:
-                    await self._ctx.membership.update(
-                        member.model_copy(update={"version": version})
-                    )
+                    updated.append(member.model_copy(update={"version": version}))
+        await self._ctx.membership.update_all(updated)  # written together, not one by one
         await self.replicas.set_degraded(newly, degraded=False)
         self._ctx.events.publish(run.record)
 

@@ -250,14 +250,31 @@ class Membership:
 
     async def update(self, member: MemberRecord) -> None:
         """Persist a changed member (e.g. its version after a commit), if still registered."""
-        current = self._members.get(member.member_id)
-        if current is None:
+        await self.update_all([member])
+
+    async def update_all(self, members: Iterable[MemberRecord]) -> None:
+        """`update` for several members of one job, their writes in flight together: a
+        replica's ranks all take a refit's version at once, and on Redis one write after
+        another cost a round trip per rank between the last report and COMMITTED."""
+        changed: list[MemberRecord] = []
+        for member in members:
+            current = self._members.get(member.member_id)
+            if current is not None:
+                lease = current.lease_expires_unix
+                changed.append(member.model_copy(update={"lease_expires_unix": lease}))
+        if not changed:
             return
-        member = member.model_copy(update={"lease_expires_unix": current.lease_expires_unix})
-        async with self._locks[member.job]:
+
+        async def save(member: MemberRecord) -> None:
             if member.member_id in self._members:
                 await self._store.save_member(member)
                 self._members[member.member_id] = member
+
+        jobs = {m.job for m in changed}
+        if len(jobs) > 1:
+            raise ValueError(f"update_all takes members of one job, got {sorted(jobs)}")
+        async with self._locks[changed[0].job]:
+            await asyncio.gather(*(save(m) for m in changed))
 
     async def deregister(self, member_id: str) -> None:
         member = self.get(member_id)
