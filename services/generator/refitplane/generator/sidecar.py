@@ -70,8 +70,8 @@ class SidecarSettings(AgentSettings):
     vllm_url: str = "http://127.0.0.1:8000"
     # vLLM's /pause?mode= (the coordinator's REFIT_PAUSE_MODE can override it per refit).
     pause_mode: Literal["keep", "wait", "abort"] = "keep"
-    # The workers' receive mode (init_info.mode): auto, layerwise or staged (vllm_staging).
-    receive_mode: Literal["auto", "layerwise", "staged"] = "auto"
+    # The workers' receive mode (init_info.mode): auto, live, layerwise or staged (vllm_staging).
+    receive_mode: Literal["auto", "live", "layerwise", "staged"] = "auto"
     sidecar_port: int = 8090
     sidecar_host: str = "0.0.0.0"
     vllm_start_timeout_s: float = 900.0

@@ -93,7 +93,7 @@ _KINDS: Final[dict[type[Any], dict[str, tuple[type[Any], ...]]]] = {
         "prepare_wait_s": (int, float),
     },
 }
-_MODES: Final = ("auto", "layerwise", "staged")
+_MODES: Final = ("auto", "live", "layerwise", "staged")
 # What a replica does with the draft it serves (`RefitInitInfo.draft`).
 DRAFT_POLICIES: Final = ("keep", "refit")
 _ACTIONS: Final = ("receive", "discard")

