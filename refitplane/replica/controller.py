@@ -275,10 +275,26 @@ class SidecarMember(NullHandler):
             self._report_version(cmd.refit_id, cmd.version)
             steps.mark("reported")
             self._take_version(cmd.version)
-            self.control.resume()
+            if not self._resume_committed(cmd.refit_id):
+                return
             steps.mark("resume")
             self._resumed()
         log.info("replica %s serves version %d: %s", self.replica_id, cmd.version, steps)
+
+    def _resume_committed(self, refit_id: str) -> bool:
+        """Resume the engine after the coordinator took the report: the refit's outcome is
+        decided (it commits with this replica at the version), so a failure here fails
+        nothing; an engine that does not resume holds the version but serves nothing, and
+        the replica says so (not ready, paused) until a later refit resumes it."""
+        try:
+            status = self.control.resume()
+        except RefitError as exc:
+            self._degrade(f"vLLM did not resume after refit {refit_id}: {exc.message}")
+            return False
+        if not succeeded(status):
+            self._degrade(f"vLLM answered HTTP {status} to /resume after refit {refit_id}")
+            return False
+        return True
 
     def _wake_kv_cache_and_report(self, cmd: StartTransferCmd, steps: _Steps) -> None:
         """The end of a refit that woke the engine from sleep: the KV cache takes memory back

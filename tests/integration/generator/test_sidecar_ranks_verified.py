@@ -41,6 +41,7 @@ class _Engine(CallerPausedControl):
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.on_finish: Callable[[], None] | None = None
+        self.resume_status = 200
 
     def _ok(self, call: str) -> int:
         self.calls.append(call)
@@ -53,7 +54,8 @@ class _Engine(CallerPausedControl):
         return self._ok("pause")
 
     def resume(self) -> int:
-        return self._ok("resume")
+        self._ok("resume")
+        return self.resume_status
 
     def start_update(self) -> int:
         return self._ok("start_update")
@@ -316,3 +318,17 @@ def test_a_refit_that_times_out_refuses_reports_before_it_aborts(
     assert refit.reason == "TIMEOUT"
     assert refused_at_abort  # AbortRefit went out (to every participant)
     assert all(refused_at_abort)
+
+
+def test_an_engine_that_does_not_resume_after_the_commit_is_not_ready(replica):
+    """The engine resumes after the coordinator took the report, so a refit can show
+    COMMITTED while vLLM refuses /resume: the replica holds the version but serves nothing,
+    and says so (not ready, naming /resume) instead of looking healthy."""
+    _, cluster, _, engine, member, _ = replica()
+    engine.resume_status = 503
+    refit = _refit(cluster)
+    assert refit.state is RefitState.COMMITTED, refit.message
+    wait_until(lambda: member.state.degraded, what="the replica not ready")
+    assert "HTTP 503 to /resume" in member.state.last_error
+    assert member.state.paused
+    assert member.state.version == refit.version
