@@ -17,8 +17,9 @@ median of `--repeats` after a warm-up:
 - sample: `sample_changed`, the "auto" estimate before a scan.
 
 `--sweep` runs the shapes of `SWEEP` (REFIT_DELTA_SCAN_BLOCK words per program,
-REFIT_DELTA_SCAN_WARPS warps), each in a process of its own (the kernels' shapes are read at
-import), and prints one row each; the first row is the default shape.
+REFIT_DELTA_SCAN_WARPS warps, REFIT_DELTA_SCAN_SUMS: the checksum sums from the block loaded
+again as 64-bit words or from the words already loaded), each in a process of its own (read
+at import), and prints one row each; the first row is the default.
 """
 
 from __future__ import annotations
@@ -33,8 +34,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# (words per program, warps per program): the default first.
-SWEEP = ((4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (2048, 4))
+# (words per program, warps per program, checksum sums): the default first.
+SWEEP = (
+    (4096, 4, "reload"),
+    (4096, 4, "words"),
+    (4096, 8, "reload"),
+    (8192, 4, "reload"),
+    (8192, 8, "reload"),
+    (16384, 8, "reload"),
+    (16384, 16, "reload"),
+    (16384, 8, "words"),
+    (2048, 4, "reload"),
+)
 
 
 def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dict[str, Any]:
@@ -43,6 +54,7 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
     import torch
 
     from refitplane.reshard import delta_batch
+    from refitplane.reshard.checksum import accumulate_sums
     from refitplane.reshard.delta import Encoding, choose_encoding
     from refitplane.testing.model_layouts import GPU_LAYOUTS, model_layouts
 
@@ -110,6 +122,13 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
     ]
     if counts != exact:
         raise SystemExit(f"block {delta_batch.BLOCK}: the scan's counts differ from torch's")
+    for i, (current, summed) in enumerate(zip(currents, batch.summed, strict=True)):
+        want = torch.zeros(2, dtype=torch.int64, device=device)
+        accumulate_sums(current, want)
+        if summed and not torch.equal(rows[i], want):
+            raise SystemExit(
+                f"{delta_batch.SCAN_SUMS} sums of message {i} differ from the checksum's"
+            )
     headers = [choose_encoding(c.numel(), n, 2) for c, n in zip(currents, counts, strict=True)]
     # One zeroed arena, a payload per sparse message (as `DeltaExchange.encode` lays them).
     sparse = [h.nbytes if h.encoding is not Encoding.DENSE else 0 for h in headers]
@@ -124,6 +143,7 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
     return {
         "block": delta_batch.BLOCK,
         "warps": delta_batch.SCAN_WARPS,
+        "sums": delta_batch.SCAN_SUMS,
         "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor(),
         "messages": len(currents),
         "bytes": nbytes,
@@ -142,7 +162,7 @@ def _row(r: dict[str, Any]) -> str:
     passes = [
         f"{r[k] * 1e3:.1f} ({read / r[k]:.0f})" for k in ("copy_s", "scan_s", "scan_no_sums_s")
     ]
-    cells = [str(r["block"]), str(r["warps"]), *passes]
+    cells = [str(r["block"]), str(r["warps"]), r["sums"], *passes]
     cells += [f"{r['gather_s'] * 1e3:.1f}", f"{r['sample_s'] * 1e3:.2f}"]
     return "| " + " | ".join(cells) + " |"
 
@@ -165,18 +185,19 @@ def main() -> None:
             return
     else:
         results = []
-        for block, warps in SWEEP:
+        for block, warps, sums in SWEEP:
             env = {
                 **os.environ,
                 "REFIT_DELTA_SCAN_BLOCK": str(block),
                 "REFIT_DELTA_SCAN_WARPS": str(warps),
+                "REFIT_DELTA_SCAN_SUMS": sums,
             }
             command = [sys.executable, __file__, "--model", args.model, "--json"]
             command += ["--device", args.device]
             command += ["--fraction", str(args.fraction), "--repeats", str(args.repeats)]
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
-                print(f"block {block}, warps {warps}: failed\n{done.stderr[-2000:]}")
+                print(f"block {block}, warps {warps}, {sums}: failed\n{done.stderr[-2000:]}")
                 continue
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     first = results[0]
@@ -185,8 +206,8 @@ def main() -> None:
         f"{first['bytes'] / 1e9:.2f} GB, {args.fraction:.2%} changed "
         f"({first['changed_words']} words; {first['encodings']}); ms (GB/s over both images)"
     )
-    print("| words/program | warps | copy | scan | scan, no sums | gather | sample |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| words/program | warps | sums | copy | scan | scan, no sums | gather | sample |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in results:
         print(_row(r))
     if args.out:

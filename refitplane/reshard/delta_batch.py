@@ -34,22 +34,30 @@ from refitplane.errors import InvalidArgument
 from refitplane.reshard.delta import DeltaHeader, Encoding, encoded_nbytes
 
 
-def _launch_setting(name: str, default: int, lowest: int) -> int:
+def _launch_setting(name: str, default: int, lowest: int, highest: int) -> int:
     """A power of two from the environment (read once, at import: the kernels' shapes)."""
     raw = os.environ.get(name, "").strip()
     value = int(raw) if raw.isdigit() else (default if not raw else -1)
-    if value < lowest or value & (value - 1):
+    if not lowest <= value <= highest or value & (value - 1):
         raise InvalidArgument(
-            f"{name} must be a power of two of at least {lowest}, got {raw!r}", field=name
+            f"{name} must be a power of two from {lowest} to {highest}, got {raw!r}", field=name
         )
     return value
 
 
-# Words per program of the sender's scan and gather (a power of two, at least 8: bitmap
-# bytes never straddle programs), and the scan's warps per program. Settings for measuring
+# Words per program of the sender's scan and gather (a power of two from 8, so bitmap bytes
+# never straddle programs, to 65536), and the scan's warps per program. Settings for measuring
 # the scan's speed (`benchmarks/delta_scan_gpu.py`); the defaults are what ran on 2xH100.
-BLOCK = _launch_setting("REFIT_DELTA_SCAN_BLOCK", 4096, 8)
-SCAN_WARPS = _launch_setting("REFIT_DELTA_SCAN_WARPS", 4, 1)
+BLOCK = _launch_setting("REFIT_DELTA_SCAN_BLOCK", 4096, 8, 65536)
+SCAN_WARPS = _launch_setting("REFIT_DELTA_SCAN_WARPS", 4, 1, 32)
+# How the scan takes the checksum sums: "reload" (the block again as 64-bit words, from the
+# cache; what ran on 2xH100) or "words" (from the words already loaded, `folded_sums`).
+SCAN_SUMS = os.environ.get("REFIT_DELTA_SCAN_SUMS", "reload").strip() or "reload"
+if SCAN_SUMS not in ("reload", "words"):
+    raise InvalidArgument(
+        f"REFIT_DELTA_SCAN_SUMS must be 'reload' or 'words', got {SCAN_SUMS!r}",
+        field="REFIT_DELTA_SCAN_SUMS",
+    )
 _BITS = BLOCK // 8
 _kernels: Any = None
 _TL_WORDS: dict[int, Any] = {}
@@ -80,6 +88,33 @@ def _compile() -> Any:
         return m, local, first, inner, inner < left
 
     @triton.jit
+    def folded_sums(a, inner, first, WORD_BYTES: tl.constexpr, BLOCK: tl.constexpr):
+        """(S0, S1) of `checksum.py` for a block's words already loaded ([rows, 8], words
+        past the image zero), without loading them again as 64-bit words: word (r, c) is
+        bytes [(8r + c) * WORD_BYTES, ...) of the block, so it adds its unsigned value,
+        shifted to its place in 64-bit word r * WORD_BYTES + c * WORD_BYTES // 8, to S0, and
+        that times the 64-bit word's index in the message to S1 (wrapping int64, as the
+        checksum). Per column: S0 += U_c << shift_c, S1 += ((w0 + q_c) U_c + WORD_BYTES
+        sum_r r u_rc) << shift_c, with U_c the column's sum."""
+        u = a.to(tl.int64)
+        if WORD_BYTES < 8:
+            u = u & ((1 << (8 * WORD_BYTES)) - 1)
+        rows = inner // 8  # [rows, 8]: each word's row
+        if WORD_BYTES <= 2:  # noqa: SIM108 (a branch on a constexpr, not a value)
+            # r * u < 2^13 * 2^16 for blocks up to 65536 words (`BLOCK`): in 32 bits.
+            ru = (rows * u.to(tl.int32)).to(tl.int64)
+        else:
+            ru = rows.to(tl.int64) * u
+        column = tl.arange(0, 8)
+        shift = (column * WORD_BYTES % 8) * 8
+        w0 = first * WORD_BYTES // 8 + column * WORD_BYTES // 8  # [8]: each column's q offset
+        total = tl.sum(u, axis=0)  # [8]
+        weighted = tl.sum(ru, axis=0)  # [8]
+        s0 = tl.sum(total << shift, axis=0)
+        s1 = tl.sum((w0 * total + WORD_BYTES * weighted) << shift, axis=0)
+        return s0, s1
+
+    @triton.jit
     def scan(
         block_msg,
         blk0,
@@ -96,6 +131,7 @@ def _compile() -> Any:
         BLOCK: tl.constexpr,
         ALIGNED: tl.constexpr,
         SUMS: tl.constexpr,
+        SUMS_FROM_WORDS: tl.constexpr = False,
     ):
         m, local, first, inner, inside = locate(tl.program_id(0), block_msg, blk0, ns, BLOCK)
         cur = tl.load(curs + m).to(tl.pointer_type(WORD))
@@ -124,7 +160,14 @@ def _compile() -> Any:
         tl.store(here + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
         if UPDATE:
             tl.store(base + inner, a, mask=changed != 0)
-        if SUMS:
+        if SUMS and SUMS_FROM_WORDS:
+            out_at = tl.load(sums + m)
+            if out_at != 0:
+                s0, s1 = folded_sums(a, inner, first, WORD_BYTES, BLOCK)
+                out = out_at.to(tl.pointer_type(tl.int64))
+                tl.atomic_add(out, s0)
+                tl.atomic_add(out + 1, s1)
+        if SUMS and not SUMS_FROM_WORDS:
             # The sender's checksum of the message (`checksum.py`'s S0, S1 over its 64-bit
             # words) from the same pass: the block's bytes again as int64, from the cache.
             out_at = tl.load(sums + m)
@@ -196,7 +239,7 @@ def _compile() -> Any:
 
     # The kernels call the helpers by name: Triton's interpreter (TRITON_INTERPRET=1, how the
     # CPU tests run these kernels) looks names up in the module's globals.
-    globals().update(locate=locate, popc=popc)
+    globals().update(locate=locate, popc=popc, folded_sums=folded_sums)
     _TL_WORDS.update({1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64})
     _kernels = (scan, gather)
     return _kernels
@@ -317,6 +360,7 @@ def scan_many(
         BLOCK=BLOCK,
         ALIGNED=aligned,
         SUMS=any(summed),
+        SUMS_FROM_WORDS=SCAN_SUMS == "words",
         num_warps=SCAN_WARPS,
     )
     counts = torch.zeros(len(currents), dtype=torch.int64, device=device)

@@ -109,3 +109,38 @@ def check_batch(device: str) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_batched_kernels_in_the_interpreter() -> None:
     run_in_interpreter("tests.unit.reshard.test_delta_batch", "check_batch")
+
+
+def check_sums_every_word(device: str) -> None:
+    """The scan's checksum rows equal `checksum.accumulate_sums` of the current images for
+    every word size, whole blocks and a partial one, in the mode REFIT_DELTA_SCAN_SUMS
+    chose ("reload" or "words", `delta_batch.folded_sums`)."""
+    from refitplane.reshard import delta_batch
+    from refitplane.reshard.checksum import accumulate_sums
+
+    g = torch.Generator().manual_seed(3)
+    for word in (1, 2, 4, 8):
+        sizes = (8, 20000, delta_batch.BLOCK * word + 24)
+        currents = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+        bases = [c.clone() for c in currents]
+        bases[1][::7] ^= 1
+        rows = torch.zeros((len(sizes), 2), dtype=torch.int64, device=device)
+        batch = delta_batch.scan_many(
+            [c.to(device) for c in currents],
+            [b.to(device) for b in bases],
+            word,
+            update=False,
+            sums=[rows[i] for i in range(len(sizes))],
+        )
+        assert all(batch.summed)
+        for i, current in enumerate(currents):
+            want = torch.zeros(2, dtype=torch.int64)
+            accumulate_sums(current, want, use_triton=False)
+            assert torch.equal(rows[i].cpu(), want), (word, sizes[i], rows[i], want)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.parametrize("mode", ["reload", "words"])
+def test_scan_sums_in_the_interpreter(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REFIT_DELTA_SCAN_SUMS", mode)
+    run_in_interpreter("tests.unit.reshard.test_delta_batch", "check_sums_every_word")

@@ -54,6 +54,16 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
         | {"ALIGNED": True, "SUMS": True},
         warps,
     )
+    # The checksum sums from the words already loaded (REFIT_DELTA_SCAN_SUMS=words).
+    words = {2: tl.int16, 4: tl.int32}
+    for word in (2, 4):
+        _compile(
+            scan,
+            {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
+            {"UPDATE": True, "WORD": words[word], "WORD_BYTES": word, "BLOCK": block}
+            | {"ALIGNED": True, "SUMS": True, "SUMS_FROM_WORDS": True},
+            warps,
+        )
     # The sampled estimate's launch (`sample_changed`): nothing written but scratch.
     for aligned in (True, False):
         _compile(
