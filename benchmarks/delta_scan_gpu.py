@@ -71,7 +71,6 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
         words = c.view(torch.int16)
         words[torch.rand(words.numel(), device=device, generator=gen) < fraction] ^= 1
     bases = [o.clone() for o in originals]
-    scratch = [torch.empty_like(c) for c in currents]
     rows = torch.zeros((len(currents), 2), dtype=torch.int64, device=device)
     nbytes = sum(c.numel() for c in currents)
 
@@ -110,7 +109,7 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
             sums=[rows[i] for i in range(len(currents))] if sums else None,
         )
 
-    copy_s = timed(lambda: torch._foreach_copy_(scratch, currents))
+    copy_s = timed(lambda: torch._foreach_copy_(bases, currents))  # (restored below)
     scan_s = timed(lambda: scan(True), restore)
     plain_s = timed(lambda: scan(False), restore)
     restore()
@@ -167,6 +166,16 @@ def _row(r: dict[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _print_head(first: dict[str, Any], model: str, fraction: float) -> None:
+    print(
+        f"{first['device']}, {model}: {first['messages']} messages, "
+        f"{first['bytes'] / 1e9:.2f} GB, {fraction:.2%} changed "
+        f"({first['changed_words']} words; {first['encodings']}); ms (GB/s over both images)"
+    )
+    print("| words/program | warps | sums | copy | scan | scan, no sums | gather | sample |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-8b")
@@ -179,10 +188,12 @@ def main() -> None:
     args = parser.parse_args()
     if not args.sweep:
         result = _measure(args.model, args.fraction, args.repeats, args.device)
-        results = [result]
         if args.json:
             print(json.dumps(result))
             return
+        _print_head(result, args.model, args.fraction)
+        print(_row(result))
+        results = [result]
     else:
         results = []
         for block, warps, sums in SWEEP:
@@ -200,16 +211,9 @@ def main() -> None:
                 print(f"block {block}, warps {warps}, {sums}: failed\n{done.stderr[-2000:]}")
                 continue
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    first = results[0]
-    print(
-        f"{first['device']}, {args.model}: {first['messages']} messages, "
-        f"{first['bytes'] / 1e9:.2f} GB, {args.fraction:.2%} changed "
-        f"({first['changed_words']} words; {first['encodings']}); ms (GB/s over both images)"
-    )
-    print("| words/program | warps | sums | copy | scan | scan, no sums | gather | sample |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
-    for r in results:
-        print(_row(r))
+            if len(results) == 1:
+                _print_head(results[0], args.model, args.fraction)
+            print(_row(results[-1]), flush=True)  # as they come: a window may end first
     if args.out:
         meta = {"host": platform.node(), "model": args.model, "fraction": args.fraction}
         args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1))

@@ -16,18 +16,9 @@ mkdir -p "$OUT/profile"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 
-# run SECONDS LOG COMMAND...: the command's output to $OUT/LOG; its process group killed after.
-run() {
-  local secs=$1 log=$OUT/$2
-  shift 2
-  echo "[delta] $(date -u +%T) ${secs}s: $*"
-  setsid timeout -k 5 "$secs" "$@" >"$log" 2>&1 &
-  local pid=$!
-  wait "$pid"
-  echo "[delta] rc=$?"
-  kill -9 -- "-$pid" 2>/dev/null
-  grep -v "^(EngineCore\|^INFO\|^WARNING\|^\[rank\|^(Worker\|^\[W[0-9]\|^  warn" "$log" | tail -"${TAIL:-16}"
-}
+TAG=delta
+# shellcheck source=scripts/device/window_run.sh
+. "$(dirname "$0")/window_run.sh"
 
 echo "[delta] $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | tr -s ' ')"
 for step in ${STEPS:-1 3 2 4}; do
