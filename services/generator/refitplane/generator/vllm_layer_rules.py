@@ -11,10 +11,14 @@ Linear layers are unquantized or FP8 with block scales (`Fp8LinearMethod` with
 `weight_block_size`, an FP8-serialized checkpoint such as DeepSeek-V3's or Qwen3-FP8's): the
 checkpoint then holds `weight` in float8_e4m3fn and `weight_scale_inv`, one scale per
 `block_n x block_k` block, which the loader splits like the weight, in block units
-(`linear.py: adjust_block_scale_shard`). FP8 kernels rewrite both after loading, so those
-layers are always received into checkpoint-format staging and loaded through vLLM's
+(`linear.py: adjust_block_scale_shard`). FP8 linear kernels rewrite both after loading,
+so those layers are received into checkpoint-format staging and loaded through vLLM's
 layerwise reload (`vllm_live`); the description is in loader format, built from the layer's
-sizes rather than from the processed live parameters.
+sizes rather than from the processed live parameters. Routed experts are unquantized or
+block-FP8 too (`Fp8MoEMethod`: `w13_weight_scale_inv` / `w2_weight_scale_inv` in block
+units, `vllm_expert_rules`), described the same way; whether they can be received in place
+depends on the MoE backend's processing (vLLM 0.26's TRITON backend keeps them as loaded),
+which the receive side decides.
 """
 
 from __future__ import annotations

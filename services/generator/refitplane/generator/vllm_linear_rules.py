@@ -48,7 +48,7 @@ class _Band:
 
 
 @dataclass(frozen=True, slots=True)
-class _WeightFormat:
+class WeightFormat:
     """How a linear layer's checkpoint stores its weight: as the live parameter's dtype
     (`block` None) or as FP8 with one `scale_dtype` scale per `block` (rows, cols)."""
 
@@ -62,16 +62,25 @@ FP8_WEIGHT_DTYPE = "float8_e4m3fn"
 BLOCK_SCALE_NAME = "weight_scale_inv"
 
 
-def _linear_format(path: str, layer: Any, owned: Owned) -> _WeightFormat:
+def fp8_block_format(method: Any) -> WeightFormat | None:
+    """The block format of an FP8 quant method (`weight_block_size` [block_n, block_k],
+    float32 scales unless the method keeps them as E8M0); None without block scales."""
+    block = getattr(method, "weight_block_size", None)
+    if block is None or len(block) != 2:
+        return None
+    scale = "float8_e8m0fnu" if getattr(method, "is_scale_e8m0", False) else "float32"
+    return WeightFormat((int(block[0]), int(block[1])), scale)
+
+
+def _linear_format(path: str, layer: Any, owned: Owned) -> WeightFormat:
     method = getattr(layer, "quant_method", None)
     kind = type(method).__name__
     if kind == "UnquantizedLinearMethod":
         expect_params(path, owned, ("weight", "bias"))
-        return _WeightFormat()
-    block = getattr(method, "weight_block_size", None)
-    if kind == "Fp8LinearMethod" and block is not None and len(block) == 2:
-        scale = "float8_e8m0fnu" if getattr(method, "is_scale_e8m0", False) else "float32"
-        return _WeightFormat((int(block[0]), int(block[1])), scale)
+        return WeightFormat()
+    fmt = fp8_block_format(method)
+    if kind == "Fp8LinearMethod" and fmt is not None:
+        return fmt
     raise LayoutError(
         f"layer uses quant method {kind}"
         + (" without block scales" if kind == "Fp8LinearMethod" else "")
@@ -80,7 +89,7 @@ def _linear_format(path: str, layer: Any, owned: Owned) -> _WeightFormat:
     )
 
 
-def _blocks(size: int, block: int, what: str, tensor: str) -> int:
+def whole_blocks(size: int, block: int, what: str, tensor: str) -> int:
     """`size` in units of `block`; a shard must start and end on a block boundary."""
     if size % block:
         raise LayoutError(
@@ -89,7 +98,7 @@ def _blocks(size: int, block: int, what: str, tensor: str) -> int:
     return size // block
 
 
-def _ceil_blocks(size: int, block: int) -> int:
+def ceil_blocks(size: int, block: int) -> int:
     return -(-size // block)
 
 
@@ -153,16 +162,16 @@ def _column_bands(
     scale_bands = [
         _Band(
             b.hf_module,
-            _blocks(b.rows, block_n, f"{b.hf_module} shard of rows", scale_name),
+            whole_blocks(b.rows, block_n, f"{b.hf_module} shard of rows", scale_name),
             b.index,
-            _ceil_blocks(b.hf_rows, block_n),
-            _blocks(b.offset, block_n, f"{b.hf_module} fused part offset", scale_name),
-            _ceil_blocks(b.tensor_rows, block_n),
+            ceil_blocks(b.hf_rows, block_n),
+            whole_blocks(b.offset, block_n, f"{b.hf_module} fused part offset", scale_name),
+            ceil_blocks(b.tensor_rows, block_n),
         )
         for b in bands
     ]
     # A column-parallel layer reads its whole input: the scale's columns are not split.
-    scale_cols = _ceil_blocks(cols, block_k)
+    scale_cols = ceil_blocks(cols, block_k)
     out.append(_stacked(ctx, path, BLOCK_SCALE_NAME, fmt.scale_dtype, scale_bands, scale_cols))
     return out
 
@@ -263,9 +272,9 @@ def row_parallel(ctx: LayerContext, path: str, layer: Any, owned: Owned) -> list
     if fmt.block is not None:
         block_n, block_k = fmt.block
         scale_name = join_name(path, BLOCK_SCALE_NAME)
-        scale_rows = _ceil_blocks(rows, block_n)
-        local_cols = _blocks(cols, block_k, "input columns per rank", scale_name)
-        hf_cols = _ceil_blocks(int(layer.input_size), block_k)
+        scale_rows = ceil_blocks(rows, block_n)
+        local_cols = whole_blocks(cols, block_k, "input columns per rank", scale_name)
+        hf_cols = ceil_blocks(int(layer.input_size), block_k)
         out.append(
             _column_slice(
                 ctx,
@@ -315,6 +324,6 @@ def replicated_linear(
     else:
         block_n, block_k = fmt.block
         out.append(whole_param(ctx, path, "weight", FP8_WEIGHT_DTYPE, (rows, cols)))
-        scale_shape = (_ceil_blocks(rows, block_n), _ceil_blocks(cols, block_k))
+        scale_shape = (ceil_blocks(rows, block_n), ceil_blocks(cols, block_k))
         out.append(whole_param(ctx, path, BLOCK_SCALE_NAME, fmt.scale_dtype, scale_shape))
     return out
