@@ -129,7 +129,9 @@ def _receive_and_compare(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("case", choices=["nemotron-h", "deepseek-v2-lite", "qwen3-fp8-kv"])
+    parser.add_argument(
+        "case", choices=["nemotron-h", "deepseek-v2-lite", "qwen3-fp8-kv", "qwen3-moe-fp8"]
+    )
     parser.add_argument("--mode", nargs="+", default=["auto"], choices=["auto", "staged"])
     parser.add_argument(
         "--unfolded-first",

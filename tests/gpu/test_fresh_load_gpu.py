@@ -31,7 +31,9 @@ pytestmark = [NEEDS_VLLM, pytest.mark.gpu(count=1)]
 
 
 @pytest.mark.parametrize("mode", ["auto", "staged"])
-@pytest.mark.parametrize("case", ["nemotron-h", "deepseek-v2-lite", "qwen3-fp8-kv"])
+@pytest.mark.parametrize(
+    "case", ["nemotron-h", "deepseek-v2-lite", "qwen3-fp8-kv", "qwen3-moe-fp8"]
+)
 def test_receive_path_equals_a_fresh_load(case: str, mode: str, tmp_path: Path) -> None:
     from tests.support.fresh_load import (
         differences_from_fresh,

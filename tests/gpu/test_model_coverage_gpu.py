@@ -85,6 +85,12 @@ def _checkpoint(case: str, root: Path, **config: Any) -> tuple[Path, dict[str, A
 
         path = write_checkpoint(root, "qwen3-small", quant="fp8-kv")
         return path, {"kv_cache_dtype": "fp8"}
+    if case == "qwen3-moe-fp8":
+        # Block-FP8 attention (rewritten after loading: staged) beside block-FP8 experts
+        # (Triton MoE: received in place), as Qwen3-30B-A3B-FP8, two layers.
+        from refitplane.testing.synthetic_weights import write_checkpoint
+
+        return write_checkpoint(root, "qwen3-moe-fp8-tiny", quant="fp8"), {}
     from refitplane.models.zoo.checkpoint import write_zoo_model
 
     arch, overrides = {
