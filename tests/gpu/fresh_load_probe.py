@@ -132,7 +132,9 @@ def main() -> int:
     parser.add_argument(
         "case", choices=["nemotron-h", "deepseek-v2-lite", "qwen3-fp8-kv", "qwen3-moe-fp8"]
     )
-    parser.add_argument("--mode", nargs="+", default=["auto"], choices=["auto", "staged"])
+    parser.add_argument(
+        "--mode", nargs="+", default=["auto"], choices=["auto", "live", "layerwise", "staged"]
+    )
     parser.add_argument(
         "--unfolded-first",
         action="store_true",

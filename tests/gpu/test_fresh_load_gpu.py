@@ -30,7 +30,7 @@ from tests.gpu.vllm_case import NEEDS_VLLM, NEW_TOKENS, PROMPT
 pytestmark = [NEEDS_VLLM, pytest.mark.gpu(count=1)]
 
 
-@pytest.mark.parametrize("mode", ["auto", "staged"])
+@pytest.mark.parametrize("mode", ["auto", "live", "staged"])
 @pytest.mark.parametrize(
     "case", ["nemotron-h", "deepseek-v2-lite", "qwen3-fp8-kv", "qwen3-moe-fp8"]
 )

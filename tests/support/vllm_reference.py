@@ -18,7 +18,6 @@ import torch
 
 from refitplane.generator.vllm_layout import FallbackParam, ParamLayout, VllmLayout
 from refitplane.generator.vllm_rule_check import load_into, loader_format_param
-from refitplane.generator.vllm_staging import not_in_place
 from refitplane.reshard.shards import torch_dtype
 
 
@@ -128,7 +127,7 @@ def received_parameters(model: torch.nn.Module, engine: Any) -> dict[str, torch.
         return staged
     live = dict(model.named_parameters())
     # A live engine stages the parameters it cannot write in place (and the fallback's).
-    elsewhere = not_in_place(model, layout)
+    elsewhere = engine.binding.staged_params
     got = {name: live[name].detach() for name in layout.params if name not in elsewhere}
     got.update({name: staged[name] for name in elsewhere})
     got.update({name: staged[name] for name in layout.fallback if name in staged})

@@ -13,8 +13,9 @@ breaks that in ways the shape does not always show, so the rules are a whitelist
   so the shape stays and the content does not match the loader format;
 - quantized layers (FP8 with block scales) are rewritten by their kernels' post-load
   processing (scales transposed or requantized, weights padded or repacked), and may even
-  have renamed parameters, so they are never written in place — except block-FP8 MoE
-  experts under vLLM's Triton FP8 MoE backend on an e4m3fn platform, whose processing
+  have renamed parameters, so they are never written in place — except, where the
+  worker asks for it (`init_info.mode = "live"`), block-FP8 MoE experts under vLLM's Triton
+  FP8 MoE backend on an e4m3fn platform, whose processing
   (`convert_to_fp8_moe_kernel_format`) leaves `w13_weight` / `w2_weight` and their block
   scales as loaded.
 
@@ -45,7 +46,13 @@ class LiveStorage:
     blocked: Mapping[str, str]
 
 
-def live_storage(model: torch.nn.Module, layout: VllmLayout) -> LiveStorage:
+def live_storage(
+    model: torch.nn.Module, layout: VllmLayout, *, fp8_experts: bool = False
+) -> LiveStorage:
+    """`fp8_experts`: count block-FP8 experts under the Triton MoE backend as writable in
+    place (the mixed binding asked for by `init_info.mode = "live"`; not yet the default:
+    its first end-to-end refit on 2xH100 did not finish, BENCHMARKS.md 2026-11-26 fifth
+    session)."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -64,7 +71,10 @@ def live_storage(model: torch.nn.Module, layout: VllmLayout) -> LiveStorage:
         tensor = live.get(name)
         reason: str | None = None
         if method.startswith("Fp8") and not (
-            not on_cpu and isinstance(owner, RoutedExperts) and _fp8_moe_in_place(owner)
+            fp8_experts
+            and not on_cpu
+            and isinstance(owner, RoutedExperts)
+            and _fp8_moe_in_place(owner)
         ):
             reason = f"{method} rewrites its parameters after loading"
         elif tensor is None:
