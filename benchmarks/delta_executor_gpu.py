@@ -15,6 +15,12 @@ synchronized, and both ends' `TransferReport`s are kept (delta exchange, posting
 verifying; every message checksummed: `tensors_verified`). `--profile` adds one profiled 1 %
 delta refit per end: the top CUDA kernels and host ops (torch.profiler) and the top Python
 functions (cProfile), written next to `--out`.
+
+The link decision (`delta_cost.never_pays`): where the sender's rate (REFIT_DELTA_LINK_GBPS,
+else measured by the full refits) says no delta can win, the full refits' checksum exchange
+tells the receiver, and the delta rows run the full path ("full-path link(s)" 1, "header
+table(s)" 0) with the sender's base released, as the agent does. REFIT_DELTA_LINK_GBPS=off:
+no rate, main's fraction rule (the baseline).
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ _REPORT_KEYS = (
     "tensors_verified",
     "tensors_total",
     "delta_base_advanced",
+    "delta_base_needed",
+    "delta_full_links",
+    "delta_tables",
 )
 
 
@@ -157,10 +166,7 @@ def _worker(
         refit(links)
         version += 1
         if sender:
-            if reports[-1].delta_base_advanced:
-                snapshot.advanced_to(version)
-            else:
-                snapshot.capture(shards, version)
+            snapshot.after_send(shards, version, reports[-1])  # as the agent does
 
     seed = 0
     rows = []
@@ -231,7 +237,8 @@ def _print(name: str, ranks: list[dict[str, Any]]) -> None:
             f"{r['delta_seconds'] * 1e3:.1f} {r['posted_seconds'] * 1e3:.1f} "
             f"{r['host_wait_seconds'] * 1e3:.1f} {r['host_after_seconds'] * 1e3:.1f} "
             f"{r['verify_seconds'] * 1e3:.1f} | {r['tensors_verified']}/{r['tensors_total']}, "
-            f"{r['delta_messages']}/{r['messages']} delta, {r['groups']} groups"
+            f"{r['delta_messages']}/{r['messages']} delta, {r['groups']} groups, "
+            f"{r['delta_full_links']} full-path link(s), {r['delta_tables']} header table(s)"
         )
 
 

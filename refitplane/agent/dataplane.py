@@ -362,10 +362,15 @@ class DataPlaneMember(NullHandler):
             return
         if config.delta == "off":
             snapshot.release()  # deltas turned off: give the memory back
-        elif report.delta_base_advanced:
-            snapshot.advanced_to(prepared.version)  # the scan wrote the bytes sent
-        else:
-            snapshot.capture(shards, prepared.version)
+            return
+        if not report.delta_base_needed and snapshot.nbytes:
+            # No delta can beat this rank's links (`delta_cost.never_pays`): it keeps no base
+            # and reports none, so the coordinator asks for no delta: plain full refits.
+            log.info(
+                "no delta can beat this rank's link rate: delta base released (%d bytes)",
+                snapshot.nbytes,
+            )
+        snapshot.after_send(shards, prepared.version, report)
 
     def _executor_for(self, config: TransferConfig) -> Executor:
         if self.transport is None:

@@ -24,6 +24,7 @@ import torch
 
 from refitplane.errors import InvalidArgument
 from refitplane.reshard.shards import LocalShards
+from refitplane.reshard.transfer_report import TransferReport
 
 
 class SnapshotPlacement(StrEnum):
@@ -76,6 +77,17 @@ class DeltaSnapshot:
         if first is not None and first.tensor.device.type == "cuda":
             torch.cuda.current_stream(first.tensor.device).synchronize()
         self.version = version
+
+    def after_send(self, shards: LocalShards, version: int, report: TransferReport) -> None:
+        """After a completed send of `version` (`report`, its transfer's): no base where no
+        delta will pay on the rank's links (`delta_base_needed`: memory given back), the
+        version the scan advanced it to, else a copy of `shards`."""
+        if not report.delta_base_needed:
+            self.release()
+        elif report.delta_base_advanced:
+            self.advanced_to(version)
+        else:
+            self.capture(shards, version)
 
     def advanced_to(self, version: int) -> None:
         """The transfer's scan already wrote `version`'s bytes into the snapshot."""

@@ -15,6 +15,11 @@ The model is used twice per message: before the scan, on a sampled estimate of t
 words (`scan_first`: a message predicted to go dense is not scanned at all, its snapshot
 copied instead), and after it, on the exact count, with the scan's cost sunk. Either way
 dense is exact: the decision costs time, never bytes.
+
+Per link, before a refit (`never_pays`): where even a message with nothing changed, paying
+the link's exchange (`exchange_per_byte`) on top of its scan and gather, cannot beat dense,
+no delta ever will on that link; the link then runs the full path (no exchange, no snapshot:
+`transfer_run`'s link agreement).
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ class DeltaCosts:
     apply_bitmap_per_byte: float = 3.8e-12
     apply_index_per_word: float = 7.2e-11
     margin: float = 0.75
+    # What a link pays before its first byte once it exchanges deltas at all, whatever each
+    # message's encoding: the staged images, the counts' host read and the header swap,
+    # 7.8 ms for the 16.4 GB of Qwen3-8B on 2 x H100 (fifth session, every message dense
+    # unscanned). Only the link decision (`never_pays`) counts it: a per-message choice is
+    # made with the exchange already paid.
+    exchange_per_byte: float = 0.48e-12
 
 
 COSTS = DeltaCosts()
@@ -107,6 +118,27 @@ def choose(nbytes: int, changed: int, word: int, rate: float, *, scanned: bool) 
     if not fit:
         return DeltaHeader(Encoding.DENSE, changed, nbytes)
     return min(fit, key=lambda t: (t[0], t[1]))[2]
+
+
+# Word sizes (bytes) a delta message can have: the link decision holds for all of them.
+_WORDS = (1, 2, 4, 8)
+
+
+def never_pays(rate: float | None) -> bool:
+    """Whether no delta can beat sending dense on a link of `rate` bytes per second: even a
+    message with nothing changed (the best case), scanned and gathered, its link's exchange
+    paid (`exchange_per_byte`), takes more than `margin` of its dense time, at every word
+    size. The model is per byte, so one large message stands for all. False without a
+    rate (None or 0: unknown, or "off")."""
+    if not rate:
+        return False
+    nbytes = 1 << 30
+    limit = COSTS.margin * nbytes / rate
+    exchange = nbytes * COSTS.exchange_per_byte
+    return all(
+        exchange + _delta_seconds(Encoding.INDEX, nbytes, 0, word, rate, scanned=False) > limit
+        for word in _WORDS
+    )
 
 
 def scan_first(nbytes: int, word: int, rate: float, max_changed: float) -> bool | None:

@@ -57,6 +57,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
 from refitplane.errors import InvalidArgument
+from refitplane.reshard import delta_cost
 from refitplane.reshard.checksum import LaunchTables
 from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.delta_cost import link_rate_setting
@@ -139,6 +140,7 @@ class Executor:
             deadline = started + self.config.timeout_s
             if cast("CudaIpcTransport", self.transport).link_copies(can, deadline):
                 return self._run_links(prepared, progress, cancel, started)
+        never_pays = delta_cost.never_pays(self._link_rate())
         run = TransferRun(
             self.transport,
             self.config,
@@ -149,6 +151,7 @@ class Executor:
             started,
             staged,
             self._rated(delta),
+            never_pays=never_pays,
         )
         run.report.prepared_seconds = time.monotonic() - started
         try:
@@ -165,23 +168,30 @@ class Executor:
         report.seconds = time.monotonic() - started
         report.staging_peak_bytes = self.ring.peak
         self._measure(report)
+        # With the rate this transfer may just have measured: a sender keeps a delta base
+        # only where a later delta could pay.
+        report.delta_base_needed = not delta_cost.never_pays(self._link_rate())
         write_report(plan.rank, report)
         if staged is not None:
             # A staged receiver holds no transfer memory between refits.
             self.ring.free()
         return report
 
+    def _link_rate(self) -> float | None:
+        """The rate this rank's "auto" decisions as a sender assume: REFIT_DELTA_LINK_GBPS if
+        set ("off": 0.0, none), else the transport's measured `link_rate` (CUDA only: the
+        cost model's figures are a GPU's, so a CPU rank has a rate only when it is set)."""
+        rate = link_rate_setting()
+        if rate is not None:
+            return rate
+        return self.transport.link_rate if self.transport.device.type == "cuda" else None
+
     def _rated(self, delta: DeltaLinks | None) -> DeltaLinks | None:
-        """`delta` with the link rate its "auto" decisions assume, on CUDA senders:
-        REFIT_DELTA_LINK_GBPS if set ("off": none), else the transport's measured
-        `link_rate`."""
+        """`delta` with the link rate its "auto" decisions assume, on senders (`_link_rate`),
+        unless the caller gave one."""
         if delta is None or delta.link_bytes_per_s is not None or delta.base is None:
             return delta
-        if self.transport.device.type != "cuda":
-            return delta  # the cost model's figures are a GPU's
-        rate = link_rate_setting()
-        measured = self.transport.link_rate
-        return replace(delta, link_bytes_per_s=measured if rate is None else rate)
+        return replace(delta, link_bytes_per_s=self._link_rate())
 
     def _measure(self, report: TransferReport) -> None:
         """Keep the fastest rate a sender's mostly dense transfer moved its bytes at over

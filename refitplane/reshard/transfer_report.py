@@ -37,6 +37,15 @@ class TransferReport:
     # Host seconds of the delta exchange before the first message (senders: scan, counts
     # read back, payloads written; both ends: the header tables swapped).
     delta_seconds: float = 0.0
+    # Delta links of this run: header tables swapped (sent + received; 0 where every link
+    # ran the full path), and links that ran the full path because both ends agreed at the
+    # previous refit that no delta can win on them (`transfer_run`: no sample, no header
+    # swap, no snapshot work, checksums as in a full refit).
+    delta_tables: int = 0
+    delta_full_links: int = 0
+    # Senders: whether a later delta could ever pay on their links at the link rate they
+    # decide against (`delta_cost.never_pays`); False: the delta base may be dropped.
+    delta_base_needed: bool = True
     # From the first message added to the last completed (connections, staging room and the
     # delta exchange before it, verification after): what the link rate is measured over.
     wire_seconds: float = 0.0

@@ -18,17 +18,13 @@ from refitplane.reshard.boxes import format_box
 from refitplane.reshard.checksum import accumulate_sums_many
 from refitplane.reshard.chunk_copy import launch as launch_copy
 from refitplane.reshard.delta_exchange import DeltaExchange, DeltaLinks
+from refitplane.reshard.link_agreement import FULL_PATH, agreed_after, without_full_links
 from refitplane.reshard.message_io import MessageIO, resolve_message
+from refitplane.reshard.op_group import GROUP_BUCKETS, GROUP_MAX_OPS, OpGroup
 from refitplane.reshard.schedule import Message
 from refitplane.reshard.staged import StagedBucket, StagedShards
-from refitplane.reshard.transport.base import Handle, P2POp
-
-if TYPE_CHECKING:
-    pass
-from typing import TYPE_CHECKING
-
-from refitplane.reshard.op_group import GROUP_BUCKETS, GROUP_MAX_OPS, OpGroup
 from refitplane.reshard.transfer_report import TransferReport
+from refitplane.reshard.transport.base import Handle, P2POp
 
 if TYPE_CHECKING:
     from refitplane.reshard.config import TransferConfig
@@ -53,13 +49,23 @@ class TransferRun:
         started: float,
         staged: StagedShards | None = None,
         delta: DeltaLinks | None = None,
+        never_pays: bool = False,
     ) -> None:
         self.t = transport
+        self.schedule = prepared.schedule
+        self.report = TransferReport()
+        delta, self.report.delta_full_links = without_full_links(
+            delta, prepared.plan.rank, prepared.schedule.messages_per_link, transport.full_links
+        )
         self.delta = (
             DeltaExchange(prepared.plan.rank, delta, transport.device)
             if delta is not None and delta.peers
             else None
         )
+        # What this rank, as a sender, tells its receivers in the checksum exchange: no
+        # delta can win on its links (`delta_cost.never_pays`), so the next refit's delta
+        # links run the full path.
+        self.never_pays = never_pays
         self.cfg = config
         self.ring = ring
         self.plan = plan = prepared.plan
@@ -68,7 +74,6 @@ class TransferRun:
         self.cancel = cancel
         self.started = started
         self.deadline = started + self.cfg.timeout_s
-        self.schedule = prepared.schedule
         self.steps = prepared.steps
         self.tables = prepared.tables
         self.staged = staged
@@ -81,15 +86,21 @@ class TransferRun:
         if self.tables is not None:
             self.tables.reset()
         self.verify = self.cfg.verify_checksums
-        # One (S0, S1) row per message, per link, indexed by the message's round.
+        # One (S0, S1) row per message, per link, indexed by the message's round; the table
+        # exchanged at the end has one row more, the sender's word on the link
+        # (`link_agreement`).
         self.sums: dict[Link, torch.Tensor] = {}
+        self._exchanged: dict[Link, torch.Tensor] = {}
         if self.verify:
             for link, n in self.schedule.messages_per_link.items():
-                self.sums[link] = torch.zeros((n, 2), dtype=torch.int64, device=self.t.device)
+                table = torch.zeros((n + 1, 2), dtype=torch.int64, device=self.t.device)
+                if link[0] == self.rank and never_pays:
+                    table[n, 0] = FULL_PATH
+                self._exchanged[link] = table
+                self.sums[link] = table[:n]
         self.pending: dict[int, OpGroup] = {}
         self.in_flight: deque[OpGroup] = deque()
         self.receives_posted = False
-        self.report = TransferReport()
         self.report.tensors_total = prepared.tensors_received
         self.total = plan.send_bytes + plan.recv_bytes
         self.done = 0
@@ -199,6 +210,7 @@ class TransferRun:
             P2POp(False, src, table.view(-1).view(torch.uint8))
             for src, table in sorted(deltas.headers_in.items())
         ]
+        self.report.delta_tables = len(ops)
         if self.t.device.type == "cuda" and deltas.headers_out:
             # The scan's counts and the header tables are on the device before they go (a
             # receiver does not wait here for its `presum`).
@@ -441,21 +453,25 @@ class TransferRun:
         self.t.begin()
         ops: list[P2POp] = []
         remote: dict[Link, torch.Tensor] = {}
-        for link in sorted(self.sums):
+        for link in sorted(self._exchanged):
             src, dst = link
             if src == self.rank:
-                ops.append(P2POp(True, dst, self.sums[link].view(-1).view(torch.uint8)))
+                ops.append(P2POp(True, dst, self._exchanged[link].view(-1).view(torch.uint8)))
             else:
-                theirs = torch.empty_like(self.sums[link])
+                theirs = torch.empty_like(self._exchanged[link])
                 remote[link] = theirs
                 ops.append(P2POp(False, src, theirs.view(-1).view(torch.uint8)))
         if ops:
             with self.t.channel_context(0):
                 handle = self.t.fence(self.t.issue(0, ops, self.deadline))
             self.t.wait(handle, self.deadline, self.cancel)
+        arrived = {link: theirs.cpu() for link, theirs in remote.items()}
+        self.t.full_links = agreed_after(
+            self.t.full_links, self.rank, self._exchanged, self.never_pays, arrived
+        )
         mismatched = {
-            link: (self.sums[link].cpu() != theirs.cpu()).any(dim=1)
-            for link, theirs in remote.items()
+            link: (self.sums[link].cpu() != theirs[:-1]).any(dim=1)
+            for link, theirs in arrived.items()
         }
         if not any(bool(differs.any()) for differs in mismatched.values()):
             # Every received message matched: every received tensor is verified (counting
@@ -476,7 +492,7 @@ class TransferRun:
                 more = f" and {len(m.chunks) - 4} more" if len(m.chunks) > 4 else ""
                 # The message's round and both rows say which message of the link it was
                 # and how far apart the ends are (an all-zero row: nothing was summed).
-                sent = remote[link][bad[0]].tolist()
+                sent = arrived[link][bad[0]].tolist()
                 got = self.sums[link][bad[0]].tolist()
                 raise ChecksumMismatch(
                     f"rank {self.rank}: bytes from rank {link[0]} do not match the sender's checksum "

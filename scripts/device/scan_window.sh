@@ -4,10 +4,12 @@
 # it, $OUT collected). Independent steps, each in its own process group under its own
 # timeout (T1..T4 seconds):
 #   1. the CUDA codec tests and the executor's delta refits between the GPUs, byte-exact
-#      (with the new case: messages that go dense unscanned keep the base exact)
+#      (with the link decision's case: a link no delta can beat runs the full path)
 #   2. the executor alone, Qwen3-8B shape over NVLink, the old decision
 #      (REFIT_DELTA_LINK_GBPS=off: the fraction rule alone) — the baseline
-#   3. the same with the link decision (rate measured from the full refits)
+#   3. the same with the link decision (rate measured from the full refits): over NVLink the
+#      full refits agree that no delta can win (`delta_cost.never_pays`), so every delta row
+#      runs the full path ("1 full-path link(s), 0 header table(s)"), within ~1 ms of full
 #   4. the scan's launch shapes and checksum modes on one GPU (benchmarks/delta_scan_gpu.py)
 # STEPS picks and orders them (default "1 2 3 4").
 set -uo pipefail

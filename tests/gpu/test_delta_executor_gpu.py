@@ -92,12 +92,13 @@ def _delta_worker(
         )
         report = executor.run(plan, shards, delta=links)
         if rank == 0:
-            if report.delta_base_advanced:
-                snapshot.advanced_to(steps + 1)
-            else:
-                snapshot.capture(shards, steps + 1)
+            snapshot.after_send(shards, steps + 1, report)  # as the agent does
         refits.append(
             {
+                "full_links": report.delta_full_links,
+                "tables": report.delta_tables,
+                "base_needed": report.delta_base_needed,
+                "snapshot_bytes": snapshot.nbytes,
                 "delta_messages": report.delta_messages,
                 "messages": report.messages,
                 "wire": report.bytes_sent if rank == 0 else report.bytes_received,
@@ -125,10 +126,20 @@ def _exact_refits(**kwargs: Any) -> list[dict[str, Any]]:
         assert got["mismatches"] == [], (i, got)
         assert got["verified"] == got["tensors"] > 0, (i, got)
         assert sent["delta_messages"] == got["delta_messages"], i
-        assert sent["advanced"], i  # one replica fed whole: the scan advances the base
+        assert sent["full_links"] == got["full_links"], i  # both ends agreed
+        # One replica fed whole: the scan advances the base (a full-path link scans nothing).
+        assert sent["advanced"] or sent["full_links"], i
     return list(sender)
 
 
+@pytest.fixture
+def no_link_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fraction rule (and the rates a test gives) alone: no rate measured on this
+    machine's link decides (`delta_cost.never_pays` would run a fast link in full)."""
+    monkeypatch.setenv("REFIT_DELTA_LINK_GBPS", "off")
+
+
+@pytest.mark.usefixtures("no_link_rate")
 @pytest.mark.parametrize("case_name", ["whole", "tp2"])
 def test_delta_refits_between_two_gpus_are_byte_exact(case_name: str) -> None:
     sender = _exact_refits(case_name=case_name)
@@ -139,6 +150,7 @@ def test_delta_refits_between_two_gpus_are_byte_exact(case_name: str) -> None:
     assert sender[4]["delta_messages"] == 0  # 70 % changed: over max_changed, dense
 
 
+@pytest.mark.usefixtures("no_link_rate")
 def test_messages_that_go_dense_unscanned_keep_the_base_exact() -> None:
     """In "auto" against a link rate (`delta_cost`): a link faster than any scan sends every
     message dense, unscanned, its base copied; the next refits' deltas against that base
@@ -150,3 +162,23 @@ def test_messages_that_go_dense_unscanned_keep_the_base_exact() -> None:
     assert sender[2]["delta_messages"] == sender[2]["messages"]  # 5 % against the copied base
     assert sender[3]["wire"] < sender[3]["full"]  # 30 %: bitmaps beat a 50 GB/s link
     assert sender[4]["delta_messages"] == 0  # 70 %: dense
+
+
+def test_a_link_no_delta_can_beat_runs_the_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """REFIT_DELTA_LINK_GBPS far above any scan (`delta_cost.never_pays`): the first delta
+    refit (no agreement yet) swaps its header tables and sends every message dense
+    unscanned; its checksum exchange tells the receiver, and every later delta refit runs
+    exactly the full path: no header table, no scan, no base (released), byte-exact."""
+    monkeypatch.setenv("REFIT_DELTA_LINK_GBPS", "1000000")
+    sender = _exact_refits(case_name="whole")
+    assert sender[0]["full_links"] == 0
+    assert sender[0]["tables"] == 1
+    for refit in sender:
+        assert refit["delta_messages"] == 0
+        assert refit["wire"] == refit["full"]
+        assert not refit["base_needed"]
+        assert refit["snapshot_bytes"] == 0
+    for refit in sender[1:]:
+        assert refit["full_links"] == 1
+        assert refit["tables"] == 0
+        assert not refit["advanced"]

@@ -56,6 +56,11 @@ class Transport(ABC):
     # transport moved its bytes at (`Executor`; what "auto" deltas must beat, `delta_cost`).
     # Kept here, not on the executor: an agent makes a new executor when its config changes.
     link_rate: float | None = None
+    # (src, dst) links whose two ends agreed, in the checksum exchange of the last refit
+    # that ran them, that no delta can win on them: their next "auto" delta refit runs the
+    # full path (`link_agreement`). Both ends' copies live and die with the group (a failed
+    # transfer aborts it), so they cannot disagree; replaced, never mutated.
+    full_links: frozenset[tuple[int, int]] = frozenset()
 
     def channel_context(self, channel: int) -> contextlib.AbstractContextManager[Any]:
         """Context for work that must precede the channel's next posted transfer (packing)."""

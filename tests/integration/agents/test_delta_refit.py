@@ -187,23 +187,33 @@ def test_a_replica_that_missed_a_version_gets_the_full_path(
         assert_holds(gens, truth, again.version)
 
 
+@pytest.mark.parametrize(
+    ("delta", "link_gbps"), [("off", ""), ("auto", "1000000")], ids=["off", "auto-fast-link"]
+)
 def test_delta_off_sends_in_full_and_keeps_no_snapshot(
     coordinator_factory: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    delta: str,
+    link_gbps: str,
 ) -> None:
-    with _session(coordinator_factory, "off", trainer_tp=2, gen_tp=1) as (
+    """REFIT_DELTA=off, or "auto" on a link faster than any delta (REFIT_DELTA_LINK_GBPS
+    high, `delta_cost.never_pays`): the trainers keep no delta base, so they report none and
+    the coordinator asks for no delta: every refit is a plain full one."""
+    monkeypatch.setenv("REFIT_DELTA_LINK_GBPS", link_gbps)
+    with _session(coordinator_factory, delta, trainer_tp=2, gen_tp=1) as (
         _,
         trainers,
         gens,
         truth,
         client,
     ):
-        for i in range(2):
+        for i in range(3):
             _step(trainers, truth, 0.01, seed=i)
             done = _refit(client, f"k{i}")
             assert done.delta_replicas == []
             assert done.bytes_on_wire == done.bytes_total
+            assert all(t.member.delta_snapshot.nbytes == 0 for t in trainers)
         assert_holds(gens, truth, done.version)
-        assert all(t.member.delta_snapshot.nbytes == 0 for t in trainers)
 
 
 def test_a_restarted_trainer_rank_sends_in_full_once(

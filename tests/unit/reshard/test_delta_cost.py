@@ -85,3 +85,18 @@ def check_sample(device: str) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_sampled_estimate_in_the_interpreter() -> None:
     run_in_interpreter("tests.unit.reshard.test_delta_cost", "check_sample")
+
+
+def test_no_delta_beats_nvlink_but_one_may_beat_a_network_link() -> None:
+    """The link decision (`never_pays`): over NVLink (360 and the 364.3 GB/s measured), even
+    a message with nothing changed loses to dense once its link's exchange is paid, so the
+    link runs the full path; over sockets, or without a rate, deltas stay possible."""
+    assert delta_cost.never_pays(NVLINK)
+    assert delta_cost.never_pays(364.3e9)
+    assert not delta_cost.never_pays(SOCKETS)
+    assert not delta_cost.never_pays(100e9)
+    assert not delta_cost.never_pays(None)
+    assert not delta_cost.never_pays(0.0)  # REFIT_DELTA_LINK_GBPS=off
+    # A message's own decision leaves the exchange out (paid once any message is a delta):
+    # at 360 GB/s a message alone may still sample; the link decision is the stricter one.
+    assert delta_cost.scan_first(1 << 24, 2, NVLINK, 0.5) is None
