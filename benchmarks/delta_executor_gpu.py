@@ -240,6 +240,20 @@ def _print(name: str, ranks: list[dict[str, Any]]) -> None:
             f"{r['delta_messages']}/{r['messages']} delta, {r['groups']} groups, "
             f"{r['delta_full_links']} full-path link(s), {r['delta_tables']} header table(s)"
         )
+        _print_repeats(s_row, r_row)
+    print("  full refits:")
+    _print_repeats(send["full"], recv["full"])
+
+
+def _print_repeats(s_row: dict[str, Any], r_row: dict[str, Any]) -> None:
+    """Every repeat, not only the median and the last report: a one-off stall of one end
+    (the receiver's 81 ms after_s in one 20 % row, 2026-11-26) shows as one slow repeat."""
+    each = [max(a, b) for a, b in zip(s_row["seconds"], r_row["seconds"], strict=True)]
+    after = [rep["host_after_seconds"] for rep in r_row["reports"]]
+    print(
+        f"  {'':>8} each repeat ms: {' '.join(f'{t * 1e3:.1f}' for t in each)}; "
+        f"receiver after_s ms: {' '.join(f'{t * 1e3:.1f}' for t in after)}"
+    )
 
 
 def main() -> int:
