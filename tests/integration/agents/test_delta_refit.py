@@ -83,8 +83,14 @@ def _session(
 ]:
     """A coordinator with REFIT_DELTA=`delta`, PP x TP trainer ranks holding `truth`,
     generator replicas at `gen_tp` holding another checkpoint, all layouts published."""
+    # Leases are not what these tests exercise: 3 s (the test default) expired every member at
+    # once when a loaded 2-core CI box starved this process's renewals (2026-11-26).
     coordinator = coordinator_factory(
-        transfer_timeout_s=30.0, prepare_timeout_s=30.0, group_timeout_s=30.0, delta=delta
+        transfer_timeout_s=30.0,
+        prepare_timeout_s=30.0,
+        group_timeout_s=30.0,
+        lease_ttl_s=15.0,
+        delta=delta,
     )
     truth = _state(1)
     trainers = trainer_ranks(
