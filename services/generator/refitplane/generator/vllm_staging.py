@@ -231,11 +231,10 @@ def bind_receive(
         )
     mixed = requested == "live"
     lives = [live_storage(p.model, p.layout, fp8_experts=mixed) for p in parts]
+    aliases = [find_weight_aliases(p.model) for p in parts]
     staged_params = [
-        not_in_place(p.model, p.layout, live) for p, live in zip(parts, lives, strict=True)
-    ]
-    in_place_counts = [
-        len(p.layout.params) - len(s) for p, s in zip(parts, staged_params, strict=True)
+        _not_in_place(p.layout, live, found)
+        for p, live, found in zip(parts, lives, aliases, strict=True)
     ]
     in_place = mixed or (requested == "auto" and not any(staged_params))
     reloader = ModelReloaders(
@@ -245,11 +244,11 @@ def bind_receive(
                 p.vllm_config,
                 p.layout.tensor_roots(),
                 live=in_place,
-                aliases=tuple(find_weight_aliases(p.model)),
+                aliases=found,
                 prefix=p.prefix,
                 kv_scales=attention_scale_sources(p.model, p.layout),
             )
-            for p in parts
+            for p, found in zip(parts, aliases, strict=True)
         ]
     )
     if not in_place:
@@ -291,7 +290,7 @@ def bind_receive(
     if any(staged_params):
         log.info(
             "refitplane: receiving in place %d parameters, staging %d (%s)",
-            sum(in_place_counts),
+            sum(len(p.layout.params) - len(s) for p, s in zip(parts, staged_params, strict=True)),
             sum(len(s) for s in staged_params),
             _why_staged(lives, staged_params),
         )
@@ -300,12 +299,14 @@ def bind_receive(
     )
 
 
-def not_in_place(model: torch.nn.Module, layout: VllmLayout, live: LiveStorage) -> set[str]:
-    """The fast-path parameters of `model` a live receive stages instead of writing in place:
-    those the kernels do not read as loaded (`live`, from `vllm_live`), those a buffer
-    aliases (a write in place would miss the buffer that holds the parameter as loaded),
-    and those sharing a checkpoint tensor with one of these (`VllmLayout.staged_with`)."""
-    aliased = {a.param_name for a in find_weight_aliases(model)}
+def _not_in_place(
+    layout: VllmLayout, live: LiveStorage, aliases: Iterable[WeightAlias]
+) -> set[str]:
+    """The fast-path parameters a live receive stages instead of writing in place: those the
+    kernels do not read as loaded (`live`, from `vllm_live`), those a buffer aliases (a write
+    in place would miss the buffer that holds the parameter as loaded), and those sharing a
+    checkpoint tensor with one of these (`VllmLayout.staged_with`)."""
+    aliased = {a.param_name for a in aliases}
     return layout.staged_with({n for n in layout.params if n not in live.writable or n in aliased})
 
 
