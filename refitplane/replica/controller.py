@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,9 @@ class SidecarMember(NullHandler):
         # The session's (registrations, command streams opened) when this refit's PrepareRefit
         # was handled: a RanksVerified is lost only with the stream or registration it went to.
         self._stream_mark: tuple[int, int] = (0, 0)
+        # The refit whose failure (here, after weights were written) named why the replica
+        # is not ready: its AbortRefit does not replace that reason (`on_abort_refit`).
+        self._failure_named = ""
 
     def attach(self, session: AgentSession) -> None:
         self.session = session
@@ -275,43 +279,48 @@ class SidecarMember(NullHandler):
             self._report_version(cmd.refit_id, cmd.version)
             steps.mark("reported")
             self._take_version(cmd.version)
-            if not self._resume_committed(cmd.refit_id):
+            # The refit's outcome is decided (it commits with this replica at the version),
+            # so a failed resume fails nothing: the replica holds the version, serves nothing
+            # and says so (not ready, paused) until a later refit resumes it.
+            why = self._after_finish("/resume", self.control.resume, cmd.refit_id)
+            if why:
+                self._degrade(why)
                 return
             steps.mark("resume")
             self._resumed()
         log.info("replica %s serves version %d: %s", self.replica_id, cmd.version, steps)
 
-    def _resume_committed(self, refit_id: str) -> bool:
-        """Resume the engine after the coordinator took the report: the refit's outcome is
-        decided (it commits with this replica at the version), so a failure here fails
-        nothing; an engine that does not resume holds the version but serves nothing, and
-        the replica says so (not ready, paused) until a later refit resumes it."""
+    def _after_finish(self, verb: str, call: Callable[[], int], refit_id: str) -> str:
+        """Run `call`, an engine verb after vLLM's finish (waking the KV cache, resuming):
+        empty when it succeeded, else why the engine cannot serve, naming `verb` and vLLM's
+        answer. Either way a failure leaves the replica not ready; whether it also fails
+        the refit depends on whether the report went first (`on_start_transfer`)."""
         try:
-            status = self.control.resume()
+            status = call()
         except RefitError as exc:
-            self._degrade(f"vLLM did not resume after refit {refit_id}: {exc.message}")
-            return False
-        if not succeeded(status):
-            self._degrade(f"vLLM answered HTTP {status} to /resume after refit {refit_id}")
-            return False
-        return True
+            return f"vLLM did not answer {verb} after refit {refit_id}: {exc.message}"
+        if succeeded(status):
+            return ""
+        return f"vLLM answered HTTP {status} to {verb} after refit {refit_id}"
 
     def _wake_kv_cache_and_report(self, cmd: StartTransferCmd, steps: _Steps) -> None:
         """The end of a refit that woke the engine from sleep: the KV cache takes memory back
         only for a refit that has not failed (read first), and the engine runs again before
         the report, so a caller that puts it to sleep once the refit commits finds it
-        resumed."""
+        resumed. Either failing fails the refit before the report: the replica never
+        reports a version it does not serve."""
         self._require_not_failed(cmd.refit_id)
         steps.mark("checked")
-        status = self.control.wake_up(["kv_cache"])
-        if not succeeded(status):
+        why = self._after_finish(
+            "/wake_up?tags=kv_cache", lambda: self.control.wake_up(["kv_cache"]), cmd.refit_id
+        )
+        if not why:
+            steps.mark("wake kv_cache")
+            why = self._after_finish("/resume", self.control.resume, cmd.refit_id)
+        if why:
             raise self._failed(
-                f"vLLM answered HTTP {status} to /wake_up?tags=kv_cache after refit "
-                f"{cmd.refit_id}; the weights are in, but the engine cannot serve",
-                touched=True,
+                f"{why}; the weights are in, but the engine cannot serve", touched=True
             )
-        steps.mark("wake kv_cache")
-        self.control.resume()
         steps.mark("resume")
         self._take_version(cmd.version)
         self._resumed()
@@ -352,7 +361,12 @@ class SidecarMember(NullHandler):
         if not self.state.paused:
             return
         if touched:
-            self._degrade(f"refit {cmd.refit_id} aborted ({cmd.reason}) after weights were written")
+            # This controller's own failure of the refit, if it came first, named what
+            # failed (a verb after finish, a rank that did not verify): it stays the reason.
+            if self._failure_named != self.state.refit_id:
+                self._degrade(
+                    f"refit {cmd.refit_id} aborted ({cmd.reason}) after weights were written"
+                )
         elif self.state.degraded:
             log.warning(
                 "replica %s stays paused: it still holds the weights of an earlier failed refit",
@@ -554,6 +568,7 @@ class SidecarMember(NullHandler):
     def _failed(self, message: str, *, touched: bool) -> TransferError:
         if touched:
             self._degrade(message)
+            self._failure_named = self.state.refit_id
         exc = TransferError(message)
         exc.weights_modified = touched  # type: ignore[attr-defined]
         return exc

@@ -290,9 +290,12 @@ def test_a_refit_cancelled_while_vllm_finishes_is_not_taken(replica, abort):
     assert member.state.version == 0
     assert member.state.paused
     assert client.reads == (1 if abort == "lost" else 0)
-    if abort == "lost":  # else the AbortRefit's own handling wrote its reason last
-        error = member.state.last_error
+    # The first failure's reason stays: the AbortRefit handled after it says less.
+    error = member.state.last_error
+    if abort == "lost":
         assert f"refit CANCELLED while finishing: {refit.reason} " in error, error
+    else:
+        assert f"refit aborted while finishing: {refit.reason} " in error, error
 
 
 def test_a_refit_that_times_out_refuses_reports_before_it_aborts(

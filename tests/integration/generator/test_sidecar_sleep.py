@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 
 from refitplane.agent.simulated import Behaviour
 from refitplane.client import RefitClient
+from refitplane.errors import Unavailable
 from refitplane.protocol import Role
 from refitplane.replica.controller import SidecarMember
+from refitplane.testing.child_processes import free_port
 from tests.integration.conftest import row_layout, wait_until
 
 pytestmark = pytest.mark.integration
@@ -164,6 +167,95 @@ def test_a_failure_before_any_byte(coordinator, sim_cluster, level):
         assert member.state.paused is (level == 2)
     finally:
         session.close()
+        client.close()
+
+
+class _VerbFails(SleepyEngine):
+    """`SleepyEngine` whose `verb` ("/resume" or "/wake_up?tags=kv_cache") fails: answered
+    with HTTP `status`, or (None) not answered at all, as `VllmControl` raises then."""
+
+    def __init__(self, level: int, verb: str, status: int | None) -> None:
+        super().__init__(level)
+        self.verb = verb
+        self.status = status
+
+    def _fails(self) -> int:
+        if self.status is None:
+            raise Unavailable(f"vLLM {self.verb.split('?')[0]}: connection refused")
+        return self.status
+
+    def resume(self) -> int:
+        status = super().resume()
+        return self._fails() if self.verb == "/resume" else status
+
+    def wake_up(self, tags: list[str]) -> int:
+        status = super().wake_up(tags)
+        return self._fails() if self.verb == f"/wake_up?tags={','.join(tags)}" else status
+
+
+@pytest.mark.parametrize(
+    ("asleep", "verb", "status"),
+    [
+        (False, "/resume", 503),
+        (True, "/resume", 503),
+        (True, "/resume", None),
+        (True, "/wake_up?tags=kv_cache", 500),
+    ],
+    ids=["awake-resume", "woken-resume", "woken-resume-unanswered", "woken-kv-cache"],
+)
+def test_an_engine_that_cannot_serve_after_finish_is_not_ready(
+    coordinator, sim_cluster, asleep, verb, status
+):
+    """One rule for the verbs after vLLM's finish, woken from sleep or not: a wake or
+    resume that fails leaves the replica paused and `/readyz` 503, naming the verb and
+    vLLM's answer, and no version is reported that the engine does not serve. An awake
+    engine resumes after its report (the refit is decided: COMMITTED); a woken one before
+    it (so a caller that puts it back to sleep once the refit commits finds it resumed),
+    so its refit fails and the replica stays at the version it served."""
+    from refitplane.generator.sidecar import Sidecar, SidecarSettings
+
+    cluster = sim_cluster(coordinator)
+    cluster.add(Role.TRAINER, layout=row_layout(0, 1))
+    cluster.add(Role.GENERATOR, replica="a", layout=row_layout(0, 1))
+    engine = _VerbFails(1, verb, status)
+    if not asleep:
+        engine.resident = {"weights": True, "kv_cache": True}
+        engine.paused = False
+    port = free_port()
+    settings = SidecarSettings(
+        coordinator=coordinator.grpc_target,
+        job="job",
+        replica_id="a",
+        sidecar_host="127.0.0.1",
+        sidecar_port=port,
+        sleep_level=1,
+    )
+    sidecar = Sidecar(settings, control=engine)
+    client = RefitClient(coordinator.grpc_target)
+    try:
+        sidecar.start()
+        refit = _refit(client)
+        assert ("wake_up weights" in engine.calls) is asleep
+        expected = "COMMITTED" if not asleep else "FAILED"
+        assert refit.state.value == expected, refit.message
+        served = refit.version if not asleep else 0
+
+        def readyz() -> tuple[int, dict[str, Any]]:
+            response = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10)
+            return response.status_code, response.json()
+
+        wait_until(lambda: readyz()[0] == 503, what="/readyz 503")
+        body = readyz()[1]
+        assert verb in body["message"], body
+        if status is not None:
+            assert f"HTTP {status}" in body["message"], body
+        assert body["paused"], body
+        assert body["degraded"], body
+        assert body["version"] == served
+        (replica,) = client.topology("job").replicas
+        assert replica.version == served
+    finally:
+        sidecar.close()
         client.close()
 
 

@@ -8,7 +8,7 @@ engine in vLLM's workers (`/init_weight_transfer_engine`), and drives every refi
                      (each worker receives its shards and reports to the coordinator)
                    → every rank of this replica verified?  (asked of the coordinator)
                    → POST /finish_weight_update (post-load processing / staged reload)
-                   → still no failure? → POST /resume → report ReplicaUpdated(version)
+                   → report ReplicaUpdated(version) (accepted: no failure) → POST /resume
 
 Success is read from the coordinator, never from HTTP status codes (vLLM's replies can
 belong to an earlier call after a worker error). A refit that fails before any weight was
