@@ -45,8 +45,9 @@ reports success. Any error aborts the transport: the group must be rebuilt befor
 refit.
 
 The pieces: `prepared_plan` (a plan's schedule and resolved views, kept between refits),
-`transfer_run` (one execution: the posting loop, staged buckets, deltas, verification),
-`op_group` (one channel's batch of ops and copies) and `transfer_report` (what a run did).
+`transfer_run` (one execution: the posting loop, staged buckets, deltas), `run_checksums`
+(its checksum tables, swapped and compared at the end), `op_group` (one channel's batch of
+ops and copies) and `transfer_report` (what a run did).
 """
 
 from __future__ import annotations

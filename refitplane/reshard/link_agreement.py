@@ -1,7 +1,7 @@
 """Which delta links run the full path, agreed by both ends without a round trip of its own.
 
 A sender whose link rate no delta can beat (`delta_cost.never_pays`) writes `FULL_PATH` into
-the last row of each checksum table it sends at the end of a refit (`transfer_run._verify`);
+the last row of each checksum table it sends at the end of a refit (`run_checksums`);
 both ends keep the word per (src, dst) link with their communication group
 (`Transport.full_links`), and the link's next "auto" delta refit runs exactly a full
 refit's path on both ends: no sample, no scan, no header table (so the receiver waits for

@@ -1,7 +1,8 @@
 """One execution of a rank plan (`TransferRun`, the executor's posting loop): messages added
 to their channel's group in schedule order, groups posted and completed within the staging
-budget, staged buckets applied at their boundaries, deltas exchanged, and checksums verified
-at the end. Kept out of `Executor` so nothing leaks between refits.
+budget, staged buckets applied at their boundaries, deltas exchanged, and the checksum tables
+filled for their exchange at the end (`run_checksums`). Kept out of `Executor` so nothing
+leaks between refits.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refitplane.errors import ChecksumMismatch, TransferError, TransferTimeout
-from refitplane.reshard.boxes import format_box
+from refitplane.errors import TransferError, TransferTimeout
 from refitplane.reshard.checksum import accumulate_sums_many
 from refitplane.reshard.chunk_copy import launch as launch_copy
 from refitplane.reshard.delta_exchange import DeltaExchange, DeltaLinks
-from refitplane.reshard.link_agreement import FULL_PATH, agreed_after, without_full_links
+from refitplane.reshard.link_agreement import without_full_links
 from refitplane.reshard.message_io import MessageIO, resolve_message
 from refitplane.reshard.op_group import GROUP_BUCKETS, GROUP_MAX_OPS, OpGroup
+from refitplane.reshard.run_checksums import RunChecksums
 from refitplane.reshard.schedule import Message
 from refitplane.reshard.staged import StagedBucket, StagedShards
 from refitplane.reshard.transfer_report import TransferReport
@@ -28,7 +29,6 @@ from refitplane.reshard.transport.base import Handle, P2POp
 
 if TYPE_CHECKING:
     from refitplane.reshard.config import TransferConfig
-    from refitplane.reshard.op_group import Link
     from refitplane.reshard.prepared_plan import PreparedPlan
     from refitplane.reshard.staging import StagingRing
     from refitplane.reshard.transfer_report import ProgressFn
@@ -62,10 +62,6 @@ class TransferRun:
             if delta is not None and delta.peers
             else None
         )
-        # What this rank, as a sender, tells its receivers in the checksum exchange: no
-        # delta can win on its links (`delta_cost.never_pays`), so the next refit's delta
-        # links run the full path.
-        self.never_pays = never_pays
         self.cfg = config
         self.ring = ring
         self.plan = plan = prepared.plan
@@ -86,18 +82,14 @@ class TransferRun:
         if self.tables is not None:
             self.tables.reset()
         self.verify = self.cfg.verify_checksums
-        # One (S0, S1) row per message, per link, indexed by the message's round; the table
-        # exchanged at the end has one row more, the sender's word on the link
-        # (`link_agreement`).
-        self.sums: dict[Link, torch.Tensor] = {}
-        self._exchanged: dict[Link, torch.Tensor] = {}
-        if self.verify:
-            for link, n in self.schedule.messages_per_link.items():
-                table = torch.zeros((n + 1, 2), dtype=torch.int64, device=self.t.device)
-                if link[0] == self.rank and never_pays:
-                    table[n, 0] = FULL_PATH
-                self._exchanged[link] = table
-                self.sums[link] = table[:n]
+        # `never_pays`: what this rank, as a sender, tells its receivers in the checksum
+        # exchange at the end (`run_checksums`).
+        self.checksums = RunChecksums(
+            self.rank,
+            self.schedule.messages_per_link if self.verify else {},
+            transport.device,
+            never_pays,
+        )
         self.pending: dict[int, OpGroup] = {}
         self.in_flight: deque[OpGroup] = deque()
         self.receives_posted = False
@@ -158,7 +150,13 @@ class TransferRun:
         self.report.wire_seconds = time.monotonic() - wire_began
         if self.verify:
             t0 = time.perf_counter()
-            self._verify()
+            self.report.tensors_verified = self.checksums.verify(
+                self.t,
+                self.deadline,
+                self.cancel,
+                self.schedule.messages,
+                self.report.tensors_total,
+            )
             self.report.verify_seconds = time.perf_counter() - t0
         self.t.end()
         return self.report
@@ -196,13 +194,13 @@ class TransferRun:
         deltas.encode(
             ((m, io) for step in self.steps for m, io in step if m.src == self.rank and io),
             specs,
-            (lambda m: self.sums[(m.src, m.dst)][m.round]) if self.verify else None,
+            self.checksums.row if self.verify else None,
         )
         recvs = [(m, io) for step in self.steps for m, io in step if m.dst == self.rank]
         deltas.expect(m for m, _ in recvs)
         # While the senders scan: the sums of this rank's in-place images, kept current by
         # the applies (no pass over them after the transfer).
-        deltas.presum(((m, io) for m, io in recvs if io is not None), self.sums)
+        deltas.presum(((m, io) for m, io in recvs if io is not None), self.checksums.sums)
         ops = [
             P2POp(True, dst, table.view(-1).view(torch.uint8))
             for dst, table in sorted(deltas.headers_out.items())
@@ -261,7 +259,7 @@ class TransferRun:
                 # The pack adds the checksum sums of whole words as it copies them.
                 row = None
                 if self.verify and io.copy.whole_words:
-                    row = self.sums[(m.src, m.dst)][m.round]
+                    row = self.checksums.row(m)
                     summed = True
                 group.pack_tables.append((io.copy, buf, row))
             else:
@@ -299,7 +297,7 @@ class TransferRun:
             # (or parameter) bytes, which stay untouched until the group completes; the
             # receiver what arrived (for direct messages, the parameters themselves).
             group.sum_bufs.append(buf)
-            group.sum_rows.append(self.sums[(m.src, m.dst)][m.round])
+            group.sum_rows.append(self.checksums.row(m))
         wire = buf
         if delta is not None:
             # The sender still packs and checksums its full bytes; the payload travels.
@@ -446,67 +444,3 @@ class TransferRun:
             chunk.view.copy_(chunk.typed(part))
         if group.sum_bufs:
             accumulate_sums_many(group.sum_bufs, group.sum_rows, tables=self.tables)
-
-    def _verify(self) -> None:
-        # Order channel 0 after every channel's packing/unpacking, then swap vectors.
-        self.t.end()
-        self.t.begin()
-        ops: list[P2POp] = []
-        remote: dict[Link, torch.Tensor] = {}
-        for link in sorted(self._exchanged):
-            src, dst = link
-            if src == self.rank:
-                ops.append(P2POp(True, dst, self._exchanged[link].view(-1).view(torch.uint8)))
-            else:
-                theirs = torch.empty_like(self._exchanged[link])
-                remote[link] = theirs
-                ops.append(P2POp(False, src, theirs.view(-1).view(torch.uint8)))
-        if ops:
-            with self.t.channel_context(0):
-                handle = self.t.fence(self.t.issue(0, ops, self.deadline))
-            self.t.wait(handle, self.deadline, self.cancel)
-        arrived = {link: theirs.cpu() for link, theirs in remote.items()}
-        self.t.full_links = agreed_after(
-            self.t.full_links, self.rank, self._exchanged, self.never_pays, arrived
-        )
-        mismatched = {
-            link: (self.sums[link].cpu() != theirs[:-1]).any(dim=1)
-            for link, theirs in arrived.items()
-        }
-        if not any(bool(differs.any()) for differs in mismatched.values()):
-            # Every received message matched: every received tensor is verified (counting
-            # them per message would cost a pass over every chunk on every refit).
-            self.report.tensors_verified = self.report.tensors_total
-            return
-        verified: set[str] = set()
-        failed: set[str] = set()
-        messages = self._recv_messages()
-        for link in sorted(remote):
-            bad = mismatched[link].nonzero().flatten().tolist()
-            for round_index, m in enumerate(messages[link]):
-                names = {c.tensor for c in m.chunks}
-                (failed if round_index in bad else verified).update(names)
-            if bad:
-                m = messages[link][bad[0]]
-                where = ", ".join(f"{c.tensor!r} {format_box(c.box)}" for c in m.chunks[:4])
-                more = f" and {len(m.chunks) - 4} more" if len(m.chunks) > 4 else ""
-                # The message's round and both rows say which message of the link it was
-                # and how far apart the ends are (an all-zero row: nothing was summed).
-                sent = arrived[link][bad[0]].tolist()
-                got = self.sums[link][bad[0]].tolist()
-                raise ChecksumMismatch(
-                    f"rank {self.rank}: bytes from rank {link[0]} do not match the sender's checksum "
-                    f"({len(bad)} of {len(messages[link])} message(s)); first: round {m.round}, "
-                    f"{where}{more} (sender's sums {sent}, received {got})"
-                )
-        self.report.tensors_verified = len(verified - failed)
-
-    def _recv_messages(self) -> dict[Link, list[Message]]:
-        """Each incoming link's messages in round order (their rows in its checksums)."""
-        out: dict[Link, list[Message]] = {}
-        for m in self.schedule.messages:
-            if m.dst == self.rank:
-                out.setdefault((m.src, m.dst), []).append(m)
-        for messages in out.values():
-            messages.sort(key=lambda m: m.round)
-        return out
