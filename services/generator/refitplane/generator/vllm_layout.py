@@ -309,19 +309,28 @@ class VllmLayout:
         """The parameters that must be staged along with `staged` (parameter names): those
         and every parameter fed by a checkpoint tensor one of them, or the fallback path,
         reads — a reload loads whole checkpoint tensors, so a tensor is received either in
-        place or staged, never both (a tied embedding and LM head, say)."""
+        place or staged, never both (a tied embedding and LM head, say). A worklist of the
+        checkpoint tensors found read, each followed once to the parameters it feeds: one
+        pass over the placements, however long the chains of shared tensors (engine start
+        stays linear in the layout's size)."""
+        feeds: dict[str, list[str]] = {}
+        for name, param in self.params.items():
+            for p in param.placements:
+                feeds.setdefault(p.hf_name, []).append(name)
         out = set(staged)
-        while True:
-            read = {p.hf_name for n in out for p in self.params[n].placements}
-            read.update(self.fallback_tensors)
-            more = {
-                n
-                for n, param in self.params.items()
-                if n not in out and any(p.hf_name in read for p in param.placements)
-            }
-            if not more:
-                return out
-            out |= more
+        read = set(self.fallback_tensors)
+        read.update(p.hf_name for n in out for p in self.params[n].placements)
+        todo = list(read)
+        while todo:
+            for name in feeds.get(todo.pop(), ()):
+                if name in out:
+                    continue
+                out.add(name)
+                for p in self.params[name].placements:
+                    if p.hf_name not in read:
+                        read.add(p.hf_name)
+                        todo.append(p.hf_name)
+        return out
 
     def tensor_roots(self) -> dict[str, frozenset[str]]:
         """Checkpoint tensor → the vLLM layers its loader writes into, as module paths
