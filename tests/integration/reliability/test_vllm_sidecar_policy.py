@@ -206,10 +206,11 @@ def test_vllm_replica_comes_back_at_the_version_it_holds(setup) -> None:
     assert _held_versions(llm) == {n}
     ranks = len(_engine_statuses(llm))
     # vLLM's own verbs, not the sidecar: an update naming a version but no refit this
-    # worker received and verified changes nothing it reports.
+    # worker received and verified changes nothing it reports. The refit never comes, so
+    # the worker waits 1 s for its PrepareRefit instead of the default 60 s.
     door = OfflineLLMControl(llm)
     door.start_update()
-    door.update({"refit_id": "not-a-refit", "version": n + 100})
+    door.update({"refit_id": "not-a-refit", "version": n + 100, "prepare_wait_s": 1})
     door.finish(n + 100)
     assert _held_versions(llm) == {n}
     assert _shown_versions(cluster) == {
