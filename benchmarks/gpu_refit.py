@@ -92,6 +92,7 @@ def run_ours(
     quant: str = "",
     baseline: str = "none",
     fresh_load: bool = False,
+    transfer_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     rows = []
     sums: dict[str, Any] = {}
@@ -110,7 +111,10 @@ def run_ours(
         workdir=workdir,
         quant=quant,
         model_dir=model_dir,
-        settings={"num_channels": max(point[0] for point in sweep)},
+        settings={
+            "num_channels": max(point[0] for point in sweep),
+            **({"transfer_timeout_s": transfer_timeout_s} if transfer_timeout_s else {}),
+        },
         gpu_memory_utilization=gpu_memory_utilization,
     ) as world:
         world.refit()  # warm up: group formation, plan, first-touch allocations
@@ -328,6 +332,12 @@ def main() -> int:
         default=0.45,
         help="vLLM's share of each generator GPU (raise it for models over ~40%% of a GPU)",
     )
+    parser.add_argument(
+        "--transfer-timeout",
+        type=float,
+        help="seconds a refit's transfer may take before the coordinator fails it, naming the "
+        "member it still waits for (the world's default: 600)",
+    )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/gpu-refit"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -372,6 +382,7 @@ def main() -> int:
         args.quant,
         baseline=baseline_kind(args, total),
         fresh_load=args.fresh_load,
+        transfer_timeout_s=args.transfer_timeout,
     )
     if args.quant:
         # Staged receive: the generator's extra memory stays within the ring and one bucket.

@@ -245,6 +245,16 @@ class TransferRun:
             token, buf, follow = taken
             if follow:
                 self._follow(m.channel, follow)
+        if buf.numel() * buf.element_size() != m.nbytes:
+            # NCCL does not exchange sizes: a receive posted shorter or longer than its send
+            # shifts every later message on the channel and the pair waits forever on the
+            # device, past any host deadline. Refuse it here, naming the message.
+            raise TransferError(
+                f"rank {self.rank}: message {m.round} from rank {m.src} to rank {m.dst} "
+                f"(first tensor {m.chunks[0].tensor!r}) is {m.nbytes} bytes in the plan but "
+                f"its {'direct view' if io.direct is not None else 'buffer'} here holds "
+                f"{buf.numel() * buf.element_size()}"
+            )
         group = self.pending.setdefault(m.channel, OpGroup())
         # Its checksum sums may be taken care of already: the sender's scan added them, or
         # the receiver summed its image before and the apply keeps them current.
