@@ -13,6 +13,10 @@ bash scripts/check.sh
 # another, the tests keep about one of CI's two cores busy (engine and process start-ups,
 # waits on real processes). --dist loadscope keeps every module on one worker, so a module's
 # fixtures (a vLLM engine per case, a process cluster per reliability module) start once.
+# --no-loadscope-reorder hands modules out in collection order, which ends with tests/unit
+# (~700 tests, none over ~3 s): xdist's default order (most tests first) ended the run with
+# the one-test vLLM modules (rule check, mixed receive, the RL example, delta: 25-80 s
+# each), so one worker often ran the last of them alone while the other had nothing left.
 python -m pytest -m "not gpu" -q -p no:cacheprovider --durations=15 \
-  -n "${REFIT_TEST_WORKERS:-2}" --dist loadscope "$@"
+  -n "${REFIT_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"
 echo "[test] all checks and tests passed in $(( $(date +%s) - started )) s"
