@@ -125,7 +125,7 @@ class TransferRun:
             bucket = self.bucket_starts.get(i)
             if bucket is not None:
                 self._next_bucket(self.buckets[bucket])
-            channels = set()
+            full = False
             for m, io in self.resolved.pop(i, step):
                 if io is None:
                     raise TransferError(
@@ -136,15 +136,15 @@ class TransferRun:
                 t0 = time.perf_counter()
                 self._add(m, io)
                 self.report.host_add_seconds += time.perf_counter() - t0
-                channels.add(m.channel)
-            for channel in sorted(channels):
-                group = self.pending.get(channel)
-                if group is not None and (
+                group = self.pending[m.channel]
+                full = full or (
                     group.nbytes >= self.group_bytes
                     or group.staged >= self.group_staged
                     or len(group.ops) >= GROUP_MAX_OPS
-                ):
-                    self._flush(channel)
+                )
+            if full:
+                # Every channel at once, never one alone: see `_flush_all`.
+                self._flush_all()
             self._retire_completed()
         self._drain()
         self.report.wire_seconds = time.monotonic() - wire_began
@@ -347,8 +347,32 @@ class TransferRun:
 
     def _flush(self, channel: int) -> None:
         group = self.pending.pop(channel, None)
-        if group is None or not group.ops:
-            return
+        if group is not None and group.ops:
+            self._pack(channel, group)
+            self._after_post(channel, group, self._post(channel, group))
+
+    def _flush_all(self) -> None:
+        """Post every channel's pending group: first every channel's packing, then every
+        channel's NCCL group, then the work after them (unpacking, checksums).
+
+        What this rank has posted is then always a prefix of the schedule's global order,
+        whenever it launches anything. A launch can block the host until the device is idle
+        (CUDA's lazy loading of a kernel's module on its first launch; a full launch queue);
+        the receives and sends in flight then finish only if the peer posts their
+        counterparts without waiting for this rank. Posted as a prefix, they have: the peer
+        posts everything before it waits, and what it waits for is earlier in the shared order.
+        Posting one channel's group alone, or unpacking it before the next channel's group is
+        posted, breaks that: on 2xH100 the first FP8 Qwen3-30B-A3B refit with experts in place
+        waited forever at four channels (one channel committed), the receiver's host inside
+        the first launch of a uint8 copy kernel, the sender waiting for its oldest send."""
+        groups = [(ch, g) for ch in sorted(self.pending) if (g := self.pending.pop(ch)).ops]
+        for channel, group in groups:
+            self._pack(channel, group)
+        handles = [self._post(channel, group) for channel, group in groups]
+        for (channel, group), handle in zip(groups, handles, strict=True):
+            self._after_post(channel, group, handle)
+
+    def _pack(self, channel: int, group: OpGroup) -> None:
         t0 = time.perf_counter()
         if self.delta is not None:
             with self.t.channel_context(channel):
@@ -363,15 +387,21 @@ class TransferRun:
                     launch_copy(table, buf, scatter=False, sums=sums)
             group.pack_dst, group.pack_src, group.pack_tables = [], [], []
             self.report.host_pack_seconds += time.perf_counter() - t0
+
+    def _post(self, channel: int, group: OpGroup) -> Handle:
+        t0 = time.perf_counter()
         settled = self.t.settle_seconds
         try:
             handle = self.t.issue(channel, group.ops, self.deadline)
         except TransferError as exc:
             # Posting may read the peer's records (CUDA IPC): name the tensors too.
             raise type(exc)(f"{exc.message}; posting {group.describe(self.rank)}") from exc
-        t1 = time.perf_counter()
-        self.report.host_post_seconds += t1 - t0
+        self.report.host_post_seconds += time.perf_counter() - t0
         self.report.host_settle_seconds += self.t.settle_seconds - settled
+        return handle
+
+    def _after_post(self, channel: int, group: OpGroup, handle: Handle) -> None:
+        t1 = time.perf_counter()
         if self.t.device_ordered:
             # A group that only sends checksums what it packed (or its parameters) while
             # the transfer runs: its staging slices come back as soon as the sends are done.
@@ -398,10 +428,6 @@ class TransferRun:
         group.ops = []
         self.in_flight.append(group)
         self.report.groups += 1
-
-    def _flush_all(self) -> None:
-        for channel in sorted(self.pending):
-            self._flush(channel)
 
     def _complete_oldest(self) -> None:
         if not self.in_flight:
