@@ -50,9 +50,7 @@ def live_storage(
     model: torch.nn.Module, layout: VllmLayout, *, fp8_experts: bool = False
 ) -> LiveStorage:
     """`fp8_experts`: count block-FP8 experts under the Triton MoE backend as writable in
-    place (the mixed binding asked for by `init_info.mode = "live"`; not yet the default:
-    its first end-to-end refit on 2xH100 did not finish, BENCHMARKS.md 2026-11-26 fifth
-    session)."""
+    place (the mixed binding: `vllm_staging.bind_receive` asks for it on a GPU)."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead

