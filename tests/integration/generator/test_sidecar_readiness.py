@@ -181,7 +181,7 @@ def test_a_worker_engine_that_failed_to_start_fails_the_start_at_once(coordinato
     refitplane engine failed its start-up check: the sidecar reads the workers' status while
     it waits for them to register and fails with their reason at once, not at its deadline
     (the real vLLM 0.32 path, where the guard answers 500:
-    test_sidecar_engine_failure.py)."""
+    tests/integration/reliability/test_vllm_sidecar_policy.py)."""
     reason = "tensor 'model.layers.0.mlp.gate.weight_scale_inv': no fast path"
     vllm.statuses = [
         {"rank": 0, "initialized": True, "error": ""},

@@ -18,6 +18,19 @@ tests/integration/generator/test_vllm_staging_cpu.py proves it for layerwise.)
 
 The coordinator, Redis and two trainer ranks are real processes (the trainers hold the TP
 shares of a tiny Qwen3 checkpoint); vLLM runs in this process's children.
+
+Before the module's sidecar starts, the same engine is asked for what it cannot do: a sidecar
+whose vLLM workers cannot start the refitplane engine fails its start at once, naming the
+workers' reason (the tensor or field), not "see the vLLM log" nor, later, a registration
+timeout. Found on 2 H100s (2026-11-26): an FP8 MoE checkpoint whose routers vLLM kept in
+float8 failed the engine's start-up check in 6 s, vLLM 0.26 answered
+`/init_weight_transfer_engine` 200 all the same (the engine never raises into vLLM), and the
+benchmark's sidecar waited 4 minutes to register. vLLM 0.32's API guard answers 500 there
+instead; both paths now read the workers' status (the 0.26 one, which no vLLM on CPU runs,
+against a stand-in: test_sidecar_readiness.py). The engine's start fails for a reason any
+model gives: `draft="refit"` (REFIT_DRAFT) on an engine that serves no draft. Nothing is
+lost: the module's sidecar then registers the same engine, and every refit below commits
+into it.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +49,7 @@ import httpx
 import pytest
 import redis
 
-from refitplane.errors import RefitError
+from refitplane.errors import FailedPrecondition, RefitError
 from refitplane.generator.offline_control import OfflineLLMControl
 from refitplane.protocol import MemberState, RefitState, Role
 from refitplane.testing.cluster.proc_cluster import ProcCluster
@@ -74,19 +88,35 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     with ProcCluster(root / "cluster", coordinator_env=ENV) as cluster:
         cluster.add_trainers(2, checkpoint=first)
         with vllm_cpu_engine(served, weight_transfer_config={"backend": "refitplane"}) as llm:
+
+            def sidecar_for(port: int, **settings: Any) -> Sidecar:
+                return Sidecar(
+                    SidecarSettings(
+                        coordinator=cluster.coordinator.grpc_target,
+                        job=cluster.job,
+                        replica_id="r0",
+                        sidecar_host="127.0.0.1",
+                        sidecar_port=port,
+                        register_timeout_s=120.0,
+                        **settings,
+                    ),
+                    control=OfflineLLMControl(llm),
+                )
+
+            # First what this engine cannot do (test_an_engine_that_cannot_start_...).
+            refused = sidecar_for(free_port(), draft="refit")
+            started = time.monotonic()
+            refusal: FailedPrecondition | None = None
+            try:
+                refused.start()
+            except FailedPrecondition as exc:
+                refusal = exc
+            finally:
+                refused.close()
+            refusal_s = time.monotonic() - started
+
             port = free_port()
-            sidecar = Sidecar(
-                SidecarSettings(
-                    coordinator=cluster.coordinator.grpc_target,
-                    job=cluster.job,
-                    replica_id="r0",
-                    sidecar_host="127.0.0.1",
-                    sidecar_port=port,
-                    register_timeout_s=120.0,
-                    receive_mode="staged",
-                ),
-                control=OfflineLLMControl(llm),
-            )
+            sidecar = sidecar_for(port, receive_mode="staged")
             try:
                 sidecar.start()
                 assert all(llm.collective_rpc(record_applied))
@@ -97,9 +127,26 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                     "sidecar": sidecar,
                     "readyz": f"http://127.0.0.1:{port}/readyz",
                     "checkpoints": (first, second),
+                    "refused": (refused, refusal, refusal_s),
                 }
             finally:
                 sidecar.close()
+
+
+def test_an_engine_that_cannot_start_fails_the_sidecar_start_at_once(setup) -> None:
+    """The sidecar asking this engine for a draft it does not serve failed its start with
+    the workers' reason, well before its registration deadline (120 s); the module's
+    sidecar then registered the same engine (module docstring)."""
+    refused, refusal, waited = setup["refused"]
+    assert refusal is not None, "the sidecar started an engine that cannot refit a draft"
+    message = refusal.message
+    assert "vLLM worker rank 0 could not start the refitplane engine" in message, message
+    assert "init_info.draft" in message, message
+    # The reason is known within a second of the init; the deadline was 120 s.
+    assert waited < 30, waited
+    assert not refused.alive
+    # Nothing was lost: the same engine registers once asked for what it can do.
+    assert setup["sidecar"].alive
 
 
 def _params_match(llm: Any, checkpoint: Path) -> list[str]:
