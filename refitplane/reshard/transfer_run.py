@@ -341,15 +341,11 @@ class TransferRun:
         posted first, so that none of its messages waits too: every device-side wait then
         points from a message to groups of messages before it in the schedule's global
         order, which both ends share, and the earliest unfinished message can always
-        complete (no cycle through the peer)."""
-        self._flush(channel)
+        complete (no cycle through the peer). Every other channel's pending group is posted
+        with it, never this one alone: its unpacking is launched right after posting, and
+        launching needs what is posted to be a prefix of that order (`_flush_all`)."""
+        self._flush_all()
         self.t.order_after(channel, [h for h in handles if isinstance(h, Handle)])
-
-    def _flush(self, channel: int) -> None:
-        group = self.pending.pop(channel, None)
-        if group is not None and group.ops:
-            self._pack(channel, group)
-            self._after_post(channel, group, self._post(channel, group))
 
     def _flush_all(self) -> None:
         """Post every channel's pending group: first every channel's packing, then every

@@ -13,7 +13,8 @@ Two ranks in one process over the loopback transport, bytes moved and checksumme
 real; a recording subclass maps each posted op to its message (a channel posts its
 messages in schedule order, so its k-th op is its k-th message) and checks the prefix at
 every point where the rank launches or blocks: a packing or side-stream context, a wait,
-a poll (a completed group is unpacked next). Four channels, small buckets and messages of
+a poll (a completed group is unpacked next); on the host-ordered path (Gloo's), the
+device-ordered one (CUDA's) and that with staging reused on the device. Four channels, small buckets and messages of
 uneven sizes over several stages, so the channels' groups fill at different times.
 """
 
@@ -89,15 +90,20 @@ def _describe(m: Message) -> str:
 class PostingRecorder(LoopbackTransport):
     """The loopback transport, recording which of the rank's messages each `issue` posts and
     checking, wherever the rank launches work or blocks, that they are a prefix of its
-    schedule's order. `ordered`: the executor's device-ordered path (CUDA's): a group is
-    complete when `issue` returns, so unpacking and checksums queued `beside` it run after
-    its bytes arrived (a one-way pair cannot deadlock on that: the sender never waits)."""
+    schedule's order. `path`: "host-ordered" is Gloo's (a group is unpacked after a host
+    wait); "device-ordered" is CUDA's: a group is complete when `issue` returns, so unpacking
+    and checksums queued `beside` it run after its bytes arrived (a one-way pair cannot
+    deadlock on that: the sender never waits); "device-reused" adds NCCL's opt-in staging
+    reuse (REFIT_DEVICE_REUSE=1): a posted group gives its staging back at once, and the
+    next message taking that space has its channel follow the group (`order_after`, here
+    already true)."""
 
     def __init__(
-        self, hub: LoopbackHub, rank: int, plan: RankPlan, config: TransferConfig, ordered: bool
+        self, hub: LoopbackHub, rank: int, plan: RankPlan, config: TransferConfig, path: str
     ) -> None:
         super().__init__(hub, rank, 2, config.num_channels)
-        self.device_ordered = ordered
+        self.device_ordered = path in ("device-ordered", "device-reused")
+        self.device_reuse = path == "device-reused"
         self.order = list(rank_schedule(plan, config).messages)
         self.next_on_channel: dict[int, deque[int]] = {}
         for index, m in enumerate(self.order):
@@ -161,17 +167,14 @@ class PostingRecorder(LoopbackTransport):
         super().wait(handle, deadline, cancel)
 
 
-@pytest.mark.parametrize("path", ["host-ordered", "device-ordered"])
+@pytest.mark.parametrize("path", ["host-ordered", "device-ordered", "device-reused"])
 def test_posted_messages_are_a_prefix_of_the_schedule_whenever_a_rank_launches_work(
     path: str,
 ) -> None:
     specs = _specs()
     plans = pair_plans(specs)
     hub = LoopbackHub()
-    recorders = [
-        PostingRecorder(hub, rank, plans[rank], CONFIG, ordered=path == "device-ordered")
-        for rank in (0, 1)
-    ]
+    recorders = [PostingRecorder(hub, rank, plans[rank], CONFIG, path) for rank in (0, 1)]
     receiver = _shards(specs, fill=False)
     errors: dict[int, BaseException] = {}
 
