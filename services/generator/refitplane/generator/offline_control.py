@@ -55,7 +55,7 @@ class OfflineLLMControl(CallerPausedControl):
         return call_verb("finish_weight_update", self.llm.finish_weight_update)
 
     # Unlike pausing, sleeping is the engine's state: the caller puts it to sleep while the
-    # trainer steps, and a refit wakes it (`replica.controller`).
+    # trainer steps, and a refit wakes it (`replica.engine_steps`).
     def is_sleeping(self) -> bool:
         return offline_is_sleeping(self.llm)
 
