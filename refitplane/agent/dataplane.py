@@ -115,6 +115,13 @@ class DataPlaneMember(NullHandler):
         self.last_report: TransferReport | None = None
         self.transfers = 0
 
+    @property
+    def ring_bytes_held(self) -> int:
+        """The executor's staging ring held now: sized for the plan's packed messages and
+        kept between refits, except by a receiver that stages its weights (freed after each)."""
+        ring = self._executor.ring if self._executor is not None else None
+        return ring.size if ring is not None and ring.allocated else 0
+
     def attach(self, session: AgentSession) -> None:
         self.session = session
 

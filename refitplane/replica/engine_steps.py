@@ -97,10 +97,10 @@ class EngineSteps:
 
     def export_staging(self) -> bool:
         """Refresh the staging gauge after a refit (never fails one: metrics only); whether
-        the engines were asked. Workers that stage nothing (live receive without fallback
-        layers) report 0 for as long as they are registered: once their statuses said so,
-        later refits of the same ranks skip this round trip through vLLM (~1 ms between the
-        last byte and COMMITTED, measured on vLLM 0.26)."""
+        the engines were asked. Workers that stage no checkpoint tensors (live receive without
+        fallback layers) report their staging ring alone, which their plan fixes for the
+        group: once their statuses said so, later refits of the same ranks skip this round
+        trip through vLLM (~1 ms between the last byte and COMMITTED, measured on vLLM 0.26)."""
         if self.metrics is None or self._gauge_fixed_epoch == self._ranks_epoch():
             return False
         try:

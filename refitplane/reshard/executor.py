@@ -11,7 +11,9 @@ a chunk table made when the plan was prepared (`chunk_copy.py`: no per-tensor ho
 otherwise a group's flat chunks go in one `torch._foreach_copy_` per direction and strided
 ones one copy each, so hundreds of small tensors cost a few launches, not hundreds.
 When the ring is full, everything pending is posted and the oldest group completed first,
-so staging memory never exceeds `max_inflight_bytes`; over NCCL a posted group gives its
+so staging memory never exceeds the ring, which is sized when the plan is prepared to what
+its packed messages take, within `max_inflight_bytes` (less a staged receiver's arena;
+`prepared_plan.staging_room`) and reserved before the first op; over NCCL a posted group gives its
 staging slices back at once and their next users wait for it on the device, not the host
 (`staging.py`), so a sender packing thousands of expert tensors is never paced by its host
 loop noticing that a send finished. On GPU, packing, the transfer and unpacking are ordered on
@@ -75,7 +77,12 @@ from refitplane.reshard.transport.base import Transport
 if TYPE_CHECKING:
     from refitplane.reshard.ipc_run import LinkCopies
     from refitplane.reshard.transport.cuda_ipc import CudaIpcTransport
-from refitplane.reshard.prepared_plan import PreparedPlan, bucket_steps
+from refitplane.reshard.prepared_plan import (
+    PreparedPlan,
+    bucket_steps,
+    packed_sizes,
+    staging_room,
+)
 from refitplane.reshard.transfer_report import TransferReport
 from refitplane.reshard.transfer_run import TransferRun
 
@@ -100,7 +107,9 @@ class Executor:
             )
         self.transport = transport
         self.config = config
-        self.ring = StagingRing(config.max_inflight_bytes, transport.device)
+        # Sized for each plan when it is prepared (`prepared_plan.staging_room`), reused
+        # while that size stays the same.
+        self.ring = StagingRing(0, transport.device)
         # Whether the last run posted a receive into destination memory: from then on its
         # bytes may change (they land as they arrive), whatever the run's outcome.
         self.receives_posted = False
@@ -122,6 +131,8 @@ class Executor:
         started = time.monotonic()
         self.receives_posted = False
         prepared = self._prepare(plan, shards)
+        if self.ring.size != prepared.ring_bytes:
+            self.ring = StagingRing(prepared.ring_bytes, self.transport.device)
         staged = shards if prepared.buckets and isinstance(shards, StagedShards) else None
         if staged is not None and len(prepared.buckets) > 1 and not self.config.verify_checksums:
             raise InvalidArgument(
@@ -161,13 +172,14 @@ class Executor:
         except BaseException:
             self.receives_posted = run.receives_posted
             self.transport.abort()
-            self.ring = StagingRing(self.config.max_inflight_bytes, self.transport.device)
+            self.ring = StagingRing(prepared.ring_bytes, self.transport.device)
             if staged is not None:
                 staged.discard()
             raise
         self.receives_posted = run.receives_posted
         report.seconds = time.monotonic() - started
-        report.staging_peak_bytes = self.ring.peak
+        report.ring_peak_bytes = self.ring.peak
+        report.staging_peak_bytes = report.ring_bytes + report.staged_peak_bytes
         self._measure(report)
         # With the rate this transfer may just have measured: a sender keeps a delta base
         # only where a later delta could pay.
@@ -265,8 +277,16 @@ class Executor:
             resolve_messages(plan, schedule, shards, deferred), self.transport.device
         )
         buckets: list[StagedBucket] = []
+        arena: StagedBucket | None = None
         if isinstance(shards, StagedShards):
             buckets = shards.plan(schedule.receive_stages(plan.rank))
+            if shards.layerwise and buckets:
+                arena = max(buckets, key=lambda b: b.nbytes)
+        spans = bucket_steps(schedule, buckets)
+        # Before anything is kept: a plan whose staging cannot fit the budget is refused.
+        ring_bytes, ring_room = staging_room(
+            plan.rank, packed_sizes(plan, steps, shards, buckets, spans), self.config, arena
+        )
         tables = None
         if self.config.verify_checksums and self.transport.device.type == "cuda":
             count = sum(len(step) for step in schedule.steps)
@@ -281,6 +301,8 @@ class Executor:
             tables,
             tensors_received=len({p.tensor for link in plan.recvs for p in link.pieces}),
             buckets=tuple(buckets),
-            bucket_steps=tuple(bucket_steps(schedule, buckets)),
+            bucket_steps=tuple(spans),
+            ring_bytes=ring_bytes,
+            ring_room=ring_room,
         )
         return self._prepared

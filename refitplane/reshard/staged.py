@@ -19,11 +19,14 @@ those tensors memory only while their *bucket* is being received:
 - the last bucket stays open after the transfer (`held`): the owner applies it once the
   whole replica verified (`apply_held`), or drops it (`discard`); either frees the arena.
 
-So a rank's extra memory during a refit is the executor's ring (`max_inflight_bytes`) plus
-the largest bucket — at most the largest stage, or the largest set of stages that must be
-applied together — and nothing between refits. With `layerwise=False` every stage is one
-bucket, held until the owner applies it: the whole staged model at once, as before, and
-nothing applied before the transfer verified.
+So a rank's staging during a refit is the largest bucket — at most the largest stage, or
+the largest set of stages that must be applied together — plus the executor's ring for the
+messages that are not one span of their bucket's layout (`probing` tells which before any
+arena exists), both within `max_inflight_bytes` (`prepared_plan.staging_room` sizes the ring
+and refuses a budget that cannot hold the largest bucket), and nothing between refits. With
+`layerwise=False` every stage is one bucket, held until the owner applies it: the whole
+staged model at once, outside the budget by choice, and nothing applied before the transfer
+verified.
 
 Applying a bucket before the transfer ends changes live weights before the final checksum
 comparison (checksums are compared after the last message): `touched` says whether any
@@ -33,7 +36,8 @@ comparison (checksums are compared after the last message): `touched` says wheth
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -230,21 +234,46 @@ class StagedShards(LocalShards):
                 f"{bucket.describe()} does not fit the staging arena begun for this transfer",
                 field="bucket",
             )
-        offset = 0
-        for name in bucket.names:
-            spec = self._staged[name]
-            nbytes = self.staged_bytes(name)
-            region = self._arena[offset : offset + nbytes]
-            offset += _aligned(nbytes)
-            if self._covered[name] < box_numel(full_box(spec.shape)):
+        for name, tensor in self._carve(self._arena, bucket).items():
+            if self._covered[name] < tensor.numel():
                 # The loader reads only this rank's boxes; the rest is zero, never garbage.
-                region.zero_()
-            self._open[name] = region.view(torch_dtype(spec.dtype)).view(spec.shape)
+                tensor.zero_()
+            self._open[name] = tensor
         if self.device.type == "cuda":
             # Receives are posted on the transport's own streams: the fill, and the previous
             # bucket's apply reading this memory, must be done before they write into it.
             torch.cuda.current_stream(self.device).synchronize()
         self._open_bucket = bucket
+
+    def _carve(self, arena: torch.Tensor, bucket: StagedBucket) -> dict[str, torch.Tensor]:
+        """The bucket's tensors, whole-shape, back to back (aligned) from the arena's start."""
+        tensors: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name in bucket.names:
+            spec = self._staged[name]
+            nbytes = self.staged_bytes(name)
+            region = arena[offset : offset + nbytes]
+            offset += _aligned(nbytes)
+            tensors[name] = region.view(torch_dtype(spec.dtype)).view(spec.shape)
+        return tensors
+
+    @contextmanager
+    def probing(self, bucket: StagedBucket) -> Iterator[None]:
+        """The bucket open over memory that does not exist (the meta device), laid out as
+        `open` lays it: `view` answers with views whose offsets and strides are the real
+        ones, so the executor learns, before any arena exists, which of the bucket's
+        messages will be one span of it (direct) and which need staging ring space."""
+        if self._open_bucket is not None:
+            raise InvalidArgument(
+                f"{bucket.describe()} probed while {self._open_bucket.describe()} is open",
+                field="bucket",
+            )
+        arena = torch.empty(bucket.nbytes, dtype=torch.uint8, device="meta")
+        self._open = self._carve(arena, bucket)
+        try:
+            yield
+        finally:
+            self._open = {}
 
     def close(self, bucket: StagedBucket) -> None:
         """The bucket's bytes are in place (and checksummed): apply them, free them."""

@@ -2,8 +2,10 @@
 
 Packed sends and receives borrow slices of the arena and give them back by token, in any
 order; space is reclaimed from the oldest slice on, once it is back (slices of different
-channels interleave, so a later slice may come back first). The arena never grows, so a
-rank's extra memory during a refit is at most `max_inflight_bytes`.
+channels interleave, so a later slice may come back first). The arena never grows; it is
+sized for the plan it serves (`prepared_plan.staging_room`): at most what the plan's packed
+messages take, and, with the staged arena of a receiver that stages its weights
+(`staged.py`), within `max_inflight_bytes`.
 
 A slice may be given back before the device is done with it (`release(token, after=h)`:
 free once the transport handle `h` completes). Whoever takes that space next gets `h`
@@ -16,6 +18,7 @@ checksum that read it are done.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,7 +28,20 @@ from refitplane.errors import InvalidArgument
 _ALIGN = 256
 
 
+def ring_bytes_for(sizes: Iterable[int]) -> int:
+    """Ring bytes that hold slices of all these sizes at once (each slice aligned): a ring
+    this large never makes a message wait for space."""
+    return sum(_aligned(n) for n in sizes)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
 class StagingRing:
+    """`size`: sized for the plan it serves (`prepared_plan.staging_room`): never more than
+    `max_inflight_bytes`, nor than the plan's packed messages take; 0 reserves nothing."""
+
     def __init__(self, size: int, device: torch.device) -> None:
         self.size = size
         self.device = device
@@ -42,14 +58,20 @@ class StagingRing:
 
     @property
     def buffer(self) -> torch.Tensor:
-        return self.reserve()
+        return self._allocate()
 
-    def reserve(self) -> torch.Tensor:
-        """The arena, allocated now if it is not yet (call it before transfers are in
-        flight: device allocations then can deadlock, see executor.py)."""
+    def _allocate(self) -> torch.Tensor:
         if self._buffer is None:
             self._buffer = torch.empty(self.size, dtype=torch.uint8, device=self.device)
         return self._buffer
+
+    def reserve(self) -> None:
+        """A transfer starts: allocate the arena now if it is not yet (before transfers are
+        in flight: device allocations then can deadlock, see executor.py; a ring of 0 bytes
+        allocates nothing) and start a new peak."""
+        self.peak = self._in_use
+        if self.size:
+            self._allocate()
 
     @property
     def allocated(self) -> bool:
@@ -60,10 +82,11 @@ class StagingRing:
         of released slices it overlaps), or None while older slices still occupy the space."""
         if nbytes > self.size:
             raise InvalidArgument(
-                f"a message of {nbytes} bytes exceeds the staging budget of {self.size} bytes",
+                f"a message of {nbytes} bytes exceeds the staging ring of {self.size} bytes "
+                "(sized for the plan's packed messages, within max_inflight_bytes)",
                 field="max_inflight_bytes",
             )
-        need = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        need = _aligned(nbytes)
         start = self._fit(min(need, self.size))
         if start is None:
             return None

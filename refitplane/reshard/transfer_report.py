@@ -26,7 +26,14 @@ class TransferReport:
     groups: int = 0
     tensors_total: int = 0
     tensors_verified: int = 0
+    # refitplane's own staging memory held during the run: the ring reserved for the plan's
+    # packed messages plus a staged receiver's arena (`staged_peak_bytes`); within
+    # `max_inflight_bytes` (`prepared_plan.staging_room`).
     staging_peak_bytes: int = 0
+    # The staging ring reserved for this run (0: every message went direct), and the most of
+    # it in use at once.
+    ring_bytes: int = 0
+    ring_peak_bytes: int = 0
     # Delta refits: what a full refit would have sent (bytes_sent is what went on the
     # wire), and the messages that went as deltas.
     bytes_full: int = 0

@@ -97,8 +97,9 @@ class TransferRun:
         self.total = plan.send_bytes + plan.recv_bytes
         self.done = 0
         self.group_bytes = GROUP_BUCKETS * self.cfg.bucket_bytes
-        # Keep two groups per channel in flight within the staging budget.
-        self.group_staged = max(1, self.cfg.max_inflight_bytes // (2 * self.cfg.num_channels))
+        # Keep two groups per channel in flight within the staging budget (what the staged
+        # arena leaves of it: the ring is smaller only where the packed messages need less).
+        self.group_staged = max(1, prepared.ring_room // (2 * self.cfg.num_channels))
 
     # -- main loop ----------------------------------------------------------------------------
 
@@ -108,12 +109,15 @@ class TransferRun:
         peers = {link.dst for link in self.plan.sends} | {link.src for link in self.plan.recvs}
         self.t.connect(sorted(peers), self.deadline)
         if self.staged is not None:
-            # Before any byte moves: the staging arena, and the ring (freed after each
-            # staged transfer), so that nothing allocates while transfers are in flight.
+            # Before any byte moves: the staging arena (and the ring below), so that nothing
+            # allocates while transfers are in flight.
             self.staged.begin(self.buckets)
-            self.ring.reserve()
             self.report.staged_buckets = len(self.buckets)
             self.report.staged_peak_bytes = self.staged.staging_peak_bytes
+        # Sized for this plan (none where every message goes direct); kept between refits,
+        # except by staged receivers, which free it after each.
+        self.ring.reserve()
+        self.report.ring_bytes = self.ring.size
         if self.delta is not None:
             began = time.monotonic()
             self._exchange_delta_headers(self.delta)

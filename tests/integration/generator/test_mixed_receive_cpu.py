@@ -36,7 +36,7 @@ def _receive(worker: Any) -> dict[str, Any]:
     return {
         "mode": engine.mode,
         "in_place": len(live_storage(model, engine.layout).writable),
-        "staging_peak_bytes": engine.status()["staging_peak_bytes"],
+        "staged_peak_bytes": engine.member.last_report.staged_peak_bytes,
     }
 
 
@@ -66,7 +66,7 @@ def test_a_refit_in_place_beside_staged_layers_equals_a_fresh_load(tmp_path: Pat
         # Both halves were used: some parameters in place, the rest staged (and applied).
         assert receive["mode"] == "live", receive
         assert receive["in_place"] > 0, receive
-        assert receive["staging_peak_bytes"] > 0, receive
+        assert receive["staged_peak_bytes"] > 0, receive
     failures = differences_from_fresh(fresh, refit.kernel_tensors, refit.output)
     assert failures == [], failures[:10]
     # The checkpoints differ where the prompt can see it: the comparison can fail.

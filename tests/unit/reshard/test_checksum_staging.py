@@ -100,7 +100,7 @@ def test_ring_never_overlaps_live_slices(ops: list[tuple[int, int]]) -> None:
 
 
 def test_ring_rejects_oversized_messages() -> None:
-    with pytest.raises(InvalidArgument, match="exceeds the staging budget"):
+    with pytest.raises(InvalidArgument, match="exceeds the staging ring"):
         StagingRing(100, torch.device("cpu")).try_take(101)
 
 

@@ -8,7 +8,7 @@ tensors whole, rank 1 stages what it needs — whole tensors of some, a row half
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -23,12 +23,15 @@ from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.shards import LocalShards, torch_dtype
 from refitplane.reshard.staged import StagedBucket, StagedShards
 from refitplane.reshard.stages import stage_of
+from refitplane.reshard.staging import ring_bytes_for
 from refitplane.reshard.transfer_report import TransferReport
 from tests.unit.reshard.loopback import Corrupt, LoopbackHub, LoopbackTransport, pair_plans
 
 pytestmark = pytest.mark.unit
 
 LAYERS = 4
+# Staging budget (max_inflight_bytes): ring and arena together; the largest bucket is 512.
+BUDGET = 1024
 
 
 def _specs() -> dict[str, TensorSpec]:
@@ -49,27 +52,46 @@ def _needed_box(spec: TensorSpec) -> Box:
     return full_box(spec.shape)
 
 
+def _column_box(spec: TensorSpec) -> Box:
+    """The first half of each q_proj's columns (a row-parallel shard): strided in the
+    whole-shape staged tensor, so those messages go through the staging ring."""
+    if spec.name.endswith("q_proj.weight"):
+        return ((0, spec.shape[0]), (0, spec.shape[1] // 2))
+    return full_box(spec.shape)
+
+
 def _value(spec: TensorSpec) -> torch.Tensor:
     gen = torch.Generator().manual_seed(sum(map(ord, spec.name)))
     raw = torch.randint(1, 256, (spec.nbytes,), generator=gen, dtype=torch.uint8)
     return raw.view(torch_dtype(spec.dtype)).view(spec.shape)
 
 
-def _plans(specs: Mapping[str, TensorSpec]) -> tuple[RankPlan, RankPlan]:
-    return pair_plans(specs, _needed_box)
+def _plans(
+    specs: Mapping[str, TensorSpec], needed: Callable[[TensorSpec], Box] = _needed_box
+) -> tuple[RankPlan, RankPlan]:
+    return pair_plans(specs, needed)
 
 
 class Applied:
     """The owner's apply hook: checks the bucket's bytes are in place, records it."""
 
-    def __init__(self, specs: Mapping[str, TensorSpec], fail_at: int = -1) -> None:
+    def __init__(
+        self,
+        specs: Mapping[str, TensorSpec],
+        fail_at: int = -1,
+        needed: Callable[[TensorSpec], Box] = _needed_box,
+    ) -> None:
         self.specs = specs
         self.fail_at = fail_at
+        self.needed = needed
         self.buckets: list[StagedBucket] = []
         self.problems: list[str] = []
         self.values: dict[str, torch.Tensor] = {}
         self.staging_at_apply: list[int] = []
         self.shards: StagedShards | None = None
+        # The receiving executor, and its staging ring's size (0: none held) at each apply.
+        self.executor: Executor | None = None
+        self.ring_at_apply: list[int] = []
 
     def __call__(self, bucket: StagedBucket, tensors: Mapping[str, torch.Tensor]) -> None:
         if bucket.index == self.fail_at:
@@ -77,11 +99,14 @@ class Applied:
         self.buckets.append(bucket)
         assert self.shards is not None
         self.staging_at_apply.append(self.shards.staging_bytes)
+        if self.executor is not None:
+            ring = self.executor.ring
+            self.ring_at_apply.append(ring.size if ring.allocated else 0)
         assert sorted(tensors) == sorted(bucket.names)
         for name, tensor in tensors.items():
             spec = self.specs[name]
             want = torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype))
-            box = _needed_box(spec)
+            box = self.needed(spec)
             want[to_slices(box)] = _value(spec)[to_slices(box)]
             if not torch.equal(tensor.view(torch.uint8), want.view(torch.uint8)):
                 self.problems.append(f"{name}: bytes at apply differ (bucket {bucket.index})")
@@ -93,23 +118,26 @@ def _run_pair(
     fail_at: int = -1,
     corrupt: Corrupt | None = None,
     config: TransferConfig | None = None,
+    needed: Callable[[TensorSpec], Box] = _needed_box,
 ) -> dict[str, Any]:
     specs = _specs()
-    send_plan, recv_plan = _plans(specs)
-    cfg = config or TransferConfig(bucket_bytes=64, max_inflight_bytes=256, num_channels=2)
+    send_plan, recv_plan = _plans(specs, needed)
+    cfg = config or TransferConfig(bucket_bytes=64, max_inflight_bytes=BUDGET, num_channels=2)
     hub = LoopbackHub(corrupt)
-    applied = Applied(specs, fail_at)
+    applied = Applied(specs, fail_at, needed)
     sender = LocalShards()
     for spec in specs.values():
         sender.add(spec, full_box(spec.shape), _value(spec))
     staged = StagedShards("cpu", applied, layerwise=layerwise)
     for spec in specs.values():
-        staged.add_staged(spec, _needed_box(spec))
+        staged.add_staged(spec, needed(spec))
     applied.shards = staged
     out: dict[str, Any] = {"applied": applied, "staged": staged}
+    executors = [Executor(LoopbackTransport(hub, r, 2, cfg.num_channels), cfg) for r in (0, 1)]
+    applied.executor = executors[1]
 
     def run(rank: int, plan: RankPlan, shards: LocalShards) -> None:
-        executor = Executor(LoopbackTransport(hub, rank, 2, cfg.num_channels), cfg)
+        executor = executors[rank]
         out[f"executor{rank}"] = executor
         try:
             out[f"report{rank}"] = executor.run(plan, shards)
@@ -176,7 +204,7 @@ def test_whole_staging_is_one_bucket_applied_only_by_the_owner() -> None:
 def test_a_second_refit_stages_afresh() -> None:
     specs = _specs()
     send_plan, recv_plan = _plans(specs)
-    cfg = TransferConfig(bucket_bytes=64, max_inflight_bytes=256, num_channels=1)
+    cfg = TransferConfig(bucket_bytes=64, max_inflight_bytes=BUDGET, num_channels=1)
     hub = LoopbackHub()
     sender = LocalShards()
     for spec in specs.values():
@@ -220,7 +248,7 @@ def test_a_checksum_mismatch_after_applied_buckets_still_fails_and_says_touched(
         if channel == 0 and n == 3 and data.numel():
             data[0] ^= 0xFF
 
-    out = _run_pair(corrupt=flip_last, config=TransferConfig(64, 1, 256))
+    out = _run_pair(corrupt=flip_last, config=TransferConfig(64, 1, BUDGET))
     assert isinstance(out["error1"], ChecksumMismatch), out
     staged: StagedShards = out["staged"]
     assert staged.touched
@@ -230,7 +258,7 @@ def test_a_checksum_mismatch_after_applied_buckets_still_fails_and_says_touched(
 
 def test_applying_during_the_transfer_needs_checksums() -> None:
     cfg = TransferConfig(
-        bucket_bytes=64, max_inflight_bytes=256, num_channels=1, verify_checksums=False
+        bucket_bytes=64, max_inflight_bytes=BUDGET, num_channels=1, verify_checksums=False
     )
     specs = _specs()
     _, recv_plan = _plans(specs)
@@ -273,3 +301,64 @@ def test_a_staged_view_outside_its_bucket_is_an_error_naming_the_tensor() -> Non
     staged.add_staged(spec, full_box(spec.shape))
     with pytest.raises(LayoutError, match=r"model\.layers\.0\.a"):
         staged.view(spec.name, full_box(spec.shape))
+
+
+def test_a_receiver_whose_messages_land_in_its_arena_reserves_no_ring() -> None:
+    """Row halves and whole tensors are one span of the bucket's arena each: every message
+    goes direct, so no staging ring is reserved at all (before: `max_inflight_bytes` of it,
+    beside the arena), and the rank's staging is the arena alone."""
+    out = _run_pair()
+    report: TransferReport = out["report1"]
+    applied: Applied = out["applied"]
+    assert "error1" not in out, out
+    assert report.packed_messages == 0 < report.direct_messages
+    assert report.ring_bytes == 0
+    assert applied.ring_at_apply == [0] * len(applied.buckets)
+    assert report.staging_peak_bytes == report.staged_peak_bytes == max(applied.staging_at_apply)
+    # The sender holds every tensor whole: its messages go straight from them too.
+    assert out["report0"].ring_bytes == 0
+    assert not out["executor0"].ring.allocated
+
+
+def test_a_receivers_ring_and_arena_stay_within_the_budget_together() -> None:
+    """Column halves are strided in the arena: they are unpacked from the ring, which gets
+    what the arena leaves of the budget, less than those messages take at once here."""
+    out = _run_pair(needed=_column_box, config=TransferConfig(64, 2, BUDGET))
+    report: TransferReport = out["report1"]
+    applied: Applied = out["applied"]
+    staged: StagedShards = out["staged"]
+    assert "error0" not in out, out
+    assert "error1" not in out, out
+    assert applied.problems == []
+    assert report.packed_messages > 0
+    arena = report.staged_peak_bytes
+    packed = ring_bytes_for([64] * report.packed_messages)
+    assert packed > BUDGET - arena  # the budget, not the packed bytes, bounds the ring here
+    assert report.ring_bytes == BUDGET - arena
+    assert report.staging_peak_bytes == report.ring_bytes + arena <= BUDGET
+    assert 0 < report.ring_peak_bytes <= report.ring_bytes
+    # While each bucket was applied, ring and arena were both held, within the budget.
+    assert all(
+        ring + held <= BUDGET
+        for ring, held in zip(applied.ring_at_apply, applied.staging_at_apply, strict=True)
+    )
+    assert set(applied.ring_at_apply) == {report.ring_bytes}
+    staged.apply_held()
+    assert applied.problems == []
+    assert sorted(applied.values) == sorted(_specs())
+
+
+def test_a_budget_that_cannot_hold_the_largest_bucket_is_refused_before_any_byte() -> None:
+    specs = _specs()
+    _, recv_plan = _plans(specs, _column_box)
+    staged = StagedShards("cpu", Applied(specs, needed=_column_box))
+    for spec in specs.values():
+        staged.add_staged(spec, _column_box(spec))
+    # The largest bucket is 512 bytes and the largest packed message 64: 576 needed.
+    executor = Executor(
+        LoopbackTransport(LoopbackHub(), 1, 2, 1), TransferConfig(64, 1, 512 + 64 - 1)
+    )
+    with pytest.raises(InvalidArgument, match=r"bucket \d+ \(.*512 bytes\).* at least 576 bytes"):
+        executor.run(recv_plan, staged)
+    assert executor.transport.issued == 0
+    assert not executor.ring.allocated

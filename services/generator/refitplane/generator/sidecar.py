@@ -21,9 +21,10 @@ worker holds), asked on a thread of its own (`sidecar_readiness.WorkerCheck`), s
 vLLM never holds a probe.
 
 `/metrics` (Prometheus) exports `refit_generator_staging_peak_bytes{replica, rank}`: each
-worker's staging memory peak during the last refit (checkpoint tensors it staged, not the
-executor's ring), read from the engines' status after every refit (vLLM's dev-mode
-`/collective_rpc`).
+worker's staging memory during its last completed transfer (the executor's ring for packed
+messages plus the checkpoint tensors it staged: within REFIT_MAX_INFLIGHT_BYTES where layers
+are staged a bucket at a time), read from the engines' status after every refit (vLLM's
+dev-mode `/collective_rpc`).
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ class StagingMetrics:
         self.replica_id = replica_id
         self.peak = Gauge(
             "refit_generator_staging_peak_bytes",
-            "Staging memory (checkpoint tensors staged for vLLM's reload, not the transfer "
-            "ring) a generator worker held at most during its last refit",
+            "refitplane's staging memory (the transfer's staging ring plus checkpoint tensors "
+            "staged for vLLM's reload) a generator worker held during its last transfer",
             ("replica", "rank"),
             registry=registry,
         )

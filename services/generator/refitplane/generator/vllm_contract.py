@@ -223,12 +223,15 @@ class EngineStatus(TypedDict):
     # received, verified and applied (0: none since start). Never the caller's word.
     version: int
     receive_mode: str
-    # Staging memory (checkpoint tensors the worker stages, `reshard.staged`) held now and
-    # at most during the last transfer; 0 for a live receive without fallback layers.
+    # refitplane's staging memory held now, and at most during the last completed transfer:
+    # the checkpoint tensors the worker stages (`reshard.staged`: its arena) plus the
+    # executor's ring for packed messages (sized to them, `reshard.prepared_plan`). Within
+    # REFIT_MAX_INFLIGHT_BYTES where layers are staged a bucket at a time.
     staging_bytes: int
     staging_peak_bytes: int
     # Whether the worker stages any checkpoint tensors at all (a registry of staged ones):
-    # if not, both numbers above stay 0 for as long as it is registered.
+    # if not, its staging is the ring alone, fixed by its plan for the group (the sidecar
+    # reads it once per group).
     stages: bool
     # What the start-up check of the fast-path rules found, per layer class
     # (`vllm_rule_check.RuleCheck.as_dict`): status verified / mismatch / skipped, the layers

