@@ -259,8 +259,9 @@ def baseline_kind(args: argparse.Namespace, total_bytes: int) -> str:
 
 
 def largest_layer_bytes(shape: str, quant: str) -> int:
-    """Checkpoint bytes of the largest decoder layer (what a staged receiver holds at most
-    beyond its ring: one bucket of stages is at least one layer)."""
+    """Checkpoint bytes of the largest decoder layer: a staged receiver's arena (one bucket
+    of stages is at least one layer, held within REFIT_MAX_INFLIGHT_BYTES with its ring) and
+    vLLM's reload copy of it (beyond that budget)."""
     import re
 
     from refitplane.testing.model_shapes import tensor_specs
@@ -371,6 +372,17 @@ def main() -> int:
         for d in args.direct
         for i in args.inflight
     ]
+    if args.quant:
+        layer = largest_layer_bytes(args.model, args.quant)
+        for _, bucket, _, inflight in sweep:
+            budget = (inflight or max(4 * bucket, 256)) * MiB
+            if budget < layer + bucket * MiB:
+                print(
+                    f"  note: staging {budget / MiB:.0f} MiB < largest layer {layer / MiB:.0f} MiB "
+                    f"+ bucket {bucket} MiB: a receiver that stages whole layers refuses it "
+                    "(INVALID_ARGUMENT max_inflight_bytes)",
+                    flush=True,
+                )
     out["ours"] = run_ours(
         args.model,
         layout,
@@ -385,7 +397,8 @@ def main() -> int:
         transfer_timeout_s=args.transfer_timeout,
     )
     if args.quant:
-        # Staged receive: the generator's extra memory stays within the ring and one bucket.
+        # Staged receive: refitplane's staging (ring + arena) stays within the budget, and
+        # vLLM's reload holds a loader-format copy of the layer it applies on top.
         for row in out["ours"]["rows"]:
             bound = row["inflight_mib"] * MiB + largest_layer_bytes(args.model, args.quant)
             row["generator_bound_mib"] = bound / MiB
