@@ -129,11 +129,19 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
                 f"{delta_batch.SCAN_SUMS} sums of message {i} differ from the checksum's"
             )
     headers = [choose_encoding(c.numel(), n, 2) for c, n in zip(currents, counts, strict=True)]
-    # One zeroed arena, a payload per sparse message (as `DeltaExchange.encode` lays them).
-    sparse = [h.nbytes if h.encoding is not Encoding.DENSE else 0 for h in headers]
-    arena = torch.zeros(sum(sparse), dtype=torch.uint8, device=device)
-    cuts = list(torch.split(arena, sparse))
-    payloads = [cut if n else None for cut, n in zip(cuts, sparse, strict=True)]
+    # One zeroed arena, a payload per sparse message, each at a multiple of 16 bytes (as
+    # `DeltaExchange.encode` lays them: the gather writes whole words, and unaligned cuts
+    # fail with "misaligned address", as this benchmark's first GPU run did).
+    offsets, total = [], 0
+    for h in headers:
+        offsets.append(total)
+        if h.encoding is not Encoding.DENSE:
+            total += (h.nbytes + 15) // 16 * 16
+    arena = torch.zeros(total, dtype=torch.uint8, device=device)
+    payloads = [
+        None if h.encoding is Encoding.DENSE else arena[at : at + h.nbytes]
+        for h, at in zip(headers, offsets, strict=True)
+    ]
     gather = delta_batch.prepare_gather(batch, headers, payloads)
     gather_s = timed(gather.launch) if gather is not None else 0.0
     restore()
