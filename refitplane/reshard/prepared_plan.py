@@ -127,7 +127,7 @@ def staging_room(
     held = arena.nbytes if arena is not None else 0
     room = budget - held
     largest = max(sizes, default=0)
-    if largest > room or room < 0:
+    if largest > room:  # sizes are never negative: a negative room fails here too
         staged = f"{arena.describe()}, staged as one" if arena is not None else "no staged arena"
         ring = f", plus its largest packed message ({largest} bytes) in the ring" if largest else ""
         raise InvalidArgument(

@@ -47,15 +47,9 @@ from refitplane.reshard.boxes import Box, box_numel, format_box, full_box, to_sl
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.shards import LocalShards, torch_dtype
 from refitplane.reshard.stages import StageKey, format_stage, stage_of
+from refitplane.reshard.staging import aligned
 
 log = logging.getLogger(__name__)
-
-# Staged tensors start at multiples of this inside the arena.
-_ALIGN = 256
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 @dataclass(frozen=True)
@@ -186,7 +180,7 @@ class StagedShards(LocalShards):
             end = max(end, joined_until[i])
 
         def atom_bytes(atom: list[int]) -> int:
-            return sum(_aligned(self.staged_bytes(n)) for i in atom for n in staged[i][1])
+            return sum(aligned(self.staged_bytes(n)) for i in atom for n in staged[i][1])
 
         cap = max(atom_bytes(a) for a in atoms) if self.layerwise else None
         groups: list[list[int]] = []
@@ -253,7 +247,7 @@ class StagedShards(LocalShards):
             spec = self._staged[name]
             nbytes = self.staged_bytes(name)
             region = arena[offset : offset + nbytes]
-            offset += _aligned(nbytes)
+            offset += aligned(nbytes)
             tensors[name] = region.view(torch_dtype(spec.dtype)).view(spec.shape)
         return tensors
 

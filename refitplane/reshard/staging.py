@@ -31,10 +31,12 @@ _ALIGN = 256
 def ring_bytes_for(sizes: Iterable[int]) -> int:
     """Ring bytes that hold slices of all these sizes at once (each slice aligned): a ring
     this large never makes a message wait for space."""
-    return sum(_aligned(n) for n in sizes)
+    return sum(aligned(n) for n in sizes)
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """`n` bytes rounded up to the alignment every carved region of device staging starts
+    at (ring slices here, staged tensors in `staged.py`'s arena)."""
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
@@ -86,7 +88,7 @@ class StagingRing:
                 "(sized for the plan's packed messages, within max_inflight_bytes)",
                 field="max_inflight_bytes",
             )
-        need = _aligned(nbytes)
+        need = aligned(nbytes)
         start = self._fit(min(need, self.size))
         if start is None:
             return None
