@@ -186,6 +186,7 @@ class SidecarMember(NullHandler):
 
     def on_prepare_refit(self, cmd: PrepareRefitCmd) -> None:
         mode = cmd.pause_mode or self.default_pause_mode
+        steps = _Steps()
         with self._lock:
             self.state.refit_id = cmd.refit_id
             self.state.weights_touched = False
@@ -197,14 +198,17 @@ class SidecarMember(NullHandler):
             self.ranks.read_ranks(cmd.epoch)
         # Before Prepared: the coordinator sends RanksVerified only after it.
         self.ranks.mark_streams()
+        steps.mark("ranks")
         status = self.control.pause(mode)
         if not succeeded(status):
             raise FailedPrecondition(
                 f"vLLM refused to pause (mode {mode}, HTTP {status}) for refit {cmd.refit_id}"
             )
         self.state.paused = True
+        steps.mark("pause")
         if self.engine_steps.sleep_level:
             self.engine_steps.wake_weights(cmd.refit_id)
+            steps.mark("wake")
         status = self.control.start_update()
         if not succeeded(status):
             # Nothing was started, so the abort that follows must not finish anything.
@@ -213,8 +217,12 @@ class SidecarMember(NullHandler):
                 "is another update in progress? See the vLLM log"
             )
         self.state.update_open = True
+        steps.mark("start")
         assert self.session is not None
         self.session.report_prepared(cmd.refit_id)
+        steps.mark("reported")
+        # PREPARING waits for the slowest member: this line says which of vLLM's verbs it was.
+        log.info("replica %s prepared refit %s: %s", self.replica_id, cmd.refit_id, steps)
 
     def on_start_transfer(self, cmd: StartTransferCmd) -> None:
         steps = _Steps()
