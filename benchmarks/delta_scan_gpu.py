@@ -53,7 +53,7 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
 
     import torch
 
-    from refitplane.reshard import delta_batch
+    from refitplane.reshard import delta_batch, delta_kernels
     from refitplane.reshard.checksum import accumulate_sums
     from refitplane.reshard.delta import Encoding, choose_encoding
     from refitplane.testing.model_layouts import GPU_LAYOUTS, model_layouts
@@ -120,13 +120,13 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
         for c, o in zip(currents, originals, strict=True)
     ]
     if counts != exact:
-        raise SystemExit(f"block {delta_batch.BLOCK}: the scan's counts differ from torch's")
+        raise SystemExit(f"block {delta_kernels.BLOCK}: the scan's counts differ from torch's")
     for i, (current, summed) in enumerate(zip(currents, batch.summed, strict=True)):
         want = torch.zeros(2, dtype=torch.int64, device=device)
         accumulate_sums(current, want)
         if summed and not torch.equal(rows[i], want):
             raise SystemExit(
-                f"{delta_batch.SCAN_SUMS} sums of message {i} differ from the checksum's"
+                f"{delta_kernels.SCAN_SUMS} sums of message {i} differ from the checksum's"
             )
     headers = [choose_encoding(c.numel(), n, 2) for c, n in zip(currents, counts, strict=True)]
     # One zeroed arena, a payload per sparse message, each at a multiple of 16 bytes (as
@@ -148,9 +148,9 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
     sample_s = timed(lambda: delta_batch.sample_changed(currents, bases, 2))
     changed = sum(counts)
     return {
-        "block": delta_batch.BLOCK,
-        "warps": delta_batch.SCAN_WARPS,
-        "sums": delta_batch.SCAN_SUMS,
+        "block": delta_kernels.BLOCK,
+        "warps": delta_kernels.SCAN_WARPS,
+        "sums": delta_kernels.SCAN_SUMS,
         "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor(),
         "messages": len(currents),
         "bytes": nbytes,

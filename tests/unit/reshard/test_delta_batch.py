@@ -114,13 +114,13 @@ def test_batched_kernels_in_the_interpreter() -> None:
 def check_sums_every_word(device: str) -> None:
     """The scan's checksum rows equal `checksum.accumulate_sums` of the current images for
     every word size, whole blocks and a partial one, in the mode REFIT_DELTA_SCAN_SUMS
-    chose ("reload" or "words", `delta_batch.folded_sums`)."""
-    from refitplane.reshard import delta_batch
+    chose ("reload" or "words", `delta_kernels.folded_sums`)."""
+    from refitplane.reshard import delta_batch, delta_kernels
     from refitplane.reshard.checksum import accumulate_sums
 
     g = torch.Generator().manual_seed(3)
     for word in (1, 2, 4, 8):
-        sizes = (8, 20000, delta_batch.BLOCK * word + 24)
+        sizes = (8, 20000, delta_kernels.BLOCK * word + 24)
         currents = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
         bases = [c.clone() for c in currents]
         bases[1][::7] ^= 1

@@ -40,11 +40,11 @@ def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], warp
 def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> None:
     import triton.language as tl
 
-    from refitplane.reshard import delta_batch
+    from refitplane.reshard import delta_kernels
 
-    block = block or delta_batch.BLOCK
-    warps = warps or delta_batch.SCAN_WARPS
-    scan, gather = delta_batch._compile()
+    block = block or delta_kernels.BLOCK
+    warps = warps or delta_kernels.SCAN_WARPS
+    scan, gather = delta_kernels.compile_kernels()
     tables = {"block_msg": "*i32", "blk0": "*i64", "ns": "*i64", "curs": "*i64"}
     tables |= {"bits_at": "*i64", "bits": "*u8"}
     _compile(
