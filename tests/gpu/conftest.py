@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 
@@ -25,3 +26,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s)"))
         elif not have_nccl:
             item.add_marker(pytest.mark.skip(reason="needs nccl4py"))
+
+
+@pytest.fixture(scope="session")
+def reload_reports() -> dict[str, dict[str, Any]]:
+    """Case → what test_fresh_load_gpu.py's "auto" engine found comparing its receive with
+    vLLM's own reload (`vllm_checks.reload_differences`), for test_model_coverage_gpu.py to
+    judge without an engine start of its own when both run in one pytest process."""
+    return {}

