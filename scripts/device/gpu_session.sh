@@ -13,40 +13,12 @@
 #     carry .stage/p3:          bash scripts/device/gpu_session.sh tests [pytest args]
 #     (nothing carried):        bash scripts/device/gpu_session.sh bench qwen3-8b tp2 [gpu_refit args]
 #     (nothing carried):        bash scripts/device/gpu_session.sh model qwen3-8b tp2 [model_refit args]
+# The whole tests/gpu suite in calls that fit a session's device time: gpu_suite.sh.
 # Logs and JSON results go to $OUT (the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
-
-stage() {
-  mkdir -p /tmp/vstage && cp -a .stage/p* /tmp/vstage/ && du -sb /tmp/vstage/p*
-}
-
-setup() {
-  # shellcheck disable=SC1090
-  . "$(ls -d .stage/p3 /tmp/vstage/p3 2>/dev/null | head -n1)/install_vllm_on_device.sh" || return 1
-  if [ ! -f /tmp/site/.refit_installed ]; then
-    # .whl carried now, or kept in /tmp/whl by an earlier `wheels` step on this machine
-    local whl
-    whl=$(ls -d .whl /tmp/whl 2>/dev/null | head -n1)
-    [ -n "$whl" ] || { echo "carry .whl with the first setup (or run the wheels step)" >&2; return 1; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site "$whl"/*.whl || return 1
-    touch /tmp/site/.refit_installed
-  fi
-  python3 -c "import refitplane.coordinator, refitplane.generator, vllm, nccl; print('refitplane', refitplane.generator.__file__, 'vllm', vllm.__version__)"
-}
-
-nccl_only() {
-  # nccl4py alone (no vLLM yet), for the data-plane tests and model_refit
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/nsite .whl/nccl4py*.whl .whl/cuda_pathfinder*.whl || return 1
-  # The checkout's core (refitplane/, a namespace portion) and the services' roots.
-  export PYTHONPATH=/tmp/nsite:$PWD:$PWD/services/coordinator:$PWD/services/trainer:$PWD/services/generator
-}
+# shellcheck source=scripts/device/session_setup.sh
+. scripts/device/session_setup.sh
 
 step=${1:-}
 shift || true

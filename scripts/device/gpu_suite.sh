@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The whole tests/gpu suite on a 2-GPU machine (nvidia-h100-x2) in three device calls of at
+# most CALL_S seconds each (default 530: a call may run 540), for one session's device time.
+# One-GPU tests run in two lanes at once (CUDA_VISIBLE_DEVICES=0 and =1, one pytest each);
+# two-GPU tests run alone. Each lane's pytest log and junit XML go to $OUT.
+#
+# Prepare and send as for gpu_session.sh (wheels, stage p1, stage p2), then:
+#     carry .stage/p3:     bash scripts/device/gpu_suite.sh 1
+#     (nothing carried):   bash scripts/device/gpu_suite.sh 2
+#     (nothing carried):   bash scripts/device/gpu_suite.sh 3
+# Here (no GPU): `bash scripts/device/gpu_suite.sh check` collects each lane's selection and
+# fails unless together they hold every test of tests/gpu exactly once.
+#
+# Estimates (from the 2xH100 times of 2026-11-26; each lane's below): call 1 ~290 s plus
+# vLLM's install, call 2 ~390 s, call 3 ~300 s: ~16 min of device time for the suite, plus
+# the machine's start and the staging calls. pytest --durations=0 in each log gives the next
+# estimate (the first mode of a fresh-load case carries its checkpoint and fresh engine).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+# shellcheck source=scripts/device/session_setup.sh
+. scripts/device/session_setup.sh
+began=$(date +%s)
+
+FRESH=tests/gpu/test_fresh_load_gpu.py
+COVERAGE=tests/gpu/test_model_coverage_gpu.py
+# A lane is one pytest command line (its selection), by name "CALL.LANE"; lane 0 runs on
+# GPU 0, lane 1 on GPU 1, lane "2gpu" on both. The coverage cases run in the same pytest as
+# their fresh-load case, after it: its "auto" engine's reload report is theirs (no engine).
+lane_args() {  # ARGS=(the pytest selection of lane $1)
+  case "$1" in
+    # ~285 s: qwen3-moe-fp8 (3 engines, ~120 s), then the drafts (mtp ~86 s, draft_model ~59 s).
+    # The lightest call first: it also installs vLLM on the fresh machine.
+    1.0) ARGS=("$FRESH" tests/gpu/test_draft_gpu.py -k "qwen3-moe-fp8 or draft") ;;
+    # ~100 s: the data-plane kernels and one-GPU CUDA IPC.
+    1.1) ARGS=(tests/gpu/test_checksum_cuda.py tests/gpu/test_delta_cuda.py
+      tests/gpu/test_ipc_gpu.py -k "not test_cross_gpu_ipc") ;;
+    # ~355 s: the checkpoint and 3 engines (fresh, auto, staged) of the DeepSeek-V2-Lite shape.
+    2.0) ARGS=("$FRESH" "$COVERAGE" -k deepseek-v2-lite) ;;
+    # ~385 s: Nemotron-H (3 engines, ~265 s), then qwen3-fp8-kv (3 small engines, ~100 s).
+    2.1) ARGS=("$FRESH" "$COVERAGE" -k "nemotron-h or qwen3-fp8-kv") ;;
+    # ~300 s (285 s measured): trainer on GPU 0, vLLM on GPU 1.
+    3.2gpu) ARGS=(tests/gpu/test_vllm_refit_gpu.py tests/gpu/test_vllm_fp8_refit_gpu.py
+      tests/gpu/test_fused_runs_gpu.py tests/gpu/test_nccl_transport.py
+      tests/gpu/test_delta_executor_gpu.py
+      tests/gpu/test_ipc_gpu.py::test_cross_gpu_ipc_arrives_bit_exact) ;;
+    *) return 1 ;;
+  esac
+}
+LANES="1.0 1.1 2.0 2.1 3.2gpu"
+
+run_lane() {  # run_lane NAME SECONDS: the lane's pytest in its own process group, on its GPU(s)
+  local name=$1 secs=$2 gpu
+  gpu=${name#*.}
+  lane_args "$name"
+  local visible=0,1
+  [ "$gpu" = 2gpu ] || visible=$gpu
+  echo "[suite $name] $(date -u +%T) GPU $visible, ${secs}s: pytest ${ARGS[*]}"
+  CUDA_VISIBLE_DEVICES=$visible setsid timeout -k 10 "$secs" python3 -m pytest -v -rs \
+    -p no:cacheprovider --durations=0 --basetemp="/tmp/gpu-suite/$name" \
+    --junitxml="$OUT/junit-$name.xml" "${ARGS[@]}" >"$OUT/pytest-$name.log" 2>&1 &
+  local pid=$!
+  wait "$pid"
+  local rc=$?
+  kill -9 -- "-$pid" 2>/dev/null  # an engine a killed pytest left behind
+  echo "[suite $name] $(date -u +%T) rc=$rc$([ "$rc" = 124 ] && echo ' (timed out)')"
+  # what did not pass, and pytest's verdict line (every result is in the log and the junit)
+  grep -E " (FAILED|ERROR)( |$)|^(FAILED|ERROR|SKIPPED) |^E |[0-9]+ (passed|failed|error)" \
+    "$OUT/pytest-$name.log" | grep -v "^(EngineCore\|^(Worker" | cut -c1-300 | tail -30
+  return "$rc"
+}
+
+check() {  # every test of tests/gpu in exactly one lane (collection only: runs anywhere)
+  local lane all
+  all=$(python3 -m pytest -q -p no:cacheprovider --collect-only tests/gpu 2>/dev/null | grep '::' | sort)
+  : >/tmp/gpu-suite-lanes.txt
+  for lane in $LANES; do
+    lane_args "$lane"
+    python3 -m pytest -q -p no:cacheprovider --collect-only "${ARGS[@]}" 2>/dev/null \
+      | grep '::' | tee -a /tmp/gpu-suite-lanes.txt | wc -l | sed "s/^/[suite $lane] tests: /"
+  done
+  local missing twice
+  missing=$(comm -23 <(echo "$all") <(sort -u /tmp/gpu-suite-lanes.txt))
+  twice=$(sort /tmp/gpu-suite-lanes.txt | uniq -d)
+  echo "[suite] $(echo "$all" | grep -c .) tests in tests/gpu"
+  [ -z "$missing" ] || { echo "[suite] in no lane:"; echo "$missing"; }
+  [ -z "$twice" ] || { echo "[suite] in two lanes:"; echo "$twice"; }
+  [ -z "$missing$twice" ]
+}
+
+call=${1:-}
+case "$call" in
+  check) check; exit $? ;;
+  1 | 2 | 3) ;;
+  *) echo "usage: $0 1|2|3 (on the device, in order, one device call each) | check" >&2; exit 2 ;;
+esac
+setup || exit 1
+# The checkout's code first (the installed wheels may be older): spawned workers inherit it.
+export PYTHONPATH=$PWD:$PWD/services/coordinator:$PWD/services/trainer:$PWD/services/generator:$PYTHONPATH
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+left=$(( ${CALL_S:-530} - ($(date +%s) - began) - 15 ))  # 15 s for the last lane's kill and tails
+echo "[suite] call $call: $left s for its lanes"
+rc=0
+if [ "$call" = 3 ]; then
+  run_lane 3.2gpu "$left" || rc=1
+else
+  run_lane "$call.0" "$left" >"$OUT/suite-$call.0.txt" 2>&1 &
+  first=$!
+  run_lane "$call.1" "$left" >"$OUT/suite-$call.1.txt" 2>&1 &
+  second=$!
+  wait "$first" || rc=1
+  wait "$second" || rc=1
+  cat "$OUT/suite-$call.0.txt" "$OUT/suite-$call.1.txt"
+fi
+echo "[suite] call $call done in $(( $(date +%s) - began )) s, rc=$rc"
+exit "$rc"
