@@ -12,7 +12,7 @@
 # fails unless together they hold every test of tests/gpu exactly once.
 #
 # Estimates (from the 2xH100 times of 2026-11-26; each lane's below): call 1 ~290 s plus
-# vLLM's install, call 2 ~390 s, call 3 ~300 s: ~16 min of device time for the suite, plus
+# vLLM's install, call 2 ~370 s, call 3 ~300 s: ~16 min of device time for the suite, plus
 # the machine's start and the staging calls. pytest --durations=0 in each log gives the next
 # estimate (the first mode of a fresh-load case carries its checkpoint and fresh engine).
 set -uo pipefail
@@ -31,13 +31,15 @@ lane_args() {  # ARGS=(the pytest selection of lane $1)
     # ~285 s: qwen3-moe-fp8 (3 engines, ~120 s), then the drafts (mtp ~86 s, draft_model ~59 s).
     # The lightest call first: it also installs vLLM on the fresh machine.
     1.0) ARGS=("$FRESH" tests/gpu/test_draft_gpu.py -k "qwen3-moe-fp8 or draft") ;;
-    # ~100 s: the data-plane kernels and one-GPU CUDA IPC.
+    # ~200 s: the data-plane kernels and one-GPU CUDA IPC (~81 s), then qwen3-fp8-kv's
+    # fresh-load and coverage cases (3 small engines, ~100 s).
     1.1) ARGS=(tests/gpu/test_checksum_cuda.py tests/gpu/test_delta_cuda.py
-      tests/gpu/test_ipc_gpu.py -k "not test_cross_gpu_ipc") ;;
-    # ~355 s: the checkpoint and 3 engines (fresh, auto, staged) of the DeepSeek-V2-Lite shape.
+      tests/gpu/test_ipc_gpu.py "$FRESH" "$COVERAGE"
+      -k "qwen3-fp8-kv or not (fresh_load or model_coverage or cross_gpu)") ;;
+    # ~370 s: the checkpoint and 3 engines (fresh, auto, staged) of the DeepSeek-V2-Lite shape.
     2.0) ARGS=("$FRESH" "$COVERAGE" -k deepseek-v2-lite) ;;
-    # ~385 s: Nemotron-H (3 engines, ~265 s), then qwen3-fp8-kv (3 small engines, ~100 s).
-    2.1) ARGS=("$FRESH" "$COVERAGE" -k "nemotron-h or qwen3-fp8-kv") ;;
+    # ~285 s: the same for the Nemotron-H shape.
+    2.1) ARGS=("$FRESH" "$COVERAGE" -k nemotron-h) ;;
     # ~300 s (285 s measured): trainer on GPU 0, vLLM on GPU 1.
     3.2gpu) ARGS=(tests/gpu/test_vllm_refit_gpu.py tests/gpu/test_vllm_fp8_refit_gpu.py
       tests/gpu/test_fused_runs_gpu.py tests/gpu/test_nccl_transport.py
