@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 
@@ -56,23 +54,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
 
-    from refitplane.models.tiny import tiny_spec
-    from refitplane.testing.vllm_cpu import vllm_cpu_engine
+    from refitplane.testing.vllm_cpu import dummy_moe_engine
 
-    spec = tiny_spec(
-        "qwen3_moe",
-        num_layers=args.layers,
-        num_experts=args.experts,
-        num_experts_per_tok=min(8, args.experts),
-        dtype="bfloat16",
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp)
-        import json
-
-        (model_dir / "config.json").write_text(json.dumps(spec.hf_config()))
-        with vllm_cpu_engine(model_dir, load_format="dummy") as llm:
-            (result,) = llm.collective_rpc(_time_finish, args=(args.repeats,))
+    with dummy_moe_engine(args.layers, args.experts) as llm:
+        (result,) = llm.collective_rpc(_time_finish, args=(args.repeats,))
     print(
         f"Qwen3-MoE shape, {args.layers} layers, {args.experts} experts, "
         f"{result['modules']} modules, {result['reprocessed']} attention layer(s) re-processed:"

@@ -107,6 +107,30 @@ def vllm_cpu_engine(
             _reap_children(engine_pids, SHUTDOWN_TIMEOUT_S)
 
 
+@contextlib.contextmanager
+def dummy_moe_engine(layers: int, experts: int, **spec: Any) -> Iterator[Any]:
+    """A started vllm-cpu engine on a Qwen3-MoE shape with dummy weights (benchmarks of
+    per-module or per-layer costs: the hidden sizes stay tiny unless `spec` overrides
+    `TinyModelSpec` fields), its config written to a temporary directory."""
+    import json
+    import tempfile
+
+    from refitplane.models.tiny import tiny_spec
+
+    shape = tiny_spec(
+        "qwen3_moe",
+        num_layers=layers,
+        num_experts=experts,
+        num_experts_per_tok=min(8, experts),
+        dtype="bfloat16",
+        **spec,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(shape.hf_config()))
+        with vllm_cpu_engine(tmp, load_format="dummy") as llm:
+            yield llm
+
+
 def greedy_tokens(llm: Any, prompt_token_ids: Sequence[int], max_tokens: int) -> list[int]:
     """vLLM's greedy continuation of one token prompt (no EOS stop)."""
     from vllm import SamplingParams

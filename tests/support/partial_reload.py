@@ -19,6 +19,7 @@ from typing import Any
 
 from refitplane.generator.vllm_reload import reload_layers
 from refitplane.models.tiny import load_checkpoint
+from refitplane.testing.cpu_memory import allocation_peak
 from refitplane.testing.kernel_tensors import kernel_tensors
 
 # A target tensor whose layer (a MoE layer with a noaux_tc router) gets nothing else.
@@ -34,7 +35,7 @@ def fallback_reload_in_place(worker: Any, checkpoint_dir: str) -> dict[str, Any]
     from tests.support.vllm_checks import describe_with_draft
 
     target = worker.model_runner.get_model()
-    _, served, _, part = describe_with_draft(worker, checkpoint_dir)
+    layout, served, _, part = describe_with_draft(worker, checkpoint_dir)
     state = load_checkpoint(checkpoint_dir)
     before = kernel_tensors(worker, with_draft=True)
 
@@ -50,14 +51,34 @@ def fallback_reload_in_place(worker: Any, checkpoint_dir: str) -> dict[str, Any]
         ]
         reload_layers(served.model, served.vllm_config, weights, [root], partial=True)
     norm_root = TARGET_NORM.rsplit(".", 2)[0]
-    reload_layers(
-        target, worker.vllm_config, [(TARGET_NORM, state[TARGET_NORM])], [norm_root], partial=True
+    norm = [(TARGET_NORM, state[TARGET_NORM])]
+    # The norm's layer reloaded for the norm alone, twice: as a plain partial reload (every
+    # layer under the root materialized), then as the mixed binding's does, told which
+    # parameters were received in place (here: the rest of the layer, experts included).
+    with allocation_peak() as unaware:
+        reload_layers(target, worker.vllm_config, norm, [norm_root], partial=True)
+    in_place = frozenset(
+        n for n in layout.params if n.startswith(norm_root + ".") and n != TARGET_NORM
     )
-
+    with allocation_peak() as told:
+        reload_layers(
+            target, worker.vllm_config, norm, [norm_root], partial=True, in_place=in_place
+        )
+    params = dict(target.named_parameters())
     after = kernel_tensors(worker, with_draft=True)
     return {
         "changed": sorted(n for n in before if after.get(n) != before[n]),
         "fast": sorted(part.layout.params),
         "fallback": sorted(fallback),
         "roots": sorted(by_root),
+        "norm_bytes": _nbytes(params[TARGET_NORM]),
+        "experts_bytes": sum(
+            _nbytes(params[n]) for n in in_place if ".experts." in n and n in params
+        ),
+        "peak_unaware": unaware.peak,
+        "peak_in_place": told.peak,
     }
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.numel()) * int(tensor.element_size())

@@ -16,6 +16,12 @@ weights), by running that fallback reload directly: one engine serves DeepSeek-V
 MTP draft, the draft's fallback tensors and one target layer's norm are reloaded from the
 checkpoint it loaded, and no kernel tensor may change (before the fix: the draft's and
 the target's routed experts, and the target's router bias).
+
+The same reload of the target layer's norm, told which parameters were received in place
+(the mixed binding's reloads are, `vllm_staging`), must not materialize them: on the GPU's
+block-FP8 Qwen3-30B-A3B each reload of a decoder layer's staged attention materialized its
+576 MiB of in-place experts and NaN-tested them whole (issue 23, ~960 MiB over the budget).
+Its CPU allocations are measured with torch's profiler (`refitplane.testing.cpu_memory`).
 """
 
 from __future__ import annotations
@@ -42,3 +48,9 @@ def test_a_partial_reload_changes_nothing_it_was_not_given(tmp_path: Path) -> No
     assert "draft.model.layers.2.mlp.gate.weight" in report["fallback"], report["fallback"]
     assert report["roots"] == ["model.layers.2"]
     assert report["changed"] == [], report["changed"]
+    # Issue 23's ~960 MiB: a reload of a decoder layer for its norm alone materialized the
+    # whole layer in loader format, routed experts included (received in place, fed by
+    # nothing), and NaN-tested it. Told what was received in place (as the mixed binding's
+    # reloads are), it allocates none of that: at least the experts' bytes less.
+    assert report["peak_unaware"] >= report["experts_bytes"] > 0, report
+    assert report["peak_unaware"] - report["peak_in_place"] >= report["experts_bytes"], report

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -73,6 +73,7 @@ def reload_layers(
     *,
     partial: bool = False,
     aliases: Sequence[WeightAlias] | None = None,
+    in_place: Collection[str] = (),
 ) -> set[str]:
     """Reload `weights` into the modules at `roots` (module paths, "" for the whole model),
     which must hold every parameter the weights load into: vLLM's layerwise reload set up
@@ -81,7 +82,11 @@ def reload_layers(
     loaded; a parameter outside `roots` among them is an error naming it (its kernel
     tensor was written without post-load processing). `partial` as in `reload_weights`;
     `aliases`: the model's broken parameter aliases (`vllm_aliases`; found here if None),
-    whose parameters are loaded into the aliasing buffers, as on a fresh load."""
+    whose parameters are loaded into the aliasing buffers, as on a fresh load. `in_place`:
+    vLLM parameter names received in place (the mixed binding, `vllm_staging`), which no
+    staged weight ever feeds: a layer under `roots` all of whose parameters are among them
+    is left to vLLM's reload to put back untouched, never materialized (see
+    `_materialize_for_direct_writes`)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from vllm.model_executor.model_loader.reload import (
@@ -110,7 +115,9 @@ def reload_layers(
                 initialize_layerwise_reload(module)
             try:
                 materialize_into_aliases(model, held)
-                awaiting = _materialize_for_direct_writes(modules)
+                awaiting = _materialize_for_direct_writes(
+                    zip(paths, modules, strict=True), frozenset(in_place)
+                )
                 loaded = set(model.load_weights(weights) or ())  # type: ignore[operator]
                 _process_direct_writes(awaiting)
             except BaseException:
@@ -174,7 +181,8 @@ def _named_call(loader: Any, name: str) -> Any:
 
 
 def _materialize_for_direct_writes(
-    roots: Iterable[torch.nn.Module],
+    roots: Iterable[tuple[str, torch.nn.Module]],
+    in_place: frozenset[str] = frozenset(),
 ) -> list[tuple[torch.nn.Module, Any, tuple[str, ...]]]:
     """Give every layer vLLM's reload put on the meta device its loader-format tensors now,
     NaN-filled, rather than when its weight loaders have seen everything: some models'
@@ -189,16 +197,31 @@ def _materialize_for_direct_writes(
     kernel tensors themselves. Filling them would corrupt the live weights of a layer this
     reload does not feed; reading them would take the routed experts as written whenever
     the router's bias was reloaded, and replace their live (received in place) weights by
-    the processed zeros of an unwritten layer."""
+    the processed zeros of an unwritten layer.
+
+    Layers whose every parameter on meta is received in place (`in_place`: the routed
+    experts of a block-FP8 MoE beside the staged attention of the same decoder layer) are
+    not materialized: no weight of a reload feeds them (a checkpoint tensor feeding a staged
+    parameter stages every parameter it feeds, `VllmLayout.staged_with`), so vLLM puts their
+    kernel tensors back, and materializing them would cost the layer's whole loader format
+    again at every reload of its decoder layer — on the FP8 Qwen3-30B-A3B shape 576 MiB of
+    experts, plus the NaN test's mask, ~960 MiB above the staging budget (BENCHMARKS.md)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_layer
     from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
     awaiting: list[tuple[torch.nn.Module, Any, tuple[str, ...]]] = []
-    for layer in (m for root in roots for m in root.modules()):
+    for path, layer in (
+        (f"{root_path}.{sub}".strip("."), m)
+        for root_path, root in roots
+        for sub, m in root.named_modules()
+    ):
         info = get_layerwise_info(layer)
         on_meta = tuple(n for n, t in get_layer_tensors(layer).items() if t.is_meta)
         if not info.can_load() or not on_meta:
+            continue
+        params = [n for n in on_meta if n in layer._parameters]
+        if params and all(f"{path}.{n}".lstrip(".") in in_place for n in params):
             continue
         materialize_layer(layer, info)
         for tensor in _materialized(layer, on_meta):
@@ -229,13 +252,35 @@ def _process_direct_writes(
         if not info.can_load():
             continue  # complete: vLLM processed it during the load
         floats = _materialized(layer, names)
-        if all(bool(torch.isnan(t).all()) for t in floats):
+        if all(_all_nan(t) for t in floats):
             continue  # nothing of it in these weights: vLLM puts its kernel tensors back
         for tensor in floats:
-            tensor.data.masked_fill_(torch.isnan(tensor), 0.0)
+            for piece in _pieces(tensor):
+                piece.masked_fill_(torch.isnan(piece), 0.0)
         if info.load_numel <= 0:
             _layerwise_process(layer, info)
         # else: loaded in part through its loaders; vLLM's finalize processes it
+
+
+# Elements tested for NaN at a time: the test's mask (a byte per element) stays this small
+# whatever the layer (a whole-tensor `isnan` of an FP8 expert tensor is as large as it).
+_NAN_PIECE = 1 << 24
+
+
+def _pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """`tensor`'s data as flat views of at most `_NAN_PIECE` elements (itself whole where it
+    is not contiguous)."""
+    data = tensor.data
+    if not data.is_contiguous():
+        return [data]
+    flat = data.view(-1)
+    return [flat[i : i + _NAN_PIECE] for i in range(0, flat.numel(), _NAN_PIECE)]
+
+
+def _all_nan(tensor: torch.Tensor) -> bool:
+    """Whether every element of `tensor` is NaN, tested a piece at a time (stops at the
+    first piece that is not)."""
+    return all(bool(torch.isnan(piece).all()) for piece in _pieces(tensor))
 
 
 def _outermost(roots: Iterable[str]) -> list[str]:

@@ -90,6 +90,10 @@ class LayerReloader:
     # Checkpoint KV-cache scale → (attention layer, scale parameter): folded again after
     # each reload that carries them, as a fresh load folds them (`vllm_kv_scales`).
     kv_scales: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    # vLLM parameters received in place (the mixed binding): no bucket feeds them, so a
+    # reload of their decoder layer leaves them as they are rather than materializing their
+    # loader format (`vllm_reload.reload_layers`).
+    in_place: frozenset[str] = frozenset()
     # The attention layers every finish re-processes (`attention_layers_to_refresh`), found
     # at the first finish.
     _refreshed: list[tuple[str, Any]] | None = field(default=None, init=False, repr=False)
@@ -118,6 +122,7 @@ class LayerReloader:
             roots,
             partial=self.live,
             aliases=self.aliases,
+            in_place=self.in_place,
         )
         fold_attention_scales(self.model, self.vllm_config, self.kv_scales, tensors)
         self.applied_roots.update(roots)
@@ -255,8 +260,11 @@ def bind_receive(
                 aliases=found,
                 prefix=p.prefix,
                 kv_scales=attention_scale_sources(p.model, p.layout),
+                in_place=frozenset(n for n in p.layout.params if n not in staged)
+                if in_place
+                else frozenset(),
             )
-            for p, found in zip(parts, aliases, strict=True)
+            for p, found, staged in zip(parts, aliases, staged_params, strict=True)
         ]
     )
     if not in_place:
