@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from refitplane.agent.handler import NullHandler
 from refitplane.agent.session import AgentSession
 from refitplane.client.sync import RefitClient
-from refitplane.errors import FailedPrecondition, RefitError, TransferError
+from refitplane.errors import FailedPrecondition, RefitError, TransferError, Unavailable
 from refitplane.protocol import Role
 from refitplane.protocol.messages import (
     RANKS_VERIFIED_LABEL,
@@ -68,9 +70,16 @@ class SidecarMember(NullHandler):
         verify_wait_s: float = 30.0,
         metrics: StatusSink | None = None,
         sleep_level: int = 0,
+        prearm_wait_s: float = 0.0,
+        update_wait_s: float = 900.0,
     ) -> None:
         """`sleep_level`: the level the caller puts the engine to sleep with between
-        refits (0: never); a refit wakes it (`EngineSteps.wake_weights`)."""
+        refits (0: never); a refit wakes it (`EngineSteps.wake_weights`).
+        `prearm_wait_s` > 0 pre-arms the update (docs/generator.md, "The update, pre-armed"):
+        /update_weights goes to vLLM at PrepareRefit, on a thread of its own, and its workers
+        wait up to that long for the coordinator's StartTransfer; only for an engine whose
+        verbs may be called from two threads at once (vLLM's HTTP server). `update_wait_s`
+        bounds the wait, from StartTransfer, for that call's answer."""
         self.control = control
         self.client = client
         self.job = job
@@ -99,12 +108,22 @@ class SidecarMember(NullHandler):
             metrics=metrics,
             ranks_epoch=lambda: self.ranks.epoch,
         )
+        self.prearm_wait_s = prearm_wait_s
+        self.update_wait_s = update_wait_s
+        # The pre-armed update in flight: (refit id, its answer to come).
+        self._prearmed: tuple[str, Future[int]] | None = None
         # The refit whose failure (here, after weights were written) named why the replica
         # is not ready: its AbortRefit does not replace that reason (`on_abort_refit`).
         self._failure_named = ""
 
     def attach(self, session: AgentSession) -> None:
         self.session = session
+
+    @property
+    def prearmed_refit(self) -> str:
+        """The refit whose update was pre-armed and not yet taken up ("" if none)."""
+        prearmed = self._prearmed
+        return prearmed[0] if prearmed is not None else ""
 
     def connect(
         self,
@@ -218,6 +237,9 @@ class SidecarMember(NullHandler):
             )
         self.state.update_open = True
         steps.mark("start")
+        if self.prearm_wait_s > 0:
+            self._prearm(cmd)
+            steps.mark("prearmed")
         assert self.session is not None
         self.session.report_prepared(cmd.refit_id)
         steps.mark("reported")
@@ -230,7 +252,11 @@ class SidecarMember(NullHandler):
             self.ranks.read_ranks(-1)
             self.ranks.mark_streams()
         self.state.weights_touched = self.ranks.touches_live or self.state.weights_lost
-        self.control.update({"refit_id": cmd.refit_id, "version": cmd.version})
+        prearmed, self._prearmed = self._prearmed, None
+        if prearmed is not None and prearmed[0] == cmd.refit_id:
+            self._await_prearmed(cmd.refit_id, prearmed[1])
+        else:
+            self.control.update({"refit_id": cmd.refit_id, "version": cmd.version})
         steps.mark("update")
         try:
             self.ranks.require_verified(
@@ -275,6 +301,62 @@ class SidecarMember(NullHandler):
             steps.mark("resume")
             self._resumed()
         log.info("replica %s serves version %d: %s", self.replica_id, cmd.version, steps)
+
+    def _prearm(self, cmd: PrepareRefitCmd) -> None:
+        """Send the refit's /update_weights now, on a thread of its own: vLLM's hop to its
+        workers (API server, engine core, collective_rpc; ~3 ms) then overlaps the
+        coordinator's wait for the other members' Prepared, and each worker begins
+        receiving as soon as its own StartTransfer arrives (`WorkerMember.wait_for_start`)."""
+        update_info = {
+            "refit_id": cmd.refit_id,
+            "version": cmd.version,
+            "start_wait_s": self.prearm_wait_s,
+        }
+        answer: Future[int] = Future()
+
+        def call() -> None:
+            try:
+                answer.set_result(self.control.update(update_info))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
+                answer.set_exception(exc)
+
+        self._prearmed = (cmd.refit_id, answer)
+        threading.Thread(target=call, name="sidecar-prearmed-update", daemon=True).start()
+
+    def _await_prearmed(self, refit_id: str, answer: Future[int]) -> None:
+        """StartTransfer of a pre-armed refit: vLLM's answer to its /update_weights (the
+        workers received, or failed); its status is not the outcome (the coordinator's is)."""
+        try:
+            answer.result(timeout=self.update_wait_s)
+        except FutureTimeout:
+            raise Unavailable(
+                f"refit {refit_id}: vLLM did not answer the /update_weights pre-armed at "
+                f"PrepareRefit within {self.update_wait_s:g} s of StartTransfer "
+                "(REFIT_UPDATE_TIMEOUT_S); see the vLLM log"
+            ) from None
+
+    def _prearmed_touched(self, refit_id: str) -> bool:
+        """An abort of a pre-armed refit whose StartTransfer this controller did not run:
+        the workers may have begun (their own StartTransfer came) or not. Wait, bounded, for
+        the update's answer (an abort ends the workers' wait at once), close the update, and
+        read from the workers whether any received bytes reached their weights (their
+        finish then says "incomplete"). Unreadable: assumed as for a started refit."""
+        prearmed, self._prearmed = self._prearmed, None
+        if prearmed is None or prearmed[0] != refit_id:
+            return False
+        try:
+            prearmed[1].result(timeout=self.update_wait_s)
+        except Exception:  # its failure is the refit's, already aborted
+            log.debug("the pre-armed update of refit %s failed", refit_id, exc_info=True)
+        self.engine_steps.close_update(refit_id)
+        try:
+            statuses = self.control.engine_status()
+        except RefitError as exc:
+            log.warning("refit %s: the workers' status after the abort: %s", refit_id, exc)
+            statuses = None
+        if statuses is None:
+            return self.ranks.touches_live
+        return any(s.get("incomplete") for s in statuses)
 
     def _wake_kv_cache_and_report(self, cmd: StartTransferCmd, steps: _Steps) -> None:
         """The end of a refit that woke the engine from sleep: the KV cache takes memory back
@@ -330,6 +412,8 @@ class SidecarMember(NullHandler):
             if cmd.refit_id and cmd.refit_id != self.state.refit_id:
                 return
             touched = self.state.weights_touched or self.state.weights_lost
+        if self._prearmed is not None and self.state.update_open:
+            touched = self._prearmed_touched(cmd.refit_id) or touched
         if self.state.update_open:  # else vLLM has no update of ours to close
             self.engine_steps.close_update(cmd.refit_id)
         if not self.state.paused:

@@ -95,16 +95,29 @@ class SleepyEngine:
         return None
 
 
-def _replica(coordinator, sim_cluster, level: int, behaviour: Behaviour | None = None):
+def _replica(
+    coordinator,
+    sim_cluster,
+    level: int,
+    behaviour: Behaviour | None = None,
+    prearm_wait_s: float = 0.0,
+):
     """Trainer and generator rank simulated (`behaviour`: the generator's), the controller
-    real, over `SleepyEngine` asleep at `level`."""
+    real, over `SleepyEngine` asleep at `level`; `prearm_wait_s` > 0: it pre-arms the
+    update at PrepareRefit (docs/generator.md)."""
     cluster = sim_cluster(coordinator)
     cluster.add(Role.TRAINER, layout=row_layout(0, 1))
     cluster.add(Role.GENERATOR, replica="a", layout=row_layout(0, 1), behaviour=behaviour)
     engine = SleepyEngine(level)
     client = RefitClient(coordinator.grpc_target)
     member = SidecarMember(
-        engine, client, job="job", replica_id="a", default_pause_mode="keep", sleep_level=level
+        engine,
+        client,
+        job="job",
+        replica_id="a",
+        default_pause_mode="keep",
+        sleep_level=level,
+        prearm_wait_s=prearm_wait_s,
     )
     session = member.connect(coordinator.grpc_target, host="127.0.0.1", token=None, tls_ca=None)
     session.start()
@@ -115,11 +128,15 @@ def _refit(client: RefitClient):
     return client.wait(client.trigger("job").refit_id, timeout_s=30)
 
 
+@pytest.mark.parametrize("prearm_wait_s", [0.0, 60.0], ids=["at-start", "prearmed"])
 @pytest.mark.parametrize("level", [1, 2])
 def test_a_refit_wakes_weights_first_and_the_kv_cache_after_verifying(
-    coordinator, sim_cluster, level
+    coordinator, sim_cluster, level, prearm_wait_s
 ):
-    _, engine, member, session, client = _replica(coordinator, sim_cluster, level)
+    """Pre-armed or not, the update goes to vLLM only after its weights woke."""
+    _, engine, member, session, client = _replica(
+        coordinator, sim_cluster, level, prearm_wait_s=prearm_wait_s
+    )
     try:
         refit = _refit(client)
         assert refit.state.value == "COMMITTED", refit.message

@@ -352,3 +352,57 @@ def test_vllm_worker_whose_lease_lapsed_comes_back_at_its_version(setup) -> None
         final = client.wait(client.trigger(cluster.job).refit_id, timeout_s=300)
     assert final.state is RefitState.COMMITTED, (final.reason, final.message)
     assert final.version > n
+
+
+def test_a_refit_aborted_before_its_start_releases_the_prearmed_workers_at_once(setup) -> None:
+    """The sidecar pre-arms the update at PrepareRefit (docs/generator.md, "The update,
+    pre-armed"): vLLM's workers wait in /update_weights for the coordinator's StartTransfer.
+    A refit cancelled while a trainer has not prepared (frozen) never starts: its abort
+    releases the waiting workers at once, not at their bound (600 s here); they record the
+    update as failed with nothing modified, the finish applies nothing, and the replica
+    resumes at the version it held, ready. The next refit commits."""
+    cluster, llm, sidecar = setup["cluster"], setup["llm"], setup["sidecar"]
+    cluster.wait_ready()
+    with cluster.client() as client:
+        held = client.wait(client.trigger(cluster.job).refit_id, timeout_s=300)
+        assert held.state is RefitState.COMMITTED, (held.reason, held.message)
+        n = held.version
+        bound = sidecar.member.prearm_wait_s
+        assert bound > 0, "this sidecar does not pre-arm the update"
+        sidecar.member.prearm_wait_s = 600.0
+        trainer = cluster.agents["trainer-1"]
+        trainer.freeze()
+        try:
+            refit = client.trigger(cluster.job)
+            wait_for(
+                "the sidecar to pre-arm the update",
+                lambda: sidecar.member.prearmed_refit == refit.refit_id,
+                120,
+            )
+            cancelled = time.monotonic()
+            client.cancel(refit.refit_id)
+            final = client.wait(refit.refit_id, timeout_s=120)
+            wait_for("the sidecar to resume vLLM", lambda: not sidecar.member.state.paused, 300)
+            released_s = time.monotonic() - cancelled
+        finally:
+            trainer.thaw()
+            sidecar.member.prearm_wait_s = bound
+    # Cancelled, or failed first by the frozen trainer's lease (REFIT_LEASE_TTL_S=5).
+    assert final.state in (RefitState.CANCELLED, RefitState.FAILED), final
+    assert released_s < 300, f"the workers waited {released_s:.0f} s: the abort did not free them"
+    assert not sidecar.member.state.degraded, sidecar.member.state.last_error
+    assert httpx.get(setup["readyz"], timeout=5).status_code == 200
+    for status in _engine_statuses(llm):
+        assert status["last"] == "failed", status
+        assert not status["incomplete"], status
+        assert "aborted before its StartTransfer" in status["last_message"], status
+    assert _held_versions(llm) == {n}
+    (replica,) = cluster.topology().replicas
+    assert replica.version == n
+
+    cluster.wait_ready()
+    with cluster.client() as client:
+        after = client.wait(client.trigger(cluster.job).refit_id, timeout_s=300)
+    assert after.state is RefitState.COMMITTED, (after.reason, after.message)
+    assert _held_versions(llm) == {after.version}
+    assert after.version > n

@@ -108,10 +108,22 @@ def test_update_info_problems_name_their_fields() -> None:
         "update_info.version": {"refit_id": "a", "version": True},
         "update_info.action": {"refit_id": "a", "action": "apply"},
         "update_info.prepare_wait_s": {"refit_id": "a", "prepare_wait_s": 1e9},
+        "update_info.start_wait_s": {"refit_id": "a", "start_wait_s": -1},
         "update_info.bogus": {"refit_id": "a", "bogus": 1},
     }
     for field, payload in cases.items():
         assert c.parse_update_info(payload)[1][0].field == field, payload
+
+
+def test_an_update_info_without_start_wait_receives_at_once() -> None:
+    """Old callers (the vLLM-API path, an RL loop's own /update_weights) send no
+    start_wait_s: the worker receives at once, as before the pre-armed update."""
+    info, problems = c.parse_update_info({"refit_id": "a", "version": 2})
+    assert problems == []
+    assert info.start_wait_s == 0.0
+    info, problems = c.parse_update_info({"refit_id": "a", "start_wait_s": 60})
+    assert problems == []
+    assert info.start_wait_s == 60
 
 
 def test_a_bad_payload_sends_nothing() -> None:

@@ -8,13 +8,22 @@ generate from another thread while a refit runs.
 The `LLM` verbs raise where the HTTP server answers an error status (the refitplane API
 guard: 400 bad payload, 409 wrong state or unverified update, 500 engine failure, 501
 draft updates); each is turned into that status, as `vllm_http_control.VllmControl` reports it.
+
+vLLM's engine client is not thread-safe, but the sidecar pre-arms the update (it calls
+`update` at PrepareRefit on a thread of its own, docs/generator.md): every verb here runs
+under one lock, so the engine client is only ever used by one thread at a time. The
+pre-armed update holds it until its workers answer; the sidecar makes no other call
+meanwhile, and a status ask gives up after its timeout instead of waiting behind it.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
+from collections.abc import Callable
 from typing import Any
 
+from refitplane.errors import Unavailable
 from refitplane.replica.control import ENGINE_STATUS_TIMEOUT_S, CallerPausedControl, call_verb
 
 
@@ -26,20 +35,28 @@ def offline_is_sleeping(llm: Any) -> bool:
 
 
 class OfflineLLMControl(CallerPausedControl):
+    # Its verbs may be called from two threads (the lock): the sidecar pre-arms the update.
+    PREARM_SAFE = True
+
     def __init__(self, llm: Any) -> None:
         self.llm = llm
+        self._engine_client = threading.Lock()
+
+    def _verb(self, verb: str, fn: Callable[[], object]) -> int:
+        with self._engine_client:
+            return call_verb(verb, fn)
 
     def init_engine(self, init_info: dict[str, Any]) -> int:
-        return call_verb(
+        return self._verb(
             "init_weight_transfer_engine",
             lambda: self.llm.init_weight_transfer_engine({"init_info": init_info}),
         )
 
     def start_update(self) -> int:
-        return call_verb("start_weight_update", self.llm.start_weight_update)
+        return self._verb("start_weight_update", self.llm.start_weight_update)
 
     def update(self, update_info: dict[str, Any]) -> int:
-        return call_verb(
+        return self._verb(
             "update_weights", lambda: self.llm.update_weights({"update_info": update_info})
         )
 
@@ -49,25 +66,35 @@ class OfflineLLMControl(CallerPausedControl):
             "weight_version" in inspect.signature(self.llm.finish_weight_update).parameters
         )
         if version is not None and takes_version:
-            return call_verb(
+            return self._verb(
                 "finish_weight_update", lambda: self.llm.finish_weight_update(str(version))
             )
-        return call_verb("finish_weight_update", self.llm.finish_weight_update)
+        return self._verb("finish_weight_update", self.llm.finish_weight_update)
 
     # Unlike pausing, sleeping is the engine's state: the caller puts it to sleep while the
     # trainer steps, and a refit wakes it (`replica.engine_steps`).
     def is_sleeping(self) -> bool:
-        return offline_is_sleeping(self.llm)
+        with self._engine_client:
+            return offline_is_sleeping(self.llm)
 
     def wake_up(self, tags: list[str]) -> int:
-        return call_verb("wake_up", lambda: self.llm.wake_up(tags=tags))
+        return self._verb("wake_up", lambda: self.llm.wake_up(tags=tags))
 
     def sleep(self, level: int) -> int:
-        return call_verb("sleep", lambda: self.llm.sleep(level=level))
+        return self._verb("sleep", lambda: self.llm.sleep(level=level))
 
     def engine_status(
         self, timeout_s: float = ENGINE_STATUS_TIMEOUT_S
     ) -> list[dict[str, Any]] | None:
-        # In-process: the call returns when the workers answer (nothing to cut short).
-        statuses = self.llm.collective_rpc("weight_transfer_engine", kwargs={"op": "status"})
+        # In-process: the call returns when the workers answer (nothing to cut short), but
+        # the wait for another verb (a pre-armed update) to end is bounded.
+        if not self._engine_client.acquire(timeout=timeout_s):
+            raise Unavailable(
+                f"vLLM's engine was busy with another verb (a weight update) for {timeout_s:g} s: "
+                "its workers' engine status was not asked"
+            )
+        try:
+            statuses = self.llm.collective_rpc("weight_transfer_engine", kwargs={"op": "status"})
+        finally:
+            self._engine_client.release()
         return list(statuses) if isinstance(statuses, list) else None

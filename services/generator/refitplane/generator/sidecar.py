@@ -77,6 +77,10 @@ class SidecarSettings(AgentSettings):
     sidecar_host: str = "0.0.0.0"
     vllm_start_timeout_s: float = 900.0
     update_timeout_s: float = 900.0
+    # The update pre-armed at PrepareRefit (docs/generator.md): how long vLLM's workers wait
+    # for the coordinator's StartTransfer (an abort ends it at once); 0 sends /update_weights
+    # at StartTransfer instead.
+    prearm_wait_s: float = Field(default=60.0, ge=0, le=3600)
     register_timeout_s: float = 120.0
     log_level: str = "INFO"
     # One JSON object per log line, as the coordinator's REFIT_LOG_JSON.
@@ -157,6 +161,12 @@ class Sidecar:
             default_pause_mode=settings.pause_mode,
             metrics=StagingMetrics(self.registry, settings.replica_id),
             sleep_level=settings.sleep_level,
+            # Only where the engine's verbs may be called from two threads at once: vLLM's HTTP
+            # server, an in-process LLM behind its lock; not a caller's weight-sync client.
+            prearm_wait_s=(
+                settings.prearm_wait_s if getattr(self.control, "PREARM_SAFE", False) else 0.0
+            ),
+            update_wait_s=settings.update_timeout_s,
         )
         self.session = self.member.connect(
             settings.coordinator,

@@ -72,6 +72,10 @@ class RefitUpdateInfo:
     action: str = "receive"
     # How long to wait for the coordinator's PrepareRefit of this refit to arrive.
     prepare_wait_s: float = 60.0
+    # Pre-armed (the sidecar sends the update at PrepareRefit, docs/generator.md): > 0 waits
+    # up to this long for the coordinator's StartTransfer of this refit to reach the worker
+    # before receiving; an abort before it ends the wait at once. 0: receive now (as before).
+    start_wait_s: float = 0.0
 
 
 # Field kinds checked before a dataclass is built (the annotations are strings here).
@@ -91,6 +95,7 @@ _KINDS: Final[dict[type[Any], dict[str, tuple[type[Any], ...]]]] = {
         "version": (int,),
         "action": (str,),
         "prepare_wait_s": (int, float),
+        "start_wait_s": (int, float),
     },
 }
 _MODES: Final = ("auto", "live", "layerwise", "staged")
@@ -182,6 +187,13 @@ def parse_update_info(
             Problem(
                 f"{where}.prepare_wait_s",
                 f"must be in (0, {MAX_PREPARE_WAIT_S:g}] seconds, got {update.prepare_wait_s}",
+            )
+        )
+    if not 0 <= update.start_wait_s <= MAX_PREPARE_WAIT_S:
+        problems.append(
+            Problem(
+                f"{where}.start_wait_s",
+                f"must be in [0, {MAX_PREPARE_WAIT_S:g}] seconds, got {update.start_wait_s}",
             )
         )
     return update, problems

@@ -16,7 +16,10 @@ Registered under the backend name "refitplane" by the `vllm.general_plugins` ent
   whether a failed transfer may have touched live weights. Called again after `shutdown`,
   it registers again.
 - `update_weights({"refit_id": ...})`: run this rank's part of the refit's plan (the
-  coordinator sent it with PrepareRefit) with checksums, and report the outcome.
+  coordinator sent it with PrepareRefit) with checksums, and report the outcome. With
+  `"start_wait_s"` > 0 (the sidecar's update, pre-armed at PrepareRefit) it first waits, at
+  most that long, for the coordinator's StartTransfer of the refit to reach this worker; an
+  abort first fails it at once with nothing received (`WorkerMember.wait_for_start`).
 - `finish_weight_update()`: completes the session's update only if every one of them
   verified on this rank and none was discarded: applies the last staged bucket (all of
   them in "staged" mode) and re-runs the post-load processing of attention layers no
@@ -72,7 +75,7 @@ from refitplane.generator.vllm_describe import vllm_ranks
 from refitplane.generator.vllm_layout import VllmLayout
 from refitplane.generator.vllm_staging import ReceiveBinding
 from refitplane.generator.vllm_update_session import UpdateSessions
-from refitplane.generator.vllm_worker_member import WorkerMember, registration
+from refitplane.generator.vllm_worker_member import StartNotSeen, WorkerMember, registration
 from refitplane.generator.vllm_worker_setup import prepare_registration
 from refitplane.protocol import Reason
 from refitplane.reshard.shards import LocalShards
@@ -312,6 +315,8 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
                 update_info, ok=False, reason=Reason.FAILED_PRECONDITION, message=message
             )
             return
+        if update_info.start_wait_s > 0 and not self._started(update_info):
+            return
         if self.binding is not None:
             self.binding.reloader.begin()
         self.member.completed = None
@@ -356,6 +361,27 @@ class RefitplaneEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):
         # Finish applies the last staged bucket and re-runs attention's post-load processing,
         # at the coordinator's version of this refit (its PrepareRefit), not update_info's.
         self.sessions.verified(refit_id, self.member.completed_version(refit_id))
+
+    def _started(self, update_info: EngineUpdateInfo) -> bool:
+        """A pre-armed update (the sidecar sent it at PrepareRefit): wait here, on vLLM's
+        worker thread, for the coordinator's StartTransfer of the refit to reach this rank.
+        False when it did not (aborted first, or not within `start_wait_s`): recorded as
+        failed with nothing received, so the finish that closes the session applies nothing
+        and keeps the version held. A timeout is reported to the coordinator; an abort
+        needs no report."""
+        assert self.member is not None
+        refit_id = update_info.refit_id
+        try:
+            self.member.wait_for_start(refit_id, update_info.start_wait_s)
+        except StartNotSeen as exc:
+            if exc.aborted:
+                log.info("refitplane: %s", exc.message)
+                reason, message = exc.reason, exc.message
+            else:
+                reason, message = self._report(refit_id, exc, weights_modified=False)
+            self.sessions.record(update_info, ok=False, reason=reason, message=message)
+            return False
+        return True
 
     def finish_weight_update(self, *args: Any, **kwargs: Any) -> None:
         started = time.perf_counter()

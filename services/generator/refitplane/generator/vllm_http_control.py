@@ -21,6 +21,9 @@ log = logging.getLogger("refitplane.sidecar")
 class VllmControl:
     """vLLM's pause / weight-update / resume HTTP verbs (needs VLLM_SERVER_DEV_MODE=1)."""
 
+    # httpx's client may be used from several threads: the sidecar pre-arms the update.
+    PREARM_SAFE = True
+
     def __init__(self, base_url: str, *, timeout_s: float = 900.0) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(
