@@ -11,6 +11,7 @@ client (`WeightTransferTrainerFactory`, backend "refitplane").
                    the verbs after vLLM's finish) and the staging gauge
     told           StreamNews: RanksVerified / AbortRefit, told at once to a waiting StartTransfer
     vllm_backend   the backend name "refitplane" and its registration with vLLM's factories
+    background     BackgroundCaller: the thread that makes the pre-armed update
 """
 
 from refitplane.replica.control import EngineControl, call_verb, wait_replica_ranks

@@ -26,6 +26,7 @@ from refitplane.protocol.messages import (
     RanksVerifiedCmd,
     StartTransferCmd,
 )
+from refitplane.replica.background import BackgroundCaller
 from refitplane.replica.control import (
     ENGINE_STATUS_TIMEOUT_S,
     EngineControl,
@@ -110,8 +111,10 @@ class SidecarMember(NullHandler):
         )
         self.prearm_wait_s = prearm_wait_s
         self.update_wait_s = update_wait_s
-        # The pre-armed update in flight: (refit id, its answer to come).
+        # The pre-armed update in flight: (refit id, its answer to come), and the thread
+        # that makes it.
         self._prearmed: tuple[str, Future[int]] | None = None
+        self._caller = BackgroundCaller("sidecar-prearmed-update")
         # The refit whose failure (here, after weights were written) named why the replica
         # is not ready: its AbortRefit does not replace that reason (`on_abort_refit`).
         self._failure_named = ""
@@ -302,6 +305,10 @@ class SidecarMember(NullHandler):
             self._resumed()
         log.info("replica %s serves version %d: %s", self.replica_id, cmd.version, steps)
 
+    def close(self) -> None:
+        """Ends the pre-arming thread (after a call in flight); the owner closes the rest."""
+        self._caller.close()
+
     def _prearm(self, cmd: PrepareRefitCmd) -> None:
         """Send the refit's /update_weights now, on a thread of its own: vLLM's hop to its
         workers (API server, engine core, collective_rpc; ~3 ms) then overlaps the
@@ -312,16 +319,10 @@ class SidecarMember(NullHandler):
             "version": cmd.version,
             "start_wait_s": self.prearm_wait_s,
         }
-        answer: Future[int] = Future()
-
-        def call() -> None:
-            try:
-                answer.set_result(self.control.update(update_info))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
-                answer.set_exception(exc)
-
-        self._prearmed = (cmd.refit_id, answer)
-        threading.Thread(target=call, name="sidecar-prearmed-update", daemon=True).start()
+        self._prearmed = (
+            cmd.refit_id,
+            self._caller.submit(lambda: self.control.update(update_info)),
+        )
 
     def _await_prearmed(self, refit_id: str, answer: Future[int]) -> None:
         """StartTransfer of a pre-armed refit: vLLM's answer to its /update_weights (the

@@ -81,5 +81,6 @@ def test_an_abort_before_start_asks_the_workers_what_the_prearmed_update_did(
             assert not member.state.degraded
         assert member.prearmed_refit == ""
     finally:
+        member.close()
         session.close()
         client.close()

@@ -159,6 +159,7 @@ def test_a_refit_wakes_weights_first_and_the_kv_cache_after_verifying(
         wait_until(lambda: not member.state.paused, what="the engine resumed")
         assert engine.calls[-1] == "resume"
     finally:
+        member.close()
         session.close()
         client.close()
 

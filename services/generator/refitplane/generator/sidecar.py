@@ -294,6 +294,7 @@ class Sidecar:
     def close(self) -> None:
         self.workers.stop()
         self.session.close()
+        self.member.close()
         self.client.close()
         self.control.close()
         if self._http is not None:
