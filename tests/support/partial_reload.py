@@ -82,3 +82,49 @@ def fallback_reload_in_place(worker: Any, checkpoint_dir: str) -> dict[str, Any]
 
 def _nbytes(tensor: Any) -> int:
     return int(tensor.numel()) * int(tensor.element_size())
+
+
+def whole_bucket_peaks(worker: Any, checkpoint_dir: str) -> dict[str, Any]:
+    """Apply the target's whole checkpoint (what the worker loaded) as one staged bucket, as
+    mode "staged" applies a rank's share at finish: through one reload over every layer
+    (`reload_layers` given all roots), and through `LayerReloader`, a layer at a time; then
+    its largest layer alone. Returns each one's allocation peak, the bytes given per group
+    of layers, and the kernel tensors that changed (none may: the bytes are the loaded
+    ones)."""
+    from refitplane.generator.vllm_staging import LayerReloader, root_groups
+    from refitplane.reshard.staged import StagedBucket
+    from refitplane.reshard.stages import stage_of
+    from tests.support.vllm_checks import describe_with_draft
+
+    target = worker.model_runner.get_model()
+    layout, _, _, _ = describe_with_draft(worker, checkpoint_dir)
+    state = load_checkpoint(checkpoint_dir)
+    roots_of = layout.tensor_roots()
+    weights = {n: state[n] for n in roots_of if n in state}
+    groups = root_groups(weights, roots_of)
+    sizes = sorted(sum(_nbytes(weights[n]) for n in names) for _, names in groups)
+    largest = max(groups, key=lambda g: sum(_nbytes(weights[n]) for n in g[1]))[1]
+    before = kernel_tensors(worker, with_draft=True)
+
+    reloader = LayerReloader(target, worker.vllm_config, roots_of, live=False)
+
+    def apply(names: list[str]) -> int:
+        bucket = StagedBucket(0, (stage_of(names[0]), stage_of(names[-1])), tuple(names), 0)
+        with allocation_peak() as measured:
+            reloader(bucket, {n: weights[n] for n in names})
+        return measured.peak
+
+    every_layer = sorted(root for group_roots, _ in groups for root in group_roots)
+    with allocation_peak() as one:
+        reload_layers(target, worker.vllm_config, weights.items(), every_layer)
+    every = apply(list(weights))
+    alone = apply(largest)
+    after = kernel_tensors(worker, with_draft=True)
+    return {
+        "changed": sorted(n for n in before if after.get(n) != before[n]),
+        "groups": len(groups),
+        "group_bytes": sizes,
+        "peak_one_reload": one.peak,
+        "peak_layer_at_a_time": every,
+        "peak_largest_alone": alone,
+    }

@@ -21,7 +21,10 @@ The same reload of the target layer's norm, told which parameters were received 
 (the mixed binding's reloads are, `vllm_staging`), must not materialize them: on the GPU's
 block-FP8 Qwen3-30B-A3B each reload of a decoder layer's staged attention materialized its
 576 MiB of in-place experts and NaN-tested them whole (issue 23, ~960 MiB over the budget).
-Its CPU allocations are measured with torch's profiler (`refitplane.testing.cpu_memory`).
+And the target's whole checkpoint applied as one staged bucket (mode "staged" applies a
+rank's whole share so at finish) must cost one layer's reload, not all of them at once:
+`LayerReloader` reloads a layer at a time. CPU allocations are measured with torch's
+profiler (`refitplane.testing.cpu_memory`).
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ pytestmark = VLLM_CPU
 
 def test_a_partial_reload_changes_nothing_it_was_not_given(tmp_path: Path) -> None:
     from refitplane.testing.vllm_cpu import vllm_cpu_engine
-    from tests.support.partial_reload import fallback_reload_in_place
+    from tests.support.partial_reload import fallback_reload_in_place, whole_bucket_peaks
 
     c = draft_case("mtp", tmp_path, dtype="float32")
     with vllm_cpu_engine(c.trainer, speculative_config=c.speculative_b, **c.engine) as llm:
         reports = llm.collective_rpc(fallback_reload_in_place, args=(str(c.trainer),))
+        (whole,) = llm.collective_rpc(whole_bucket_peaks, args=(str(c.trainer),))
     report = reports[0]
     experts = "model.layers.2.mtp_block.mlp.experts.routed_experts.w13_weight"
     # The GPU's case: the MTP layer's experts on the fast path, its router reloaded.
@@ -54,3 +58,11 @@ def test_a_partial_reload_changes_nothing_it_was_not_given(tmp_path: Path) -> No
     # reloads are), it allocates none of that: at least the experts' bytes less.
     assert report["peak_unaware"] >= report["experts_bytes"] > 0, report
     assert report["peak_unaware"] - report["peak_in_place"] >= report["experts_bytes"], report
+    # A bucket of every layer (mode "staged" at finish) applied by one reload over all of
+    # them held every layer's loader copy at once; a layer at a time it costs what its
+    # largest layer alone costs, not one more layer's worth.
+    assert whole["changed"] == [], whole["changed"]
+    assert whole["groups"] >= 3, whole
+    second = whole["group_bytes"][-2]
+    assert whole["peak_one_reload"] >= whole["peak_largest_alone"] + second, whole
+    assert whole["peak_layer_at_a_time"] < whole["peak_largest_alone"] + second, whole

@@ -27,7 +27,10 @@ Three receive modes, published as the member label `receive_mode`:
 
 The tensors of one vLLM layer are applied together: a bucket never splits them (the units
 handed to `StagedShards`), since vLLM's reload processes a layer once, from everything it
-loads.
+loads. A bucket of several layers is reloaded a layer at a time (`root_groups`), so vLLM's
+loader-format copy is one layer's, whatever the bucket (a "staged" finish's is every layer);
+and in the mixed binding the reload leaves what was received in place alone
+(`LayerReloader.in_place`).
 
 A worker may refit more than one model (`ModelPart`): the target, and a speculative draft
 whose canonical names carry a prefix (`vllm_draft`). They share one registry and one receive
@@ -115,15 +118,20 @@ class LayerReloader:
                 f"{bucket.describe()} feeds no vLLM layer of this rank",
                 field="staging",
             )
-        reload_layers(
-            self.model,
-            self.vllm_config,
-            ((name.removeprefix(self.prefix), tensor) for name, tensor in tensors.items()),
-            roots,
-            partial=self.live,
-            aliases=self.aliases,
-            in_place=self.in_place,
-        )
+        # One reload per group of layers the bucket's tensors join (a decoder layer, or
+        # the modules one tensor feeds together: a tied embedding), never the bucket whole:
+        # each reload holds the loader-format copy of every layer it covers until it ends,
+        # and a bucket may be every layer of the rank (mode "staged", applied at finish).
+        for group_roots, names in root_groups(tensors, self.roots_of):
+            reload_layers(
+                self.model,
+                self.vllm_config,
+                ((name.removeprefix(self.prefix), tensors[name]) for name in names),
+                group_roots,
+                partial=self.live,
+                aliases=self.aliases,
+                in_place=self.in_place,
+            )
         fold_attention_scales(self.model, self.vllm_config, self.kv_scales, tensors)
         self.applied_roots.update(roots)
         log.debug("refitplane: applied %s into %d layer(s)", bucket.describe(), len(roots))
@@ -143,6 +151,44 @@ class LayerReloader:
         )
         self.applied_roots.clear()
         return count
+
+
+def root_groups(
+    names: Iterable[str], roots_of: Mapping[str, Iterable[str]]
+) -> list[tuple[list[str], list[str]]]:
+    """`names` split into the smallest groups that reload apart: (roots, names) with every
+    name's roots in its group's roots (names sharing a root, or joined through a name that
+    feeds several, go together), in the order of their first root; names with no root go
+    with the first group."""
+    parent: dict[str, str] = {}
+
+    def find(root: str) -> str:
+        while parent[root] != root:
+            parent[root] = parent[parent[root]]
+            root = parent[root]
+        return root
+
+    wanted = list(names)
+    for name in wanted:
+        roots = sorted(roots_of.get(name, ()))
+        for root in roots:
+            parent.setdefault(root, root)
+        for other in roots[1:]:
+            parent[find(other)] = find(roots[0])
+    groups: dict[str, tuple[list[str], list[str]]] = {}
+    for root in sorted(parent):
+        groups.setdefault(find(root), ([], []))[0].append(root)
+    rootless: list[str] = []
+    for name in wanted:
+        roots = sorted(roots_of.get(name, ()))
+        if roots:
+            groups[find(roots[0])][1].append(name)
+        else:
+            rootless.append(name)
+    ordered = sorted(groups.values(), key=lambda group: group[0][0])
+    if ordered:
+        ordered[0][1].extend(rootless)
+    return ordered
 
 
 @dataclass(frozen=True)
