@@ -93,6 +93,18 @@ def test_an_abort_while_waiting_fails_it_at_once_as_not_started(abort: Any) -> N
     assert "refit r1 was aborted before its StartTransfer" in exc.message
 
 
+def test_a_late_leave_group_of_an_older_epoch_does_not_release_the_wait() -> None:
+    member = _member()
+    member.epoch = 3
+    thread, outcome = _waiting(member, "r1")
+    member.on_abort_now(LeaveGroupCmd(epoch=2, abort=True))
+    time.sleep(0.2)
+    assert thread.is_alive()
+    assert not outcome
+    member.on_start_transfer(StartTransferCmd("r1", 1))
+    assert _settled(thread, outcome) == "started"
+
+
 def test_an_abort_before_the_update_arrives_fails_it_at_once() -> None:
     member = _member()
     member.on_abort_now(AbortRefitCmd("r1", "PREPARE_TIMEOUT", "a trainer did not prepare"))

@@ -68,8 +68,8 @@ class WorkerMember(DataPlaneMember):
                 self._aborted[cmd.refit_id] = None
                 while len(self._aborted) > _ABORTED_KEPT:
                     del self._aborted[next(iter(self._aborted))]
-            else:
-                self._aborts_unnamed += 1
+            elif isinstance(cmd, AbortRefitCmd) or cmd.epoch >= self.epoch:
+                self._aborts_unnamed += 1  # not a late LeaveGroup of an epoch already left
             self._ready.notify_all()
 
     def wait_for_start(self, refit_id: str, timeout_s: float) -> None:
