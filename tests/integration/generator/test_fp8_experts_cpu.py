@@ -144,13 +144,6 @@ def test_block_fp8_experts_pass_the_rule_check_against_vllms_loader(
         assert "error" not in report, report
         assert report["checks"].get("RoutedExperts") == ("verified", ""), report["checks"]
         assert report["other_fallback"] == [], report["other_fallback"][:5]
-        if expert_parallel:
-            # Known gap (not the rule's): attention's FP8 scales take the fallback path, so
-            # the fallback planner traces the unclaimed checkpoint tensors, and its meta
-            # trace records the other rank's experts as loaded into this rank's
-            # `w13_weight` (the real loader skips them: not in the expert map); the experts
-            # then join the fallback. The rule itself is verified above.
-            continue
         assert report["fallback"] == {}
         for layer in range(2):
             prefix = f"model.layers.{layer}.mlp.experts.routed_experts"

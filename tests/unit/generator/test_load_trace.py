@@ -143,6 +143,102 @@ def test_direct_writes_into_parameters_are_traced_and_write_nothing() -> None:
     assert torch.equal(model.w13, torch.zeros(2, 4, 2))
 
 
+class ExpertLayer(torch.nn.Module):
+    """Loads experts as vLLM's FusedMoE / RoutedExperts do under expert parallelism: the
+    loader is a method of the layer, maps the global `expert_id` through the layer's
+    expert map (`_map_global_expert_id_to_local_expert_id`, -1: another rank's) and skips
+    one not held, reporting False when asked; a global input scale (`use_global_sf`) loads
+    on every rank."""
+
+    def __init__(self, expert_map: list[int]) -> None:
+        super().__init__()
+        self.expert_map = expert_map
+        self.quant_method = type("GlobalScaleMethod", (), {"use_global_sf": True})()
+        held = sum(e >= 0 for e in expert_map)
+        self.w13_weight = torch.nn.Parameter(torch.zeros(held, 4, 2), requires_grad=False)
+        self.w13_input_scale = torch.nn.Parameter(torch.zeros(()), requires_grad=False)
+        for param in (self.w13_weight, self.w13_input_scale):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def _map_global_expert_id_to_local_expert_id(self, expert_id: int) -> int:
+        return self.expert_map[expert_id]
+
+    def weight_loader(
+        self,
+        param: torch.Tensor,
+        loaded_weight: torch.Tensor,
+        weight_name: str,
+        shard_id: str,
+        expert_id: int,
+        return_success: bool = False,
+    ) -> bool | None:
+        if weight_name.endswith("input_scale"):
+            param.data.copy_(loaded_weight)
+            return True if return_success else None
+        local = self._map_global_expert_id_to_local_expert_id(expert_id)
+        if local == -1:
+            return False if return_success else None
+        rows = slice(0, 2) if shard_id == "w1" else slice(2, 4)
+        param.data[local, rows].copy_(loaded_weight)
+        return True if return_success else None
+
+
+class ExpertModel(torch.nn.Module):
+    """Qwen3-MoE's expert loop: every checkpoint expert is offered to the layer's loader
+    with `return_success=True`; the model keeps only what the loader reports loaded."""
+
+    def __init__(self, expert_map: list[int]) -> None:
+        super().__init__()
+        self.experts = ExpertLayer(expert_map)
+        self.reported: dict[str, bool | None] = {}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            _, expert, proj = name.split(".")
+            target = "w13_input_scale" if proj == "input_scale" else "w13_weight"
+            param = getattr(self.experts, target)
+            success = param.weight_loader(
+                param,
+                tensor,
+                weight_name=f"experts.{target}",
+                shard_id="w1" if proj == "gate" else "w3",
+                expert_id=int(expert),
+                return_success=True,
+            )
+            self.reported[name] = success
+            if success:
+                loaded.add(f"experts.{target}")
+        return loaded
+
+
+EXPERT_CHECKPOINT = {
+    s.name: s
+    for e in range(4)
+    for s in (spec(f"experts.{e}.gate", 2, 2), spec(f"experts.{e}.up", 2, 2))
+} | {"experts.3.input_scale": spec("experts.3.input_scale")}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_expert_the_rank_does_not_hold_is_not_traced_as_loaded(rank: int) -> None:
+    # EP 2 over 4 experts: rank 0 holds 0 and 1, rank 1 holds 2 and 3.
+    expert_map = [0, 1, -1, -1] if rank == 0 else [-1, -1, 0, 1]
+    held = [e for e, local in enumerate(expert_map) if local >= 0]
+    model = ExpertModel(expert_map)
+    targets = trace_load_targets(model, EXPERT_CHECKPOINT)
+    want = {f"experts.{e}.{p}": {"experts.w13_weight"} for e in held for p in ("gate", "up")}
+    # The global input scale loads on every rank, expert 3's or not.
+    assert targets == want | {"experts.3.input_scale": {"experts.w13_input_scale"}}
+    # The model hears what the real loader would say: not loaded, so it tries no further.
+    assert {n for n, ok in model.reported.items() if not ok} == {
+        f"experts.{e}.{p}" for e in range(4) if e not in held for p in ("gate", "up")
+    }
+    # The real loader, run for real, writes exactly the experts traced above.
+    model.load_weights((n, torch.ones(s.shape)) for n, s in EXPERT_CHECKPOINT.items())
+    assert torch.equal(model.experts.w13_weight, torch.ones(2, 4, 2))
+    assert model.reported == {n: n in targets for n in EXPERT_CHECKPOINT}
+
+
 def test_checkpoint_index_reads_safetensors_headers(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 

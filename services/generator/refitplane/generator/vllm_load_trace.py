@@ -10,6 +10,11 @@ from through every torch operation the model's loading code applies (`narrow`, `
 stacked-parameter mappings, expert mappings, `hf_to_vllm_mapper`, transposes), the
 recorder learns which checkpoint tensors reached which parameter.
 
+Under expert parallelism an expert layer's loader is called for every expert of the
+checkpoint and skips (returns without loading, `False` when asked for success) those not
+in the rank's expert map; the recorder asks the layer's own mapping the same way and
+records no load for them, so another rank's experts are not taken for this rank's.
+
 Models that bypass `weight_loader` and write a parameter directly (`param.copy_(w)`,
 `param.data[i] = w`: gpt-oss's experts and sinks, direct `default_weight_loader` calls) are
 traced too: a write of a traced tensor into any parameter's storage is recorded instead of
@@ -19,6 +24,7 @@ performed. Nothing is ever written: recorders never call the real loaders.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Final
@@ -182,7 +188,9 @@ def _recording_loaders(model: torch.nn.Module, hits: dict[str, set[str]]) -> Ite
                 param = maybe
                 seen.add(id(param))
                 saved.append((param, param.__dict__.get("weight_loader", _NO_LOADER)))
-                param.weight_loader = _recorder(names[id(param)], hits)  # type: ignore[attr-defined]
+                loader = saved[-1][1]
+                recorder = _recorder(names[id(param)], hits, loader)
+                param.weight_loader = recorder  # type: ignore[attr-defined]
         yield
     finally:
         for param, loader in saved:
@@ -192,10 +200,12 @@ def _recording_loaders(model: torch.nn.Module, hits: dict[str, set[str]]) -> Ite
                 param.weight_loader = loader  # type: ignore[attr-defined]
 
 
-def _recorder(param_name: str, hits: dict[str, set[str]]) -> Callable[..., bool]:
+def _recorder(param_name: str, hits: dict[str, set[str]], loader: object) -> Callable[..., bool]:
     # Loaders are called positionally or by keyword (`param=`, `loaded_weight=`): look at
     # every argument for traced tensors.
     def record(*args: Any, **kwargs: Any) -> bool:
+        if _skips_expert_not_held(loader, args, kwargs):
+            return False  # what the real loader reports (when asked): nothing loaded
         leaves, _ = tree_flatten((args, kwargs))
         for leaf in leaves:
             for source in getattr(leaf, "sources", ()):
@@ -204,6 +214,35 @@ def _recorder(param_name: str, hits: dict[str, set[str]]) -> Callable[..., bool]
         return True
 
     return record
+
+
+def _skips_expert_not_held(loader: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the real `loader` would skip this call: an expert layer's loader (a method
+    of a layer with vLLM's `_map_global_expert_id_to_local_expert_id`, FusedMoE /
+    RoutedExperts in vLLM 0.26 and 0.32) called for a global `expert_id` that the layer's
+    expert map does not place on this rank. Mirrors the loader's exceptions: a global
+    input scale (`use_global_sf`) and gpt-oss's combined MXFP4 experts load on every rank.
+    Anything unrecognised counts as a load (a spurious fallback is slow, a missed one wrong).
+    """
+    layer = getattr(loader, "__self__", None)
+    to_local = getattr(layer, "_map_global_expert_id_to_local_expert_id", None)
+    if not callable(loader) or not callable(to_local):
+        return False
+    try:
+        call = inspect.signature(loader).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return False
+    expert_id = call.get("expert_id")
+    if not isinstance(expert_id, int) or isinstance(expert_id, bool):
+        return False
+    weight_name = str(call.get("weight_name", ""))
+    quant_config = getattr(layer, "quant_config", None)
+    if quant_config is not None and quant_config.get_name() == "gpt_oss_mxfp4":
+        return False
+    global_scale = "input_scale" in weight_name and bool(
+        getattr(getattr(layer, "quant_method", None), "use_global_sf", False)
+    )
+    return not global_scale and int(to_local(expert_id)) == -1
 
 
 @contextlib.contextmanager
