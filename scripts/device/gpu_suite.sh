@@ -5,7 +5,8 @@
 # two-GPU tests run alone. Each lane's pytest log and junit XML go to $OUT.
 #
 # Prepare and send as for gpu_session.sh (wheels, stage p1, stage p2), then:
-#     carry .stage/p3:     bash scripts/device/gpu_suite.sh 1
+#     carry the last stage folder (the one with install_vllm_on_device.sh, MANIFEST and the
+#     extra wheels; p3 or p4 as stage_vllm.sh split it):   bash scripts/device/gpu_suite.sh 1
 #     (nothing carried):   bash scripts/device/gpu_suite.sh 2
 #     (nothing carried):   bash scripts/device/gpu_suite.sh 3
 # Here (no GPU): `bash scripts/device/gpu_suite.sh check` collects each lane's selection and

@@ -12,8 +12,13 @@ stage() {
 }
 
 setup() {
+  # stage_vllm.sh puts the installer in the last stage folder (with MANIFEST and the extra
+  # wheels): carried now, or kept in /tmp/vstage by an earlier call on this machine
+  local installer
+  installer=$(ls .stage/p*/install_vllm_on_device.sh /tmp/vstage/p*/install_vllm_on_device.sh 2>/dev/null | head -n1)
+  [ -n "$installer" ] || { echo "no install_vllm_on_device.sh under .stage/p* or /tmp/vstage/p*: carry the last stage folder" >&2; return 1; }
   # shellcheck disable=SC1090
-  . "$(ls -d .stage/p3 /tmp/vstage/p3 2>/dev/null | head -n1)/install_vllm_on_device.sh" || return 1
+  . "$installer" || return 1
   if [ ! -f /tmp/site/.refit_installed ]; then
     # .whl carried now, or kept in /tmp/whl by an earlier `wheels` step on this machine
     local whl
