@@ -96,9 +96,13 @@ case "$call" in
   1 | 2 | 3) ;;
   *) echo "usage: $0 1|2|3 (on the device, in order, one device call each) | check" >&2; exit 2 ;;
 esac
+# The checkout's code first (the installed wheels may be older, and hold only the generator's
+# distribution): setup's import check and spawned workers see it.
+export PYTHONPATH=$PWD:$PWD/services/coordinator:$PWD/services/trainer:$PWD/services/generator${PYTHONPATH:+:$PYTHONPATH}
 setup || exit 1
-# The checkout's code first (the installed wheels may be older): spawned workers inherit it.
+# setup put /tmp/site first: the checkout's code must win over the installed generator wheel
 export PYTHONPATH=$PWD:$PWD/services/coordinator:$PWD/services/trainer:$PWD/services/generator:$PYTHONPATH
+mkdir -p /tmp/gpu-suite  # pytest makes --basetemp, not its parent
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 left=$(( ${CALL_S:-530} - ($(date +%s) - began) - 15 ))  # 15 s for the last lane's kill and tails
 echo "[suite] call $call: $left s for its lanes"
