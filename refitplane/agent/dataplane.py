@@ -236,6 +236,11 @@ class DataPlaneMember(NullHandler):
             cmd = dataclasses.replace(cmd, plan=held.plan)
         self._cancel.clear()
         self.before_transfer(cmd)
+        if held.send_bytes and self.transport.copies_links and cmd.config is not None:
+            # The weights are held from here (the trainer's read-lock): a sender over CUDA
+            # IPC checksums them now, overlapping the coordinator's prepare round (and a
+            # colocated vLLM's wake), not during the receivers' copies.
+            self._executor_for(cmd.config).presum_links(held.plan, self._shards())
         with self._ready:
             self._prepared[cmd.refit_id] = Prepared(cmd.refit_id, cmd.version, cmd.epoch, cmd, held)
             self._ready.notify_all()

@@ -190,6 +190,33 @@ class Executor:
             self.ring.free()
         return report
 
+    def presum_links(self, plan: RankPlan, shards: LocalShards) -> bool:
+        """When a refit is prepared, on a sender of a group that runs link copies (agreed at
+        its first transfer), checksum the outgoing chunks now (`ipc_run.presum`): the
+        transfer then only sends the sums. The caller holds the weights from here to the
+        end of the refit. Returns whether it did."""
+        if not (
+            self.transport.copies_links
+            and link_copies_enabled()
+            and self.config.verify_checksums
+            and plan.send_bytes
+            and not isinstance(shards, StagedShards)
+            and cast("CudaIpcTransport", self.transport).agreed_link_copies
+        ):
+            return False
+        from refitplane.reshard.ipc_run import PRESUM, LinkCopies, presum
+
+        if not PRESUM:
+            return False
+
+        prepared = self._prepare(plan, shards)
+        if self._links is None or self._links.key is not prepared:
+            self._links = LinkCopies.build(prepared, prepared.steps, plan.rank)
+        presum(
+            cast("CudaIpcTransport", self.transport), self._links, self.config.max_inflight_bytes
+        )
+        return bool(self._links.outgoing)
+
     def _link_rate(self) -> float | None:
         """The rate this rank's "auto" decisions as a sender assume: REFIT_DELTA_LINK_GBPS if
         set ("off": 0.0, none), else the transport's measured `link_rate` (CUDA only: the

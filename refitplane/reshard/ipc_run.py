@@ -10,7 +10,10 @@ round trips. Per link (sender → receiver) and refit:
    lie in the sender's memory (the parameters themselves: nothing is packed, the trainer
    allocates no staging), with the share of each storage (made once per group and kept
    referenced by the sender, so the memory is never freed or reused under the mapping).
-   It then checksums its chunks (one launch) and sends the sums.
+   It then sends its chunks' sums (one launch), computed when the refit was prepared
+   (`presum`: the trainer's weights are held from PrepareRefit, and the ~5 ms of reads on
+   an 8B model no longer compete with the receiver's copies for HBM), or now where the
+   refit was prepared without them (the group's first refit).
 2. The receiver opens each storage once (held until the group ends) and builds every
    chunk's source view (kept while the sender's manifest stays byte-identical, i.e. the
    same memory), then copies every chunk straight into its destination (vLLM's live
@@ -82,6 +85,10 @@ ENABLED = os.environ.get("REFIT_IPC_LINK_COPIES", "1") != "0"
 # alone; benchmarks turn it off to compare).
 FUSE = os.environ.get("REFIT_IPC_FUSED_COPY", "1") != "0"
 
+# A sender checksums its chunks when the refit is prepared (`presum`); off: during the
+# transfer, as the receivers copy (to compare).
+PRESUM = os.environ.get("REFIT_IPC_PRESUM", "1") != "0"
+
 _TAG_LENGTH = 11
 _TAG_MANIFEST = 12
 _TAG_SUMS = 13
@@ -122,6 +129,9 @@ class LinkCopies:
     key: object
     outgoing: list[_Outgoing]
     incoming: list[_Incoming]
+    # The outgoing links' sums were launched when the refit was prepared (`presum`), on the
+    # transport's sum stream: the next run sends them instead of checksumming then.
+    presummed: bool = False
 
     @staticmethod
     def build(
@@ -133,6 +143,37 @@ class LinkCopies:
             [_Outgoing(p, c) for p, c in sorted(sends.items())],
             [_Incoming(p, c) for p, c in sorted(recvs.items())],
         )
+
+
+def _launch_sums(transport: CudaIpcTransport, links: LinkCopies, budget: int) -> None:
+    """Checksum every outgoing chunk into its link's rows, on the transport's sum stream."""
+    with torch.cuda.stream(transport.sum_stream()):
+        for out in links.outgoing:
+            if out.sums is None or out.summer is None:
+                out.sums = torch.zeros(
+                    (len(out.chunks), 2), dtype=torch.int64, device=transport.device
+                )
+                out.summer = ChunkSums(out.chunks, out.sums.unbind(0), budget)
+            else:
+                out.sums.zero_()
+            out.summer.launch()
+
+
+def presum(transport: CudaIpcTransport, links: LinkCopies, budget: int) -> None:
+    """Checksum a sender's outgoing chunks now, when the refit is prepared, so that its
+    transfer only sends the sums and the receivers' copies have the memory to themselves.
+
+    The caller holds the weights from here until the refit ends (the trainer's read-lock,
+    taken at PrepareRefit); should they change anyway (the hold expired), the receivers'
+    sums of what they copied differ from these and the refit fails as a mismatch. The sums
+    follow the caller's stream (the optimizer step) through an event: nothing waits here."""
+    if not links.outgoing:
+        return
+    final = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    final.record(torch.cuda.current_stream(transport.device))
+    transport.sum_stream().wait_event(final)
+    _launch_sums(transport, links, budget)
+    links.presummed = True
 
 
 class LinkCopyRun:
@@ -184,6 +225,7 @@ class LinkCopyRun:
             self._offer(out)
         if self.verify and self.links.outgoing:
             self._send_sums()
+        self.links.presummed = False  # used, or stale: the next refit's prepare sums again
         try:
             for inc in self.links.incoming:
                 self._copy(inc)
@@ -229,19 +271,11 @@ class LinkCopyRun:
         self.report.bytes_full += sum(lc.chunk.nbytes for lc in out.chunks)
 
     def _send_sums(self) -> None:
-        """Checksum every outgoing chunk (while receivers copy), then send each link's sums."""
-        stream = self.t.sum_stream()
-        with torch.cuda.stream(stream):
-            for out in self.links.outgoing:
-                if out.sums is None or out.summer is None:
-                    out.sums = torch.zeros(
-                        (len(out.chunks), 2), dtype=torch.int64, device=self.t.device
-                    )
-                    out.summer = ChunkSums(out.chunks, out.sums.unbind(0), self.budget)
-                else:
-                    out.sums.zero_()
-                out.summer.launch()
-        stream.synchronize()
+        """Send each link's sums: those launched at prepare (`presum`), else checksum every
+        outgoing chunk now (while the receivers copy)."""
+        if not self.links.presummed:
+            _launch_sums(self.t, self.links, self.budget)
+        self.t.sum_stream().synchronize()
         for out in self.links.outgoing:
             assert out.sums is not None
             data = out.sums.cpu().numpy().tobytes()

@@ -204,3 +204,61 @@ def test_handle_of_an_exited_sender_is_a_refit_error(worker: Any) -> None:
     assert status == "ok", detail  # the receiver did not crash
     assert detail["error"] is not None, detail
     assert "rank 0" in detail["message"] or "CUDA IPC" in detail["message"], detail
+
+
+def _presum_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> dict[str, Any]:
+    """Three refits of link copies; from the second on the sender checksums its chunks when
+    the refit is prepared (`Executor.presum_links`, what a trainer does at PrepareRefit).
+    Refit 2 keeps the weights: they arrive verified. Refit 3 changes them after the sums
+    (a hold that expired): the receiver's sums of what it copied must not match."""
+    import torch
+
+    from refitplane.errors import ChecksumMismatch
+    from refitplane.reshard.config import TransferConfig
+    from refitplane.reshard.executor import Executor
+
+    case = pc.make_case("tp2", 0.25)
+    layout = case.source if rank == 0 else case.target
+    shards = pc.make_shards(layout, rank, transport.device, fill=False)
+    executor = Executor(transport, TransferConfig(bucket_bytes=64 * MiB, timeout_s=60))
+    plan = pc.rank_plan(case, rank)
+    out: dict[str, Any] = {"presummed": [], "wrong": []}
+    for refit, value in enumerate((3, 5, 7), start=1):
+        if rank == 0:
+            for sv in shards:
+                sv.tensor.view(torch.uint8).fill_(value)
+            out["presummed"].append(executor.presum_links(plan, shards))
+            if refit == 3:
+                transport.sum_stream().synchronize()
+                for sv in shards:
+                    sv.tensor.view(torch.uint8).fill_(value + 1)
+        barrier.wait()
+        try:
+            report = executor.run(plan, shards)
+        except ChecksumMismatch as exc:
+            out.update(error=f"refit {refit}", message=exc.message, _aborted=True)
+            return out
+        if rank == 1:
+            torch.cuda.synchronize()
+            if report.tensors_verified != report.tensors_total:
+                out["wrong"].append(f"refit {refit}: {report.tensors_verified} verified")
+            out["wrong"] += [
+                f"refit {refit}: {sv.spec.name}"
+                for sv in shards
+                if not bool((sv.tensor.view(torch.uint8) == value).all())
+            ]
+    out["_aborted"] = rank == 0  # its receiver aborted after refit 3
+    return out
+
+
+@pytest.mark.gpu
+def test_sums_taken_at_prepare_catch_weights_changed_after_them() -> None:
+    results = run_ipc_world(_presum_worker, [0, 0], timeout_s=60)
+    for rank in (0, 1):
+        assert results[rank][0] == "ok", results[rank]
+    sender, receiver = results[0][1], results[1][1]
+    # The group agrees on link copies at its first transfer: sums at prepare from then on.
+    assert sender["presummed"] == [False, True, True], sender
+    assert receiver["wrong"] == [], receiver
+    assert receiver.get("error") == "refit 3", receiver
+    assert "checksum" in receiver["message"], receiver

@@ -342,6 +342,11 @@ class CudaIpcTransport(StreamedTransport):
             )
         return self._link_copies
 
+    @property
+    def agreed_link_copies(self) -> bool:
+        """Whether the group already agreed on link copies (at its first transfer)."""
+        return bool(self._link_copies)
+
     def copy_stream(self) -> torch.cuda.Stream:
         """The stream a receiver's link copies run on (channel 0's transfer stream)."""
         return self._copy[0]
