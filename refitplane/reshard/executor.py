@@ -195,6 +195,8 @@ class Executor:
         its first transfer), checksum the outgoing chunks now (`ipc_run.presum`): the
         transfer then only sends the sums. The caller holds the weights from here to the
         end of the refit. Returns whether it did."""
+        if self._links is not None:
+            self._links.presummed = False  # sums of an earlier prepare describe nothing now
         if not (
             self.transport.copies_links
             and link_copies_enabled()
