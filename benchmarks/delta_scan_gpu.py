@@ -18,8 +18,9 @@ median of `--repeats` after a warm-up:
 
 `--sweep` runs the shapes of `SWEEP` (REFIT_DELTA_SCAN_BLOCK words per program,
 REFIT_DELTA_SCAN_WARPS warps, REFIT_DELTA_SCAN_SUMS: the checksum sums from the block loaded
-again as 64-bit words or from the words already loaded), each in a process of its own (read
-at import), and prints one row each; the first row is the default.
+again as 64-bit words or from the words already loaded, REFIT_DELTA_SCAN_UPDATE: the base
+advanced word by word or row by row), each in a process of its own (read at import), and
+prints one row each; the first row is the default. `--rows 0 1` runs those rows of it only.
 """
 
 from __future__ import annotations
@@ -34,17 +35,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# (words per program, warps per program, checksum sums): the default first.
+# (words per program, warps per program, checksum sums, base update): the default first, then
+# the old default (the base advanced word by word) against which the row update is measured.
 SWEEP = (
-    (4096, 4, "reload"),
-    (4096, 4, "words"),
-    (4096, 8, "reload"),
-    (8192, 4, "reload"),
-    (8192, 8, "reload"),
-    (16384, 8, "reload"),
-    (16384, 16, "reload"),
-    (16384, 8, "words"),
-    (2048, 4, "reload"),
+    (4096, 4, "reload", "rows"),
+    (4096, 4, "reload", "words"),
+    (4096, 4, "words", "rows"),
+    (8192, 8, "reload", "rows"),
+    (16384, 8, "reload", "rows"),
+    (16384, 16, "words", "rows"),
+    (2048, 4, "reload", "rows"),
 )
 
 
@@ -151,6 +151,7 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
         "block": delta_kernels.BLOCK,
         "warps": delta_kernels.SCAN_WARPS,
         "sums": delta_kernels.SCAN_SUMS,
+        "update": delta_kernels.SCAN_UPDATE,
         "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor(),
         "messages": len(currents),
         "bytes": nbytes,
@@ -169,7 +170,7 @@ def _row(r: dict[str, Any]) -> str:
     passes = [
         f"{r[k] * 1e3:.1f} ({read / r[k]:.0f})" for k in ("copy_s", "scan_s", "scan_no_sums_s")
     ]
-    cells = [str(r["block"]), str(r["warps"]), r["sums"], *passes]
+    cells = [str(r["block"]), str(r["warps"]), r["sums"], r.get("update", "words"), *passes]
     cells += [f"{r['gather_s'] * 1e3:.1f}", f"{r['sample_s'] * 1e3:.2f}"]
     return "| " + " | ".join(cells) + " |"
 
@@ -180,8 +181,10 @@ def _print_head(first: dict[str, Any], model: str, fraction: float) -> None:
         f"{first['bytes'] / 1e9:.2f} GB, {fraction:.2%} changed "
         f"({first['changed_words']} words; {first['encodings']}); ms (GB/s over both images)"
     )
-    print("| words/program | warps | sums | copy | scan | scan, no sums | gather | sample |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|", flush=True)
+    print(
+        "| words/program | warps | sums | update | copy | scan | scan, no sums | gather | sample |"
+    )
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|", flush=True)
 
 
 def main() -> None:
@@ -190,6 +193,7 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.01)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--rows", type=int, nargs="*", help="which rows of SWEEP (default all)")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--json", action="store_true", help="print one JSON line (sweep rows)")
     parser.add_argument("--out", type=Path)
@@ -204,19 +208,23 @@ def main() -> None:
         results = [result]
     else:
         results = []
-        for block, warps, sums in SWEEP:
+        picked = SWEEP if args.rows is None else [SWEEP[i] for i in args.rows]
+        for block, warps, sums, update in picked:
             env = {
                 **os.environ,
                 "REFIT_DELTA_SCAN_BLOCK": str(block),
                 "REFIT_DELTA_SCAN_WARPS": str(warps),
                 "REFIT_DELTA_SCAN_SUMS": sums,
+                "REFIT_DELTA_SCAN_UPDATE": update,
             }
             command = [sys.executable, __file__, "--model", args.model, "--json"]
             command += ["--device", args.device]
             command += ["--fraction", str(args.fraction), "--repeats", str(args.repeats)]
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
-                print(f"block {block}, warps {warps}, {sums}: failed\n{done.stderr[-2000:]}")
+                print(
+                    f"block {block}, warps {warps}, {sums}, {update}: failed\n{done.stderr[-2000:]}"
+                )
                 continue
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
             if len(results) == 1:

@@ -32,6 +32,7 @@ from refitplane.reshard.delta_kernels import (
     BITS,
     BLOCK,
     SCAN_SUMS,
+    SCAN_UPDATE,
     SCAN_WARPS,
     TL_WORDS,
     compile_kernels,
@@ -154,6 +155,7 @@ def scan_many(
         ALIGNED=aligned,
         SUMS=any(summed),
         SUMS_FROM_WORDS=SCAN_SUMS == "words",
+        UPDATE_ROWS=SCAN_UPDATE == "rows",
         num_warps=SCAN_WARPS,
     )
     counts = torch.zeros(len(currents), dtype=torch.int64, device=device)

@@ -30,7 +30,8 @@ def _launch_setting(name: str, default: int, lowest: int, highest: int) -> int:
 
 # Words per program of the sender's scan and gather (a power of two from 8, so bitmap bytes
 # never straddle programs, to 65536), and the scan's warps per program. Settings for measuring
-# the scan's speed (`benchmarks/delta_scan_gpu.py`); the defaults are what ran on 2xH100.
+# the scan's speed (`benchmarks/delta_scan_gpu.py`); the defaults are what ran on 2xH100
+# (SCAN_UPDATE's default excepted: see there).
 BLOCK = _launch_setting("REFIT_DELTA_SCAN_BLOCK", 4096, 8, 65536)
 SCAN_WARPS = _launch_setting("REFIT_DELTA_SCAN_WARPS", 4, 1, 32)
 # How the scan takes the checksum sums: "reload" (the block again as 64-bit words, from the
@@ -40,6 +41,20 @@ if SCAN_SUMS not in ("reload", "words"):
     raise InvalidArgument(
         f"REFIT_DELTA_SCAN_SUMS must be 'reload' or 'words', got {SCAN_SUMS!r}",
         field="REFIT_DELTA_SCAN_SUMS",
+    )
+# How the scan writes the changed words into the base: "rows" (the default), each row of 8
+# words (one bitmap byte) with any change stored whole under one mask per row: its unchanged
+# words get the bytes they already hold, and a mask constant along the row lets Triton store
+# 16 bytes at a time (sm_90 PTX of a full 4096-word block, 4 warps: 4 `st.global.v4.b32` per
+# thread) instead of one predicated 2-byte store per word ("words", what ran on 2xH100 up to
+# the eighth session: 32 `st.global.b16` per thread). The bytes in DRAM are about the same
+# (a changed word dirties its 32-byte sector either way); at 1 % of bf16 words changed ~8 %
+# of rows are written. A message's last, partial block keeps the per-word mask.
+SCAN_UPDATE = os.environ.get("REFIT_DELTA_SCAN_UPDATE", "rows").strip() or "rows"
+if SCAN_UPDATE not in ("words", "rows"):
+    raise InvalidArgument(
+        f"REFIT_DELTA_SCAN_UPDATE must be 'words' or 'rows', got {SCAN_UPDATE!r}",
+        field="REFIT_DELTA_SCAN_UPDATE",
     )
 # Bitmap bytes per block.
 BITS = BLOCK // 8
@@ -116,6 +131,7 @@ def compile_kernels() -> Any:
         ALIGNED: tl.constexpr,
         SUMS: tl.constexpr,
         SUMS_FROM_WORDS: tl.constexpr = False,
+        UPDATE_ROWS: tl.constexpr = False,
     ):
         m, local, first, inner, inside = locate(tl.program_id(0), block_msg, blk0, ns, BLOCK)
         cur = tl.load(curs + m).to(tl.pointer_type(WORD))
@@ -142,7 +158,14 @@ def compile_kernels() -> Any:
         tl.store(counts + tl.program_id(0), tl.sum(tl.sum(changed, axis=1), axis=0))
         here = bits + tl.load(bits_at + m) + local * (BLOCK // 8)
         tl.store(here + tl.arange(0, BLOCK // 8), packed.to(tl.uint8))
-        if UPDATE:
+        if UPDATE and UPDATE_ROWS:
+            # Whole rows (`SCAN_UPDATE`), never past the message's end.
+            row = tl.broadcast_to(packed[:, None] != 0, (BLOCK // 8, 8))
+            if full:
+                tl.store(base + inner, a, mask=row)
+            else:
+                tl.store(base + inner, a, mask=row & inside)
+        if UPDATE and not UPDATE_ROWS:
             tl.store(base + inner, a, mask=changed != 0)
         if SUMS and SUMS_FROM_WORDS:
             out_at = tl.load(sums + m)

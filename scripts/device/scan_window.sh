@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
-# Delta refits over NVLink after the "auto" link decision and the scan settings (issue 24),
-# one 2-GPU device window of at most ~5 min (run from the checkout root, PYTHONPATH set to
-# it, $OUT collected). Independent steps, each in its own process group under its own
-# timeout (T1..T4 seconds):
-#   1. the CUDA codec tests and the executor's delta refits between the GPUs, byte-exact
-#      (with the link decision's case: a link no delta can beat runs the full path)
-#   2. the executor alone, Qwen3-8B shape over NVLink, the old decision
-#      (REFIT_DELTA_LINK_GBPS=off: the fraction rule alone) — the baseline
-#   3. the same with the link decision (rate measured from the full refits): over NVLink the
-#      full refits agree that no delta can win (`delta_cost.never_pays`), so every delta row
-#      runs the full path ("1 full-path link(s), 0 header table(s)"), within ~1 ms of full
-#   4. the scan's launch shapes and checksum modes on one GPU (benchmarks/delta_scan_gpu.py)
-# STEPS picks and orders them (default "1 2 3 4").
+# The sender's delta scan (issue 24), one 2-GPU device window of at most ~150 s (run from the
+# checkout root, PYTHONPATH set to it, $OUT collected). Independent steps, each in its own
+# process group under its own timeout (T1..T3 seconds); one failing never stops the others:
+#   1. the CUDA codec tests (tests/gpu/test_delta_cuda.py): the scan with the base advanced
+#      row by row (REFIT_DELTA_SCAN_UPDATE's default "rows") byte-exact on GPU
+#   2. the scan's launch shapes on one GPU (benchmarks/delta_scan_gpu.py --sweep, rows
+#      SWEEP_ROWS): the row update against the word-by-word one, block and warps
+#   3. the executor alone, Qwen3-8B shape over NVLink, the fraction rule alone
+#      (REFIT_DELTA_LINK_GBPS=off, so the deltas really run: "auto" takes the full path over
+#      NVLink) with --profile: where the delta's device time goes
+# STEPS picks and orders them (default "1 2 3"). One summary line per step on stdout.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -23,18 +21,17 @@ TAG=scan
 . "$(dirname "$0")/window_run.sh"
 
 echo "[scan] $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | tr -s ' ')"
-fractions=(--transports nvlink --fractions 0.01 0.05 0.2 --repeats 2)
-for step in ${STEPS:-1 2 3 4}; do
+for step in ${STEPS:-1 2 3}; do
   case $step in
-    1) run "${T1:-90}" pytest-delta-gpu.log python3 -m pytest tests/gpu/test_delta_cuda.py \
-         tests/gpu/test_delta_executor_gpu.py -q -rA --tb=short -p no:cacheprovider ;;
-    2) REFIT_DELTA_LINK_GBPS=off run "${T2:-50}" delta_executor_off.log \
-         python3 benchmarks/delta_executor_gpu.py "${fractions[@]}" \
-         --out "$OUT/delta_executor_off.json" ;;
-    3) run "${T3:-50}" delta_executor_auto.log python3 benchmarks/delta_executor_gpu.py \
-         "${fractions[@]}" --out "$OUT/delta_executor_auto.json" ;;
-    4) TAIL=14 run "${T4:-100}" delta_scan_gpu.log python3 benchmarks/delta_scan_gpu.py \
-         --sweep --repeats 3 --out "$OUT/delta_scan_gpu.json" ;;
+    1) TAIL=4 run "${T1:-35}" pytest-delta-cuda.log python3 -m pytest tests/gpu/test_delta_cuda.py \
+         -q -rf --tb=short -p no:cacheprovider ;;
+    2) # shellcheck disable=SC2086 (a list of row numbers)
+       TAIL=12 CUDA_VISIBLE_DEVICES=0 run "${T2:-50}" delta_scan_gpu.log python3 \
+         benchmarks/delta_scan_gpu.py --sweep --rows ${SWEEP_ROWS:-0 1 3} --repeats 2 \
+         --out "$OUT/delta_scan_gpu.json" ;;
+    3) TAIL=12 REFIT_DELTA_LINK_GBPS=off run "${T3:-55}" delta_executor_off.log \
+         python3 benchmarks/delta_executor_gpu.py --transports nvlink --fractions 0.01 0.05 0.2 \
+         --repeats 2 --profile --out "$OUT/delta_executor_off.json" ;;
   esac
 done
 echo "[scan] $(date -u +%T) done"

@@ -107,7 +107,11 @@ def check_batch(device: str) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-def test_batched_kernels_in_the_interpreter() -> None:
+@pytest.mark.parametrize("update", ["words", "rows"])
+def test_batched_kernels_in_the_interpreter(update: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "rows": the base advanced a row of 8 words at a time (REFIT_DELTA_SCAN_UPDATE); the
+    # messages of 3 and 4097 words end inside a row, so its store must stop at their end.
+    monkeypatch.setenv("REFIT_DELTA_SCAN_UPDATE", update)
     run_in_interpreter("tests.unit.reshard.test_delta_batch", "check_batch")
 
 

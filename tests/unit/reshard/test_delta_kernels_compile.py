@@ -64,6 +64,15 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
             | {"ALIGNED": True, "SUMS": True, "SUMS_FROM_WORDS": True},
             warps,
         )
+    # The base advanced row by row (REFIT_DELTA_SCAN_UPDATE=rows): one 16-byte store per row
+    # of 8 bf16 words, not a predicated 2-byte store per word.
+    _compile(
+        scan,
+        {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
+        {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
+        | {"ALIGNED": True, "SUMS": True, "UPDATE_ROWS": True},
+        warps,
+    )
     # The sampled estimate's launch (`sample_changed`): nothing written but scratch.
     for aligned in (True, False):
         _compile(
