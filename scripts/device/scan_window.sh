@@ -26,8 +26,8 @@ for step in ${STEPS:-1 2 3}; do
     1) TAIL=4 run "${T1:-35}" pytest-delta-cuda.log python3 -m pytest tests/gpu/test_delta_cuda.py \
          -q -rf --tb=short -p no:cacheprovider ;;
     2) # shellcheck disable=SC2086 (a list of row numbers)
-       TAIL=12 CUDA_VISIBLE_DEVICES=0 run "${T2:-50}" delta_scan_gpu.log python3 \
-         benchmarks/delta_scan_gpu.py --sweep --rows ${SWEEP_ROWS:-0 1 3} --repeats 2 \
+       TAIL=12 CUDA_VISIBLE_DEVICES=0 run "${T2:-55}" delta_scan_gpu.log python3 \
+         benchmarks/delta_scan_gpu.py --sweep --rows ${SWEEP_ROWS:-0 1 4 3} --repeats 2 \
          --out "$OUT/delta_scan_gpu.json" ;;
     3) TAIL=12 REFIT_DELTA_LINK_GBPS=off run "${T3:-55}" delta_executor_off.log \
          python3 benchmarks/delta_executor_gpu.py --transports nvlink --fractions 0.01 0.05 0.2 \
