@@ -209,6 +209,18 @@ def _unfused(world: World, steps: list[Any], repeats: int, seed0: int) -> dict[s
         world.ask("replica-0", ("rpc", (set_fused_copy, [True])), "rpc")
 
 
+def _unaligned(world: World, steps: list[Any], repeats: int, seed0: int) -> dict[str, Any]:
+    """The receiver's copy kernel with 8-byte masked accesses (as before it was told that
+    its chunks are 16-byte aligned), on the same replica: what the wide accesses save."""
+    from refitplane.testing.refit_world.worker_probes import set_aligned_copy
+
+    world.ask("replica-0", ("rpc", (set_aligned_copy, [False])), "rpc")
+    try:
+        return _refits(world, steps, "ipc 8-byte copy kernel", repeats, seed0)
+    finally:
+        world.ask("replica-0", ("rpc", (set_aligned_copy, [True])), "rpc")
+
+
 def _tokens(world: World, min_margin: float = 0.5) -> dict[str, Any]:
     """vLLM's greedy tokens against transformers' over the trainer's own tensors, compared
     up to the first step whose two best logits are closer than `min_margin` (bf16 near-ties
@@ -405,6 +417,10 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                     row = _unfused(world, steps, args.repeats, 30 + rnd)
                     rows[t].append(row)
                     _print(case, row, limit_s)
+                if args.compare_unaligned and t == "ipc":
+                    row = _unaligned(world, steps, args.repeats, 40 + rnd)
+                    rows[t].append(row)
+                    _print(case, row, limit_s)
                 for level in args.sleep_level if case == "colocated" else ():
                     if not level:
                         continue
@@ -448,6 +464,11 @@ def main() -> int:
         "--compare-unfused",
         action="store_true",
         help="colocated: also refit with the receiver copying by copy_, then checksumming",
+    )
+    parser.add_argument(
+        "--compare-unaligned",
+        action="store_true",
+        help="colocated: also refit with the copy kernel's 8-byte masked accesses",
     )
     parser.add_argument(
         "--refit-timeout", type=float, default=60.0, help="s: a refit still running is reported"

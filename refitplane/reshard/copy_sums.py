@@ -9,11 +9,15 @@ the words in registers as they are written: one read, one write per byte. The ta
 row per chunk: first program, source, destination, bytes, output row) is built once per
 set of chunks and reused by every refit that copies the same memory; like the other
 table-driven kernels, each program finds its row by a binary search of fixed depth and
-nothing varying is specialized, so one variant is compiled, before the first copy.
+nothing varying is specialized, so one variant is compiled per alignment, before the first
+copy: where every chunk of a launch starts 16-byte aligned on both ends (nearly always:
+parameters whole or cut at row boundaries) the kernel is told so and moves 16 bytes per
+access, unmasked but in each chunk's last program; else 8 bytes at a time, masked.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +30,10 @@ _ITERS = 16
 _BYTES_PER_PROGRAM = 8 * _BLOCK * _ITERS
 _SEARCH_STEPS = 20
 _ROW = 5
+# Launches whose chunks are all 16-byte aligned on both ends tell the kernel so (16-byte
+# accesses, unmasked but for each chunk's last program); REFIT_COPY_SUMS_ALIGNED=0: never
+# (to compare; read at each launch).
+ALIGNED = os.environ.get("REFIT_COPY_SUMS_ALIGNED", "1") != "0"
 
 
 def triton_kernel() -> Any:
@@ -56,24 +64,32 @@ class CopySums:
     ) -> None:
         table: list[int] = []
         programs = 0
+        aligned = True
         for (dst, src), out in zip(pairs, rows, strict=True):
             n = dst.numel()
             if n:
+                aligned &= not (src.data_ptr() % 16 or dst.data_ptr() % 16)
                 table += [programs, src.data_ptr(), dst.data_ptr(), n, out.data_ptr()]
                 programs += -(-n // _BYTES_PER_PROGRAM)
         self.entries = len(table) // _ROW
         if self.entries >= 1 << _SEARCH_STEPS:
             raise ValueError(f"one copy launch takes under {1 << _SEARCH_STEPS} chunks")
         self.programs = programs
+        # Every chunk starts 16-byte aligned on both ends (vLLM's and the trainer's
+        # parameters, whole or cut at row boundaries, nearly always are).
+        self.aligned = aligned
         device = pairs[0][0].device if pairs else torch.device("cpu")
         self.table = torch.tensor(table or [0] * _ROW, dtype=torch.int64).to(device)
         # Keep the memory the table points at alive as long as the table.
         self._keep = (list(pairs), list(rows))
 
-    def launch(self) -> None:
-        """Copy every chunk and add its sums, on the current stream (asynchronous)."""
+    def launch(self, *, aligned: bool | None = None) -> None:
+        """Copy every chunk and add its sums, on the current stream (asynchronous).
+        `aligned`: False runs the kernel as if some chunk were not 16-byte aligned (tests);
+        None: as the chunks are, unless `ALIGNED` is off."""
         if not self.programs:
             return
+        use_aligned = self.aligned and (ALIGNED if aligned is None else aligned)
         triton_kernel()[(self.programs,)](
             self.table,
             self.entries,
@@ -81,14 +97,13 @@ class CopySums:
             ITERS=_ITERS,
             STEPS=_SEARCH_STEPS,
             ROW=_ROW,
+            ALIGNED=use_aligned,
         )
 
 
 def check(device: str) -> None:
     """The kernel's bytes and sums equal `copy_` and `checksum.py`'s reference (run by the
     unit tests in Triton's interpreter, and on a GPU by tests/gpu)."""
-    from refitplane.reshard import checksum as cs
-
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(11)
     sizes = (8, 13, 0, 1, _BYTES_PER_PROGRAM + 5, 2 * _BYTES_PER_PROGRAM, 24, 3)
@@ -100,17 +115,33 @@ def check(device: str) -> None:
         pairs.append((target[at : at + n], pool[at : at + n]))
         at += (n + 15) // 16 * 16
     rows = torch.zeros((len(sizes), 2), dtype=torch.int64, device=dev)
-    rows[1] = torch.tensor([5, 7])  # sums are added to what the row holds
-    CopySums(pairs, list(rows.unbind(0))).launch()
+    copies = CopySums(pairs, list(rows.unbind(0)))
+    assert copies.aligned, "the pairs start 16-byte aligned"
+    for aligned in (True, False):  # both variants of the kernel
+        target.fill_(0xA5)
+        rows.zero_()
+        rows[1] = torch.tensor([5, 7])  # sums are added to what the row holds
+        copies.launch(aligned=aligned)
+        _check_copies(pairs, rows, target, f"aligned={aligned}")
+
+
+def _check_copies(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    rows: torch.Tensor,
+    target: torch.Tensor,
+    how: str,
+) -> None:
+    from refitplane.reshard import checksum as cs
+
     expected = torch.zeros_like(rows)
     expected[1] = torch.tensor([5, 7])
     for i, (dst, src) in enumerate(pairs):
-        assert torch.equal(dst, src), sizes[i]
+        assert torch.equal(dst, src), (how, src.numel())
         cs._accumulate_torch(src, expected[i])
-    assert rows.tolist() == expected.tolist(), (rows.tolist(), expected.tolist())
-    written = torch.zeros(pool.numel(), dtype=torch.bool, device=dev)
+    assert rows.tolist() == expected.tolist(), (how, rows.tolist(), expected.tolist())
+    written = torch.zeros(target.numel(), dtype=torch.bool, device=target.device)
     for dst, _ in pairs:
         if dst.numel():
             start = dst.data_ptr() - target.data_ptr()
             written[start : start + dst.numel()] = True
-    assert bool((target[~written] == 0xA5).all())  # nothing outside the chunks is written
+    assert bool((target[~written] == 0xA5).all()), how  # nothing outside the chunks is written

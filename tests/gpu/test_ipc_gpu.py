@@ -262,3 +262,12 @@ def test_sums_taken_at_prepare_catch_weights_changed_after_them() -> None:
     assert receiver["wrong"] == [], receiver
     assert receiver.get("error") == "refit 3", receiver
     assert "checksum" in receiver["message"], receiver
+
+
+@pytest.mark.gpu
+def test_the_copy_kernel_copies_and_checksums_exactly_on_cuda() -> None:
+    """The receiver's copy kernel, both variants (16-byte aligned and not), against `copy_`
+    and the torch checksum reference, compiled for this GPU."""
+    from refitplane.reshard import copy_sums
+
+    copy_sums.check("cuda")

@@ -150,6 +150,16 @@ def set_fused_copy(worker: Any, on: bool) -> bool:
     return on
 
 
+def set_aligned_copy(worker: Any, on: bool) -> bool:
+    """In a vLLM worker: whether the copy kernel is told that 16-byte aligned chunks are
+    (`copy_sums.ALIGNED`; off: 8-byte masked accesses), for a benchmark's comparison in one
+    vLLM start. Read at each launch."""
+    from refitplane.reshard import copy_sums
+
+    copy_sums.ALIGNED = on
+    return on
+
+
 def stale_views(worker: Any) -> dict[str, Any]:
     """In a vLLM worker: the boxes the refitplane engine registered whose memory is no longer
     inside any tensor the model holds now (a loader that replaced parameters instead of

@@ -8,9 +8,10 @@ from typing import Any
 
 def compiles_for_hopper(
     kernel: Any, args: Mapping[str, str], constexprs: Mapping[str, Any]
-) -> None:
+) -> str | None:
     """Compile `kernel` for sm_90 with argument types `args` and `constexprs`; asserts PTX
-    came out (or, where ptxas is missing, that the front end ran without error)."""
+    came out and returns it (or, where ptxas is missing, None: the front end ran without
+    error)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -22,5 +23,6 @@ def compiles_for_hopper(
     except RuntimeError as exc:  # no ptxas on this machine: the front end still ran
         if "ptxas" not in str(exc).lower():
             raise
-        return
+        return None
     assert "ptx" in compiled.asm
+    return str(compiled.asm["ptx"])
