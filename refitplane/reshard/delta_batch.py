@@ -326,6 +326,7 @@ def prepare_gather(
         batch.bits_at,
         batch.bits,
         _local_starts(batch.block_counts, batch.blocks),
+        batch.block_counts,
         _table(kinds, torch.int32, device),
         _addresses(maps, device),
         _table(map_bytes, torch.int64, device),

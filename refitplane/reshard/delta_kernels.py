@@ -203,6 +203,7 @@ def compile_kernels() -> Any:
         bits_at,
         bits,
         starts,
+        counts,
         kinds,
         maps,
         map_bytes,
@@ -212,37 +213,43 @@ def compile_kernels() -> Any:
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0) + first_block
-        m, local, first, _, _ = locate(pid, block_msg, blk0, ns, BLOCK)
-        kind = tl.load(kinds + m)
-        if kind != 0:
-            # The scan left no flag past the message's end.
-            rows = tl.arange(0, BLOCK // 8)
-            here = bits + tl.load(bits_at + m) + local * (BLOCK // 8)
-            packed = tl.load(here + rows).to(tl.int32)
-            if kind == 2:
-                out = tl.load(maps + m).to(tl.pointer_type(tl.uint8)) + local * (BLOCK // 8)
-                left = tl.load(map_bytes + m) - local * (BLOCK // 8)
-                tl.store(out + rows, packed.to(tl.uint8), mask=rows < left)
-            # Each changed word's place: the block's start, the words changed in earlier
-            # rows of the block, then the set bits below its own in its row. One bit (word
-            # column) at a time: [rows] vectors keep few registers per thread, so many
-            # programs stay resident to hide each one's chain of table loads.
-            per_row = popc(packed)
-            before = tl.cumsum(per_row, axis=0) - per_row
-            start = tl.load(starts + pid)
-            cur = tl.load(curs + m).to(tl.pointer_type(WORD)) + first
-            out_values = tl.load(values + m).to(tl.pointer_type(WORD)) + start
-            # Index payloads only for messages under 2^31 words (`choose_encoding`).
-            index = tl.load(indexes + m).to(tl.pointer_type(tl.int32)) + start
-            first32 = first.to(tl.int32)
-            for k in tl.static_range(8):
-                changed = ((packed >> k) & 1) != 0
-                rank = before + popc(packed & ((1 << k) - 1))
-                word = rows * 8 + k
-                a = tl.load(cur + word, mask=changed, other=0)
-                if kind == 1:
-                    tl.store(index + rank, first32 + word, mask=changed)
-                tl.store(out_values + rank, a, mask=changed)
+        # A block with nothing changed writes nothing: its payload bytes (index and values,
+        # or a bitmap section's zero flags) are the zeros the buffers hold (`prepare_gather`
+        # takes zero-filled payloads), so it ends after one load instead of its chain of
+        # table loads, bitmap prefix sum and masked passes (a message that did not change
+        # at all, a frozen layer, costs ~nothing).
+        if tl.load(counts + pid) != 0:
+            m, local, first, _, _ = locate(pid, block_msg, blk0, ns, BLOCK)
+            kind = tl.load(kinds + m)
+            if kind != 0:
+                # The scan left no flag past the message's end.
+                rows = tl.arange(0, BLOCK // 8)
+                here = bits + tl.load(bits_at + m) + local * (BLOCK // 8)
+                packed = tl.load(here + rows).to(tl.int32)
+                if kind == 2:
+                    out = tl.load(maps + m).to(tl.pointer_type(tl.uint8)) + local * (BLOCK // 8)
+                    left = tl.load(map_bytes + m) - local * (BLOCK // 8)
+                    tl.store(out + rows, packed.to(tl.uint8), mask=rows < left)
+                # Each changed word's place: the block's start, the words changed in earlier
+                # rows of the block, then the set bits below its own in its row. One bit (word
+                # column) at a time: [rows] vectors keep few registers per thread, so many
+                # programs stay resident to hide each one's chain of table loads.
+                per_row = popc(packed)
+                before = tl.cumsum(per_row, axis=0) - per_row
+                start = tl.load(starts + pid)
+                cur = tl.load(curs + m).to(tl.pointer_type(WORD)) + first
+                out_values = tl.load(values + m).to(tl.pointer_type(WORD)) + start
+                # Index payloads only for messages under 2^31 words (`choose_encoding`).
+                index = tl.load(indexes + m).to(tl.pointer_type(tl.int32)) + start
+                first32 = first.to(tl.int32)
+                for k in tl.static_range(8):
+                    changed = ((packed >> k) & 1) != 0
+                    rank = before + popc(packed & ((1 << k) - 1))
+                    word = rows * 8 + k
+                    a = tl.load(cur + word, mask=changed, other=0)
+                    if kind == 1:
+                        tl.store(index + rank, first32 + word, mask=changed)
+                    tl.store(out_values + rank, a, mask=changed)
 
     # The kernels call the helpers by name: Triton's interpreter (TRITON_INTERPRET=1, how the
     # CPU tests run these kernels) looks names up in the module's globals.

@@ -68,6 +68,12 @@ def check_batch(device: str) -> None:
         counts[1],
         encoded_nbytes(Encoding.BITMAP, currents[1].numel(), counts[1], 2),
     )
+    # A bitmap payload of a message with nothing changed: every block of it skips the
+    # gather (its flags are the zero-filled buffer's zeros).
+    headers[3] = DeltaHeader(
+        Encoding.BITMAP, 0, encoded_nbytes(Encoding.BITMAP, currents[3].numel(), 0, 2)
+    )
+    assert counts[3] == 0
     assert {h.encoding for h in headers} == set(Encoding)
     payloads = [
         None

@@ -85,7 +85,7 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
     per_message = ("kinds", "maps", "map_bytes", "indexes", "values", "starts")
     _compile(
         gather,
-        {**tables, "first_block": "i64", "kinds": "*i32"}
+        {**tables, "first_block": "i64", "kinds": "*i32", "counts": "*i32"}
         | {name: "*i64" for name in per_message if name != "kinds"},
         {"WORD": tl.int16, "BLOCK": block},
     )
