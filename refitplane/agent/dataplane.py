@@ -33,6 +33,7 @@ from refitplane.protocol import Backend
 from refitplane.protocol.messages import (
     AbortRefitCmd,
     CreateRendezvousCmd,
+    HopStamps,
     JoinGroupCmd,
     LeaveGroupCmd,
     PrepareRefitCmd,
@@ -114,6 +115,9 @@ class DataPlaneMember(NullHandler):
         self._cancel = threading.Event()
         self.last_report: TransferReport | None = None
         self.transfers = 0
+        # Under `_ready`: when each refit's StartTransfer reached this rank (`time.time_ns()`),
+        # until its transfer runs: the first stamp of the hop timeline TransferDone carries.
+        self._start_seen_ns: dict[str, int] = {}
 
     @property
     def ring_bytes_held(self) -> int:
@@ -247,22 +251,48 @@ class DataPlaneMember(NullHandler):
         self._session().report_prepared(cmd.refit_id)
 
     def on_start_transfer(self, cmd: StartTransferCmd) -> None:
+        self.start_seen(cmd.refit_id)
         if self.run_on_start:
             self.run_transfer(cmd.refit_id)
 
+    def start_seen(self, refit_id: str) -> None:
+        """Stamp when refit `refit_id`'s StartTransfer reached this rank (one refit at a
+        time: an older refit's stamp is dropped)."""
+        seen = time.time_ns()
+        with self._ready:
+            self._start_seen_ns = {refit_id: seen}
+
+    def _wait_ready(
+        self,
+        ready: Callable[[], bool],
+        timeout_s: float,
+        timed_out: Callable[[], Exception],
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        """With `_ready` held: wait until `ready()`, at most `timeout_s`, then raise
+        `timed_out()`; `check()` runs before each wait and may raise (an abort)."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if check is not None:
+                check()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise timed_out()
+            self._ready.wait(remaining)
+
     def run_transfer(self, refit_id: str, *, wait_s: float = 0.0) -> TransferReport:
         """Run this rank's part of refit `refit_id` (prepared, or prepared within `wait_s`)."""
-        deadline = time.monotonic() + wait_s
+        waited = f" within {wait_s:g} s" if wait_s else ""
         with self._ready:
-            while refit_id not in self._prepared:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    waited = f" within {wait_s:g} s" if wait_s else ""
-                    raise FailedPrecondition(
-                        f"refit {refit_id} was not prepared on this rank{waited}"
-                    )
-                self._ready.wait(remaining)
+            self._wait_ready(
+                lambda: refit_id in self._prepared,
+                wait_s,
+                lambda: FailedPrecondition(
+                    f"refit {refit_id} was not prepared on this rank{waited}"
+                ),
+            )
             prepared = self._prepared.pop(refit_id)
+            start_seen_ns = self._start_seen_ns.pop(refit_id, 0)
         plan, config = prepared.held.plan, prepared.command.config
         assert config is not None
         session = self._session()
@@ -290,6 +320,7 @@ class DataPlaneMember(NullHandler):
         shards = self._shards()
         try:
             executor = self._executor_for(config)
+            executor_start_ns = time.time_ns()
             report = executor.run(
                 plan,
                 shards,
@@ -297,6 +328,7 @@ class DataPlaneMember(NullHandler):
                 cancel=self._cancel,
                 delta=self._delta_links(prepared.command, shards),
             )
+            executor_end_ns = time.time_ns()
             # Still under the trainer's weights read-lock: the bytes are exactly those sent.
             self._keep_delta_base(config, shards, prepared, report)
         except BaseException as exc:
@@ -324,6 +356,7 @@ class DataPlaneMember(NullHandler):
             tensors_total=report.tensors_total,
             bytes_full=report.bytes_full,
             delta_base_version=self.delta_snapshot.version if self.delta_snapshot else 0,
+            hops=HopStamps(start_seen_ns, executor_start_ns, executor_end_ns, time.time_ns()),
         )
         return report
 

@@ -309,6 +309,7 @@ class AgentSession:
         tensors_total: int = 0,
         bytes_full: int = 0,
         delta_base_version: int = 0,
+        hops: m.HopStamps | None = None,
     ) -> bool:
         return self._report(
             refit_id,
@@ -320,6 +321,7 @@ class AgentSession:
                 tensors_total=tensors_total,
                 bytes_full=bytes_full,
                 delta_base_version=delta_base_version,
+                hops=hops or m.HopStamps(),
             ),
         )
 

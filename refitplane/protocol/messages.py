@@ -175,6 +175,18 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class HopStamps:
+    """Where one rank's part of TRANSFERRING went (issue 23), its wall clock
+    (`time.time_ns()`; 0: not stamped): StartTransfer seen, its executor's start and end,
+    TransferDone sent. A clock read each, nothing more on the hot path."""
+
+    start_seen_ns: int = 0
+    executor_start_ns: int = 0
+    executor_end_ns: int = 0
+    sent_ns: int = 0
+
+
+@dataclass(frozen=True)
 class TransferDone:
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -186,6 +198,8 @@ class TransferDone:
     # now keeps as its delta base (0: none).
     bytes_full: int = 0
     delta_base_version: int = 0
+    # The rank's hop timeline (issue 23, `HopStamps`): 0 where not stamped.
+    hops: HopStamps = field(default_factory=HopStamps)
 
     @property
     def fully_verified(self) -> bool:

@@ -39,6 +39,15 @@ class RankProgress(BaseModel):
     bytes_total: int = 0
     tensors_verified: int = 0
     tensors_total: int = 0
+    # The hop timeline of a data-plane rank (issue 23), wall clock (`time.time_ns()`; 0:
+    # not stamped): when its StartTransfer reached it, when its executor started and ended,
+    # and when it sent TransferDone (its clock), and when the coordinator accepted that
+    # report (the coordinator's clock). Comparable only where every clock is one host's.
+    start_seen_ns: int = 0
+    executor_start_ns: int = 0
+    executor_end_ns: int = 0
+    done_sent_ns: int = 0
+    done_recorded_ns: int = 0
 
     @property
     def fully_verified(self) -> bool:
@@ -76,6 +85,11 @@ class Refit(BaseModel):
     bytes_on_wire: int = 0
     # Replicas that received a delta against the version they held; the rest, in full.
     delta_replicas: list[str] = Field(default_factory=list)
+    # The coordinator's ends of the hop timeline (`time.time_ns()`, 0: not reached): when it
+    # sent StartTransfer, and when TRANSFERRING ended (every data-plane rank's TransferDone
+    # accepted); each rank's part is in `ranks`.
+    start_sent_ns: int = 0
+    transfer_end_ns: int = 0
 
     @property
     def terminal(self) -> bool:

@@ -227,6 +227,10 @@ def report_to_proto(report: m.Report) -> apb.ReportRequest:
                     tensors_total=body.tensors_total,
                     bytes_full=body.bytes_full,
                     delta_base_version=body.delta_base_version,
+                    start_seen_ns=body.hops.start_seen_ns,
+                    executor_start_ns=body.hops.executor_start_ns,
+                    executor_end_ns=body.hops.executor_end_ns,
+                    sent_ns=body.hops.sent_ns,
                 )
             )
         case m.ReplicaUpdated():
@@ -285,6 +289,12 @@ def report_from_proto(msg: apb.ReportRequest) -> m.Report:
             tensors_total=d.tensors_total,
             bytes_full=d.bytes_full,
             delta_base_version=d.delta_base_version,
+            hops=m.HopStamps(
+                start_seen_ns=d.start_seen_ns,
+                executor_start_ns=d.executor_start_ns,
+                executor_end_ns=d.executor_end_ns,
+                sent_ns=d.sent_ns,
+            ),
         )
     elif kind == "replica_updated":
         body = m.ReplicaUpdated(version=msg.replica_updated.version)

@@ -32,6 +32,8 @@ _REFIT = (
     "tensors_verified",
     "tensors_total",
     "bytes_on_wire",
+    "start_sent_ns",
+    "transfer_end_ns",
 )
 _RANK = (
     "member_id",
@@ -40,6 +42,11 @@ _RANK = (
     "bytes_total",
     "tensors_verified",
     "tensors_total",
+    "start_seen_ns",
+    "executor_start_ns",
+    "executor_end_ns",
+    "done_sent_ns",
+    "done_recorded_ns",
 )
 _MEMBER = (
     "member_id",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from refitplane.testing.hops import hop_line
 from refitplane.testing.model_shapes import write_config
 from refitplane.testing.process_world import SAFE_ENV, stop_process
 from refitplane.testing.refit_world.replica import ReplicaSpec, replica_main
@@ -61,6 +62,8 @@ class RefitResult:
     # replicas that took a delta.
     bytes_on_wire: int = 0
     delta_replicas: tuple[str, ...] = ()
+    # The refit's hop timeline (`refitplane.testing.hops.hop_line`).
+    hops: str = ""
 
 
 @dataclass
@@ -230,6 +233,11 @@ class World:
             if final is None:
                 final = client.get(refit_id)
             seconds = time.monotonic() - started
+            members = client.topology(self.job).members  # after the clock: untimed
+        names = {
+            m.member_id: f"{m.role.value.lower()} {m.replica_id + ' ' if m.replica_id else ''}{m.rank}"
+            for m in members
+        }
         phases: dict[str, float] = {}
         for t in final.timings:
             phases[t.phase.value] = phases.get(t.phase.value, 0.0) + t.seconds
@@ -245,6 +253,7 @@ class World:
             phases,
             final.bytes_on_wire,
             tuple(final.delta_replicas),
+            hop_line(final, names),
         )
 
     def rank_seconds(self) -> dict[str, dict[str, float]]:

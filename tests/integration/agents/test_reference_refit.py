@@ -15,6 +15,7 @@ import torch
 from refitplane.client import RefitClient
 from refitplane.generator.reference_engine import ReferenceEngine, specs_of
 from refitplane.protocol import RefitState
+from refitplane.testing.hops import hop_line, stamped_ranks
 from refitplane.trainer.agent import TrainerAgent
 from tests.integration.agents.reference_world import (
     assert_holds,
@@ -88,6 +89,16 @@ def test_refit_commits_and_bytes_match(
         assert all(r.bytes_total == r.bytes_sent + r.bytes_received > 0 for r in final.ranks), (
             final.ranks
         )
+        # The record keeps every data-plane rank's hop timeline (issue 23), in order, inside
+        # the coordinator's StartTransfer -> end of TRANSFERRING (one host's wall clock).
+        assert len(stamped_ranks(final)) == trainer_tp + gen_tp * replicas, final.ranks
+        assert 0 < final.start_sent_ns <= final.transfer_end_ns
+        for r in final.ranks:
+            stamps = [r.start_seen_ns, r.executor_start_ns, r.executor_end_ns, r.done_sent_ns]
+            assert final.start_sent_ns <= stamps[0], r
+            assert stamps == sorted(stamps), r
+            assert stamps[-1] <= r.done_recorded_ns <= final.transfer_end_ns, r
+        assert hop_line(final).count("/") == 5 * (len(final.ranks) - 1), hop_line(final)
         assert_holds(gens, truth, final.version)
         topo = client.topology("job-a")
         assert {r.version for r in topo.replicas} == {final.version}

@@ -113,6 +113,7 @@ REPORTS: list[m.ReportBody] = [
         tensors_total=4,
         bytes_full=5,
         delta_base_version=6,
+        hops=m.HopStamps(start_seen_ns=11, executor_start_ns=12, executor_end_ns=13, sent_ns=14),
     ),
     m.ReplicaUpdated(version=7),
     m.PlanMissing(plan_digest="d" * 64, plan_rank=2, message="evicted"),
@@ -140,6 +141,11 @@ REFIT = Refit(
             bytes_total=3,
             tensors_verified=4,
             tensors_total=5,
+            start_seen_ns=11,
+            executor_start_ns=12,
+            executor_end_ns=13,
+            done_sent_ns=14,
+            done_recorded_ns=15,
         )
     ],
     plan_digest="d" * 64,
@@ -149,6 +155,8 @@ REFIT = Refit(
     tensors_total=5,
     bytes_on_wire=40,
     delta_replicas=["rep-0"],
+    start_sent_ns=10,
+    transfer_end_ns=16,
 )
 TOPOLOGY = Topology(
     job="job",

@@ -759,6 +759,10 @@ class TransferDone(_message.Message):
     TENSORS_TOTAL_FIELD_NUMBER: _builtins.int
     BYTES_FULL_FIELD_NUMBER: _builtins.int
     DELTA_BASE_VERSION_FIELD_NUMBER: _builtins.int
+    START_SEEN_NS_FIELD_NUMBER: _builtins.int
+    EXECUTOR_START_NS_FIELD_NUMBER: _builtins.int
+    EXECUTOR_END_NS_FIELD_NUMBER: _builtins.int
+    SENT_NS_FIELD_NUMBER: _builtins.int
     bytes_sent: _builtins.int
     bytes_received: _builtins.int
     seconds: _builtins.float
@@ -770,6 +774,13 @@ class TransferDone(_message.Message):
     the version whose bytes the rank now keeps as its delta base (0: none).
     """
     delta_base_version: _builtins.int
+    start_seen_ns: _builtins.int
+    """The rank's hop timeline (issue 23), its wall clock in ns (0: not stamped): when it saw
+    StartTransfer, when its executor started and ended, when it sent this report.
+    """
+    executor_start_ns: _builtins.int
+    executor_end_ns: _builtins.int
+    sent_ns: _builtins.int
     def __init__(
         self,
         *,
@@ -780,10 +791,14 @@ class TransferDone(_message.Message):
         tensors_total: _builtins.int = ...,
         bytes_full: _builtins.int = ...,
         delta_base_version: _builtins.int = ...,
+        start_seen_ns: _builtins.int = ...,
+        executor_start_ns: _builtins.int = ...,
+        executor_end_ns: _builtins.int = ...,
+        sent_ns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_full", b"bytes_full", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "delta_base_version", b"delta_base_version", "seconds", b"seconds", "tensors_total", b"tensors_total", "tensors_verified", b"tensors_verified"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_full", b"bytes_full", "bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "delta_base_version", b"delta_base_version", "executor_end_ns", b"executor_end_ns", "executor_start_ns", b"executor_start_ns", "seconds", b"seconds", "sent_ns", b"sent_ns", "start_seen_ns", b"start_seen_ns", "tensors_total", b"tensors_total", "tensors_verified", b"tensors_verified"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -586,12 +586,25 @@ class RankProgress(_message.Message):
     BYTES_TOTAL_FIELD_NUMBER: _builtins.int
     TENSORS_VERIFIED_FIELD_NUMBER: _builtins.int
     TENSORS_TOTAL_FIELD_NUMBER: _builtins.int
+    START_SEEN_NS_FIELD_NUMBER: _builtins.int
+    EXECUTOR_START_NS_FIELD_NUMBER: _builtins.int
+    EXECUTOR_END_NS_FIELD_NUMBER: _builtins.int
+    DONE_SENT_NS_FIELD_NUMBER: _builtins.int
+    DONE_RECORDED_NS_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     bytes_sent: _builtins.int
     bytes_received: _builtins.int
     bytes_total: _builtins.int
     tensors_verified: _builtins.int
     tensors_total: _builtins.int
+    start_seen_ns: _builtins.int
+    """The rank's hop timeline (issue 23), wall clock ns (0: not stamped): StartTransfer seen,
+    executor start and end, TransferDone sent (the rank's clock), accepted (the coordinator's).
+    """
+    executor_start_ns: _builtins.int
+    executor_end_ns: _builtins.int
+    done_sent_ns: _builtins.int
+    done_recorded_ns: _builtins.int
     def __init__(
         self,
         *,
@@ -601,10 +614,15 @@ class RankProgress(_message.Message):
         bytes_total: _builtins.int = ...,
         tensors_verified: _builtins.int = ...,
         tensors_total: _builtins.int = ...,
+        start_seen_ns: _builtins.int = ...,
+        executor_start_ns: _builtins.int = ...,
+        executor_end_ns: _builtins.int = ...,
+        done_sent_ns: _builtins.int = ...,
+        done_recorded_ns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "bytes_total", b"bytes_total", "member_id", b"member_id", "tensors_total", b"tensors_total", "tensors_verified", b"tensors_verified"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "bytes_sent", b"bytes_sent", "bytes_total", b"bytes_total", "done_recorded_ns", b"done_recorded_ns", "done_sent_ns", b"done_sent_ns", "executor_end_ns", b"executor_end_ns", "executor_start_ns", b"executor_start_ns", "member_id", b"member_id", "start_seen_ns", b"start_seen_ns", "tensors_total", b"tensors_total", "tensors_verified", b"tensors_verified"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -635,6 +653,8 @@ class Refit(_message.Message):
     TENSORS_TOTAL_FIELD_NUMBER: _builtins.int
     BYTES_ON_WIRE_FIELD_NUMBER: _builtins.int
     DELTA_REPLICAS_FIELD_NUMBER: _builtins.int
+    START_SENT_NS_FIELD_NUMBER: _builtins.int
+    TRANSFER_END_NS_FIELD_NUMBER: _builtins.int
     refit_id: _builtins.str
     job: _builtins.str
     version: _builtins.int
@@ -655,6 +675,11 @@ class Refit(_message.Message):
     tensors_total: _builtins.int
     bytes_on_wire: _builtins.int
     """Bytes the senders put on the wire: less than bytes_done when replicas took a delta."""
+    start_sent_ns: _builtins.int
+    """The coordinator's ends of the hop timeline, wall clock ns: StartTransfer sent,
+    TRANSFERRING ended (0: not reached).
+    """
+    transfer_end_ns: _builtins.int
     @_builtins.property
     def target_replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Replicas being updated (empty at trigger time means all)."""
@@ -691,10 +716,12 @@ class Refit(_message.Message):
         tensors_total: _builtins.int = ...,
         bytes_on_wire: _builtins.int = ...,
         delta_replicas: _abc.Iterable[_builtins.str] | None = ...,
+        start_sent_ns: _builtins.int = ...,
+        transfer_end_ns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_done", b"bytes_done", "bytes_on_wire", b"bytes_on_wire", "bytes_total", b"bytes_total", "coalesced", b"coalesced", "created_unix", b"created_unix", "delta_replicas", b"delta_replicas", "group_epoch", b"group_epoch", "idempotency_key", b"idempotency_key", "job", b"job", "message", b"message", "plan_digest", b"plan_digest", "ranks", b"ranks", "reason", b"reason", "refit_id", b"refit_id", "state", b"state", "target_replicas", b"target_replicas", "tensors_total", b"tensors_total", "tensors_verified", b"tensors_verified", "timings", b"timings", "updated_unix", b"updated_unix", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_done", b"bytes_done", "bytes_on_wire", b"bytes_on_wire", "bytes_total", b"bytes_total", "coalesced", b"coalesced", "created_unix", b"created_unix", "delta_replicas", b"delta_replicas", "group_epoch", b"group_epoch", "idempotency_key", b"idempotency_key", "job", b"job", "message", b"message", "plan_digest", b"plan_digest", "ranks", b"ranks", "reason", b"reason", "refit_id", b"refit_id", "start_sent_ns", b"start_sent_ns", "state", b"state", "target_replicas", b"target_replicas", "tensors_total", b"tensors_total", "tensors_verified", b"tensors_verified", "timings", b"timings", "transfer_end_ns", b"transfer_end_ns", "updated_unix", b"updated_unix", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

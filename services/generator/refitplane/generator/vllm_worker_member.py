@@ -5,8 +5,6 @@ and remembers the refit and version it completed) and what an engine init regist
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from refitplane.agent.dataplane import DataPlaneMember, Prepared
@@ -56,6 +54,7 @@ class WorkerMember(DataPlaneMember):
         super().on_prepare_refit(cmd)
 
     def on_start_transfer(self, cmd: StartTransferCmd) -> None:
+        self.start_seen(cmd.refit_id)
         with self._ready:
             self._started.add(cmd.refit_id)
             self._ready.notify_all()
@@ -76,25 +75,28 @@ class WorkerMember(DataPlaneMember):
         """A pre-armed update's wait (on vLLM's worker thread) for the coordinator's
         StartTransfer of `refit_id` to reach this rank; `StartNotSeen` at once when the refit
         is aborted (or the rank leaves its group) first, or after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
         with self._ready:
             unnamed = self._aborts_unnamed
-            while refit_id not in self._started:
+
+            def aborted() -> None:
                 if refit_id in self._aborted or self._aborts_unnamed != unnamed:
                     raise StartNotSeen(
                         f"refit {refit_id} was aborted before its StartTransfer reached this "
                         "rank: nothing was received",
                         aborted=True,
                     )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise StartNotSeen(
-                        f"refit {refit_id}: the coordinator's StartTransfer did not reach this "
-                        f"rank within {timeout_s:g} s of the pre-armed update (update_info."
-                        "start_wait_s); nothing was received",
-                        aborted=False,
-                    )
-                self._ready.wait(remaining)
+
+            self._wait_ready(
+                lambda: refit_id in self._started,
+                timeout_s,
+                lambda: StartNotSeen(
+                    f"refit {refit_id}: the coordinator's StartTransfer did not reach this "
+                    f"rank within {timeout_s:g} s of the pre-armed update (update_info."
+                    "start_wait_s); nothing was received",
+                    aborted=False,
+                ),
+                check=aborted,
+            )
             self._started.discard(refit_id)
 
     def after_transfer(

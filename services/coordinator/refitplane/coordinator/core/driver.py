@@ -330,6 +330,7 @@ class JobDriver:
 
     async def _transfer(self, run: RefitRun) -> None:
         await self._enter(run, RefitState.TRANSFERRING, [RefitState.PREPARING])
+        run.update(start_sent_ns=time.time_ns())  # the hop timeline's first stamp
         for member_id in run.cast.participants:
             # Sidecars: RanksVerified (`on_report`) will say their replica's ranks verified.
             pushed = run.cast.waits_for_ranks_verified(member_id)
@@ -346,6 +347,7 @@ class JobDriver:
             ),
             tick=lambda: self._flush(run),
         )
+        run.update(transfer_end_ns=time.time_ns())
 
     async def _verify(self, run: RefitRun) -> None:
         await self._enter(run, RefitState.VERIFYING, [RefitState.TRANSFERRING])
@@ -452,6 +454,7 @@ class JobDriver:
                 )
                 self._ctx.events.publish(run.record)
             case msg.TransferDone():
+                recorded_ns = time.time_ns()
                 plan = self.delivery.plan_of(run, mid)
                 if plan is None:
                     return False  # a sidecar: it reports ReplicaUpdated, never TransferDone
@@ -477,6 +480,7 @@ class JobDriver:
                     verified=body.tensors_verified,
                     tensors=body.tensors_total,
                 )
+                run.set_hops(mid, body.hops, recorded_ns)
                 self._ctx.events.publish(run.record)
                 if (told := run.ranks_verified(member)) is not None:
                     self._ctx.outbox.send(*told)  # RanksVerified: the sidecar waits for it

@@ -93,6 +93,9 @@ class RefitRecord(BaseModel):
     tensors_total: int = 0
     bytes_on_wire: int = 0
     delta_replicas: list[str] = Field(default_factory=list)
+    # The coordinator's ends of the hop timeline (`Refit.start_sent_ns`, `transfer_end_ns`).
+    start_sent_ns: int = 0
+    transfer_end_ns: int = 0
     # --- internal -------------------------------------------------------------------------
     # Every member that was sent a command for this refit (aborts go to them after a restart).
     participants: list[str] = Field(default_factory=list)
@@ -138,6 +141,8 @@ class RefitRecord(BaseModel):
             tensors_total=self.tensors_total,
             bytes_on_wire=self.bytes_on_wire,
             delta_replicas=list(self.delta_replicas),
+            start_sent_ns=self.start_sent_ns,
+            transfer_end_ns=self.transfer_end_ns,
         )
 
 

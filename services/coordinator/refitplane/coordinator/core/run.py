@@ -182,13 +182,14 @@ class RefitRun:
     ) -> None:
         old = self.record.ranks.get(member_id) or RankProgress(member_id=member_id)
         ranks = dict(self.record.ranks)
-        ranks[member_id] = RankProgress(
-            member_id=member_id,
-            bytes_sent=max(old.bytes_sent, sent),
-            bytes_received=max(old.bytes_received, received),
-            bytes_total=total or old.bytes_total,
-            tensors_verified=old.tensors_verified if verified is None else verified,
-            tensors_total=old.tensors_total if tensors is None else tensors,
+        ranks[member_id] = old.model_copy(
+            update={
+                "bytes_sent": max(old.bytes_sent, sent),
+                "bytes_received": max(old.bytes_received, received),
+                "bytes_total": total or old.bytes_total,
+                "tensors_verified": old.tensors_verified if verified is None else verified,
+                "tensors_total": old.tensors_total if tensors is None else tensors,
+            }
         )
         update: dict[str, object] = {"ranks": ranks, "updated_unix": time.time()}
         if self._receives(member_id):
@@ -205,6 +206,22 @@ class RefitRun:
             }
         self.update(**update)
         self.touch()
+
+    def set_hops(self, member_id: str, hops: msg.HopStamps, recorded_ns: int) -> None:
+        """Keep `member_id`'s hop timeline from its TransferDone with the record, and when
+        the coordinator accepted that report (`recorded_ns`, its wall clock)."""
+        old = self.record.ranks.get(member_id) or RankProgress(member_id=member_id)
+        ranks = dict(self.record.ranks)
+        ranks[member_id] = old.model_copy(
+            update={
+                "start_seen_ns": hops.start_seen_ns,
+                "executor_start_ns": hops.executor_start_ns,
+                "executor_end_ns": hops.executor_end_ns,
+                "done_sent_ns": hops.sent_ns,
+                "done_recorded_ns": recorded_ns,
+            }
+        )
+        self.update(ranks=ranks)
 
     def _receives(self, member_id: str) -> bool:
         p = self.cast.participants.get(member_id)
