@@ -79,7 +79,11 @@ def compile_kernels() -> Any:
         a thread or a 512-long scan (a 1-D 4096-long scan or reshape costs several shared
         memory passes); 32-bit offsets from a 64-bit block start keep register use low (a
         program's latency is hidden only by many programs resident at once)."""
-        m = tl.load(block_msg + pid)
+        return place(tl.load(block_msg + pid), pid, blk0, ns, BLOCK)
+
+    @triton.jit
+    def place(m, pid, blk0, ns, BLOCK: tl.constexpr):
+        """`locate` for a program whose message `m` is already loaded."""
         local = pid.to(tl.int64) - tl.load(blk0 + m)
         first = local * BLOCK
         left = tl.minimum(tl.load(ns + m) - first, BLOCK).to(tl.int32)
@@ -217,9 +221,13 @@ def compile_kernels() -> Any:
         # or a bitmap section's zero flags) are the zeros the buffers hold (`prepare_gather`
         # takes zero-filled payloads), so it ends after one load instead of its chain of
         # table loads, bitmap prefix sum and masked passes (a message that did not change
-        # at all, a frozen layer, costs ~nothing).
-        if tl.load(counts + pid) != 0:
-            m, local, first, _, _ = locate(pid, block_msg, blk0, ns, BLOCK)
+        # at all, a frozen layer, costs ~nothing). Its message and payload start are loaded
+        # with the count, before the branch: a changed block waits no longer than before.
+        count = tl.load(counts + pid)
+        m = tl.load(block_msg + pid)
+        start = tl.load(starts + pid)
+        if count != 0:
+            m, local, first, _, _ = place(m, pid, blk0, ns, BLOCK)
             kind = tl.load(kinds + m)
             if kind != 0:
                 # The scan left no flag past the message's end.
@@ -236,7 +244,6 @@ def compile_kernels() -> Any:
                 # programs stay resident to hide each one's chain of table loads.
                 per_row = popc(packed)
                 before = tl.cumsum(per_row, axis=0) - per_row
-                start = tl.load(starts + pid)
                 cur = tl.load(curs + m).to(tl.pointer_type(WORD)) + first
                 out_values = tl.load(values + m).to(tl.pointer_type(WORD)) + start
                 # Index payloads only for messages under 2^31 words (`choose_encoding`).
@@ -253,7 +260,7 @@ def compile_kernels() -> Any:
 
     # The kernels call the helpers by name: Triton's interpreter (TRITON_INTERPRET=1, how the
     # CPU tests run these kernels) looks names up in the module's globals.
-    globals().update(locate=locate, popc=popc, folded_sums=folded_sums)
+    globals().update(locate=locate, place=place, popc=popc, folded_sums=folded_sums)
     TL_WORDS.update({1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64})
     _kernels = (scan, gather)
     return _kernels
