@@ -6,6 +6,7 @@ a rank's and the coordinator's stamps mean something only where they share one h
 
 from __future__ import annotations
 
+from refitplane.protocol import RefitState
 from refitplane.protocol.models import RankProgress, Refit
 
 # The hops, in order: (label, the stamp it starts at, the stamp it ends at); "start_sent"
@@ -40,9 +41,18 @@ def last_report_to_phase_end_ms(refit: Refit) -> float | None:
     return (refit.transfer_end_ns - last) / 1e6 if last and refit.transfer_end_ns else None
 
 
+def phase_entry_to_start_sent_ms(refit: Refit) -> float | None:
+    """From entering TRANSFERRING to StartTransfer sent: the phase's own time less the
+    stamped part (the TRANSFERRING record's store write, before any StartTransfer goes out)."""
+    phase_s = sum(t.seconds for t in refit.timings if t.phase is RefitState.TRANSFERRING)
+    if not (phase_s and refit.start_sent_ns and refit.transfer_end_ns):
+        return None
+    return phase_s * 1e3 - (refit.transfer_end_ns - refit.start_sent_ns) / 1e6
+
+
 def hop_line(refit: Refit, names: dict[str, str] | None = None) -> str:
     """ "hops: coordinator->start seen X ms (per member), start->executor Y, executor Z, ...,
-    last report->phase end U": each hop's ms per rank, ranks in the order of the header,
+    last report->phase end U, phase entry->start sent T": each hop's ms per rank, ranks in the order of the header,
     `-` where not stamped. `names`: a short name per member id (default: the id)."""
     ranks = stamped_ranks(refit)
     if not ranks:
@@ -58,4 +68,5 @@ def hop_line(refit: Refit, names: dict[str, str] | None = None) -> str:
         for i, (label, _, _) in enumerate(_HOPS)
     ]
     parts.append(f"last report->phase end {fmt(last_report_to_phase_end_ms(refit))}")
+    parts.append(f"phase entry->start sent {fmt(phase_entry_to_start_sent_ms(refit))}")
     return f"hops ({who}): " + ", ".join(parts)

@@ -10,6 +10,7 @@ from refitplane.coordinator.core.records import RefitRecord
 from refitplane.coordinator.core.run import RefitRun
 from refitplane.protocol import RefitState
 from refitplane.protocol import messages as msg
+from refitplane.protocol.models import PhaseTiming
 from refitplane.testing.hops import hop_line
 
 
@@ -62,8 +63,13 @@ def test_each_ranks_hops_are_kept_with_the_record_and_survive_later_progress() -
     assert hop_line(view, {"trainer-a": "t0", "worker-b": "g0"}) == (
         "hops (t0, g0): coordinator->start seen 0.50/2.00 ms, start->executor 0.50/0.50, "
         "executor 10.00/10.50, executor end->TransferDone sent 0.25/1.00, "
-        "sent->recorded 0.75/1.00, last report->phase end 0.50"
+        "sent->recorded 0.75/1.00, last report->phase end 0.50, phase entry->start sent -"
     )
+    # With the phase's time: what TRANSFERRING spent before StartTransfer went out.
+    timed = view.model_copy(
+        update={"timings": [PhaseTiming(phase=RefitState.TRANSFERRING, seconds=0.0175)]}
+    )
+    assert hop_line(timed).endswith("phase entry->start sent 2.00")
 
 
 def test_a_record_without_stamps_says_so() -> None:
