@@ -221,6 +221,16 @@ def _unaligned(world: World, steps: list[Any], repeats: int, seed0: int) -> dict
         world.ask("replica-0", ("rpc", (set_aligned_copy, [True])), "rpc")
 
 
+def _presum(world: World, steps: list[Any], repeats: int, seed0: int) -> dict[str, Any]:
+    """The trainer checksums at PrepareRefit (REFIT_IPC_PRESUM), on the same world: what
+    taking the sender's reads off the transfer saves."""
+    world.ask("trainer-0", ("presum", True), "presum")
+    try:
+        return _refits(world, steps, "ipc sums at prepare", repeats, seed0)
+    finally:
+        world.ask("trainer-0", ("presum", False), "presum")
+
+
 def _tokens(world: World, min_margin: float = 0.5) -> dict[str, Any]:
     """vLLM's greedy tokens against transformers' over the trainer's own tensors, compared
     up to the first step whose two best logits are closer than `min_margin` (bf16 near-ties
@@ -417,6 +427,10 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                     row = _unfused(world, steps, args.repeats, 30 + rnd)
                     rows[t].append(row)
                     _print(case, row, limit_s)
+                if args.compare_presum and t == "ipc":
+                    row = _presum(world, steps, args.repeats, 90 + rnd)
+                    rows[t].append(row)
+                    _print(case, row, limit_s)
                 if args.compare_unaligned and t == "ipc":
                     row = _unaligned(world, steps, args.repeats, 40 + rnd)
                     rows[t].append(row)
@@ -464,6 +478,11 @@ def main() -> int:
         "--compare-unfused",
         action="store_true",
         help="colocated: also refit with the receiver copying by copy_, then checksumming",
+    )
+    parser.add_argument(
+        "--compare-presum",
+        action="store_true",
+        help="colocated: also refit with the trainer's checksums at PrepareRefit",
     )
     parser.add_argument(
         "--compare-unaligned",

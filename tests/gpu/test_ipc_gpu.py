@@ -252,7 +252,10 @@ def _presum_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> di
 
 
 @pytest.mark.gpu
-def test_sums_taken_at_prepare_catch_weights_changed_after_them() -> None:
+def test_sums_taken_at_prepare_catch_weights_changed_after_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("REFIT_IPC_PRESUM", "1")  # off by default; the spawned ranks read it
     results = run_ipc_world(_presum_worker, [0, 0], timeout_s=60)
     for rank in (0, 1):
         assert results[rank][0] == "ok", results[rank]

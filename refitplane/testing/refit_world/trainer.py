@@ -93,6 +93,13 @@ def trainer_main(rank: int, spec: TrainerSpec, commands: Any, results: Any) -> N
                 results.put(("report", rank, dataclasses.asdict(last) if last else {}))
             elif command[0] == "tokens":
                 results.put(("tokens", rank, _hf_tokens(spec, shards, *command[1])))
+            elif command[0] == "presum":
+                # Whether this rank checksums CUDA IPC links at PrepareRefit (a benchmark's
+                # comparison in one world; read at each prepare).
+                from refitplane.reshard import ipc_run
+
+                ipc_run.PRESUM = bool(command[1])
+                results.put(("presum", rank, ipc_run.PRESUM))
             elif command[0] == "ipc_handles":
                 results.put(("ipc_handles", rank, _ipc_handles(shards, device)))
         agent.close()
