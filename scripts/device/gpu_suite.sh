@@ -12,9 +12,9 @@
 # Here (no GPU): `bash scripts/device/gpu_suite.sh check` collects each lane's selection and
 # fails unless together they hold every test of tests/gpu exactly once.
 #
-# Estimates (from the 2xH100 times of 2026-11-26; each lane's below): call 1 ~290 s plus
-# vLLM's install, call 2 ~370 s, call 3 ~300 s: ~16 min of device time for the suite, plus
-# the machine's start and the staging calls. pytest --durations=0 in each log gives the next
+# Measured on 2xH100 (2026-11-26, eighth session; lanes 1.0 329 s, 1.1 226 s, 2.0 305 s,
+# 2.1 383 s, 3.2gpu over 293 s): call 1 347 s, call 2 403 s, call 3 ~310 s — ~18 min of
+# device time for the suite, plus the machine's start and the staging calls. pytest --durations=0 in each log gives the next
 # estimate (the first mode of a fresh-load case carries its checkpoint and fresh engine).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
