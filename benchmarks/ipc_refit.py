@@ -197,16 +197,24 @@ def _refits(
     return row
 
 
+def _with_receiver_probe(
+    world: World, probe: Any, label: str, steps: list[Any], repeats: int, seed0: int
+) -> dict[str, Any]:
+    """Refits on the same replica with one of the receiver's copy choices turned off by
+    `probe` (a worker_probes setter), turned back on after."""
+    world.ask("replica-0", ("rpc", (probe, [False])), "rpc")
+    try:
+        return _refits(world, steps, label, repeats, seed0)
+    finally:
+        world.ask("replica-0", ("rpc", (probe, [True])), "rpc")
+
+
 def _unfused(world: World, steps: list[Any], repeats: int, seed0: int) -> dict[str, Any]:
     """The receiver copies with `copy_`, then checksums (instead of the kernel that sums as
     it copies), on the same replica: what the fusion saves."""
     from refitplane.testing.refit_world.worker_probes import set_fused_copy
 
-    world.ask("replica-0", ("rpc", (set_fused_copy, [False])), "rpc")
-    try:
-        return _refits(world, steps, "ipc copy_ then sums", repeats, seed0)
-    finally:
-        world.ask("replica-0", ("rpc", (set_fused_copy, [True])), "rpc")
+    return _with_receiver_probe(world, set_fused_copy, "ipc copy_ then sums", steps, repeats, seed0)
 
 
 def _unaligned(world: World, steps: list[Any], repeats: int, seed0: int) -> dict[str, Any]:
@@ -214,11 +222,9 @@ def _unaligned(world: World, steps: list[Any], repeats: int, seed0: int) -> dict
     its chunks are 16-byte aligned), on the same replica: what the wide accesses save."""
     from refitplane.testing.refit_world.worker_probes import set_aligned_copy
 
-    world.ask("replica-0", ("rpc", (set_aligned_copy, [False])), "rpc")
-    try:
-        return _refits(world, steps, "ipc 8-byte copy kernel", repeats, seed0)
-    finally:
-        world.ask("replica-0", ("rpc", (set_aligned_copy, [True])), "rpc")
+    return _with_receiver_probe(
+        world, set_aligned_copy, "ipc 8-byte copy kernel", steps, repeats, seed0
+    )
 
 
 def _presum(world: World, steps: list[Any], repeats: int, seed0: int) -> dict[str, Any]:
@@ -423,18 +429,17 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                 row = _refits(world, steps, t, args.repeats, 10 * (rnd + 1))
                 rows[t].append(row)
                 _print(case, row, limit_s)
-                if args.compare_unfused and t == "ipc":
-                    row = _unfused(world, steps, args.repeats, 30 + rnd)
-                    rows[t].append(row)
-                    _print(case, row, limit_s)
-                if args.compare_presum and t == "ipc":
-                    row = _presum(world, steps, args.repeats, 90 + rnd)
-                    rows[t].append(row)
-                    _print(case, row, limit_s)
-                if args.compare_unaligned and t == "ipc":
-                    row = _unaligned(world, steps, args.repeats, 40 + rnd)
-                    rows[t].append(row)
-                    _print(case, row, limit_s)
+                # The same replica with one receiver or sender choice changed, asked for.
+                comparisons = (
+                    (args.compare_unfused, _unfused, 30),
+                    (args.compare_presum, _presum, 90),
+                    (args.compare_unaligned, _unaligned, 40),
+                )
+                for asked, compare, seed in comparisons if t == "ipc" else ():
+                    if asked:
+                        row = compare(world, steps, args.repeats, seed + rnd)
+                        rows[t].append(row)
+                        _print(case, row, limit_s)
                 for level in args.sleep_level if case == "colocated" else ():
                     if not level:
                         continue
