@@ -89,6 +89,9 @@ class RefitSession:
             },
         )
         self.coordinator = RunningCoordinator(settings).start()
+        # The sidecar's door to vLLM; this session's own calls into the engine go through its
+        # lock (`engine()`): after a failed refit the pre-armed update may still be in vLLM.
+        self.control = OfflineLLMControl(llm)
         self.sidecar = Sidecar(
             SidecarSettings(
                 coordinator=self.coordinator.grpc_target,
@@ -100,7 +103,7 @@ class RefitSession:
                 receive_mode=receive_mode,
                 draft="refit" if draft else "keep",
             ),
-            control=OfflineLLMControl(llm),
+            control=self.control,
         )
         try:
             self.sidecar.start()
@@ -113,7 +116,10 @@ class RefitSession:
     def tokens(self) -> list[int] | None:
         from refitplane.testing.vllm_cpu import greedy_tokens
 
-        return greedy_tokens(self.llm, self.prompt, self.new_tokens) if self.generates else None
+        if not self.generates:
+            return None
+        with self.control.engine() as llm:
+            return greedy_tokens(llm, self.prompt, self.new_tokens)
 
     def refit(
         self,
@@ -134,23 +140,24 @@ class RefitSession:
 
         with self._trainers(state, policy, ranks, draft_state):
             final = self.client.wait(self.client.trigger(JOB).refit_id, timeout_s=timeout_s)
-            # Generate first: the checks below run load_weights into scratch copies.
-            output = (
-                served_output(self.llm, self.prompt, self.new_tokens) if self.generates else None
-            )
             committed = final.state.value == "COMMITTED"
-            tensors = (
-                self.llm.collective_rpc(kernel_tensors, kwargs={"with_draft": self.draft})
-                if committed
-                else []
-            )
-            reports = (
-                self.llm.collective_rpc(
-                    check_refit, args=(str(checkpoint_dir), str(draft_dir or ""))
+            with self.control.engine() as llm:
+                # Generate first: the checks below run load_weights into scratch copies.
+                output = (
+                    served_output(llm, self.prompt, self.new_tokens) if self.generates else None
                 )
-                if checkpoint_dir is not None and committed
-                else []
-            )
+                tensors = (
+                    llm.collective_rpc(kernel_tensors, kwargs={"with_draft": self.draft})
+                    if committed
+                    else []
+                )
+                reports = (
+                    llm.collective_rpc(
+                        check_refit, args=(str(checkpoint_dir), str(draft_dir or ""))
+                    )
+                    if checkpoint_dir is not None and committed
+                    else []
+                )
             return RefitRun(
                 policy,
                 ranks,

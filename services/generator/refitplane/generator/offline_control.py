@@ -13,14 +13,18 @@ vLLM's engine client is not thread-safe, but the sidecar pre-arms the update (it
 `update` at PrepareRefit on a thread of its own, docs/generator.md): every verb here runs
 under one lock, so the engine client is only ever used by one thread at a time. The
 pre-armed update holds it until its workers answer; the sidecar makes no other call
-meanwhile, and a status ask gives up after its timeout instead of waiting behind it.
+meanwhile, and a status ask gives up after its timeout instead of waiting behind it. A
+caller that uses the same `LLM` itself (generate, collective_rpc) takes that lock too,
+through `engine()`: after a failed refit the sidecar's pre-armed update may still be in
+vLLM, and two threads on the engine's socket abort the process (libzmq).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from refitplane.errors import Unavailable
@@ -41,6 +45,20 @@ class OfflineLLMControl(CallerPausedControl):
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self._engine_client = threading.Lock()
+
+    @contextlib.contextmanager
+    def engine(self, timeout_s: float = 120.0) -> Iterator[Any]:
+        """The `LLM`, for the caller's own calls while this control drives it: waits (at most
+        `timeout_s`) until no verb of the sidecar's is in vLLM, and keeps them out meanwhile."""
+        if not self._engine_client.acquire(timeout=timeout_s):
+            raise Unavailable(
+                f"the vLLM engine stayed busy with the sidecar's verbs for {timeout_s:g} s "
+                "(a pre-armed /update_weights not answered?); see the vLLM log"
+            )
+        try:
+            yield self.llm
+        finally:
+            self._engine_client.release()
 
     def _verb(self, verb: str, fn: Callable[[], object]) -> int:
         with self._engine_client:
