@@ -14,6 +14,7 @@ On its command queue, each answered on the results queue under the command's nam
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from dataclasses import dataclass
@@ -118,6 +119,11 @@ def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
             kwargs["enable_sleep_mode"] = True
         llm = LLM(**kwargs)
         sidecar = None
+        # The driver's probes ("tokens", "rpc") use the engine through the sidecar's lock
+        # (`engine()`): after a failed refit its pre-armed update may still be in vLLM. A
+        # "call" (vLLM's own engine API: its baseline engines, sleep) runs while no refit of
+        # ours does, and may take longer than the sidecar's status asks wait.
+        engine: Any = contextlib.nullcontext
         if spec.backend == "refitplane":
             from refitplane.generator.offline_control import OfflineLLMControl
             from refitplane.generator.sidecar import Sidecar, SidecarSettings
@@ -132,7 +138,9 @@ def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
                 register_timeout_s=300.0,
                 sleep_level=spec.sleep_level,
             )
-            sidecar = Sidecar(settings, control=OfflineLLMControl(llm))
+            control = OfflineLLMControl(llm)
+            engine = control.engine
+            sidecar = Sidecar(settings, control=control)
             sidecar.start()
         results.put(("ready", spec.replica_id, None))
         while True:
@@ -140,22 +148,23 @@ def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
             if command == "stop":
                 break
             try:
-                if command == "tokens":
-                    prompt, n = args
-                    out = llm.generate(
-                        [TokensPrompt(prompt_token_ids=list(prompt))],
-                        SamplingParams(temperature=0, max_tokens=n, detokenize=False),
-                        use_tqdm=False,
-                    )
-                    results.put(("tokens", spec.replica_id, list(out[0].outputs[0].token_ids)))
-                elif command == "rpc":
-                    fn, fn_args = args
-                    results.put(
-                        ("rpc", spec.replica_id, llm.collective_rpc(fn, args=tuple(fn_args)))
-                    )
-                elif command == "call":
-                    fn, fn_args = args
-                    results.put(("call", spec.replica_id, fn(llm, *fn_args)))
+                with engine() if command != "call" else contextlib.nullcontext():
+                    if command == "tokens":
+                        prompt, n = args
+                        out = llm.generate(
+                            [TokensPrompt(prompt_token_ids=list(prompt))],
+                            SamplingParams(temperature=0, max_tokens=n, detokenize=False),
+                            use_tqdm=False,
+                        )
+                        results.put(("tokens", spec.replica_id, list(out[0].outputs[0].token_ids)))
+                    elif command == "rpc":
+                        fn, fn_args = args
+                        results.put(
+                            ("rpc", spec.replica_id, llm.collective_rpc(fn, args=tuple(fn_args)))
+                        )
+                    elif command == "call":
+                        fn, fn_args = args
+                        results.put(("call", spec.replica_id, fn(llm, *fn_args)))
             except Exception as exc:  # noqa: BLE001 - reported to the driver
                 results.put(
                     (
