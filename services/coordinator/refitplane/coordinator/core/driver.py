@@ -330,7 +330,7 @@ class JobDriver:
 
     async def _transfer(self, run: RefitRun) -> None:
         await self._enter(run, RefitState.TRANSFERRING, [RefitState.PREPARING])
-        run.update(start_sent_ns=time.time_ns())  # the hop timeline's first stamp
+        run.note(start_sent_ns=time.time_ns())  # the hop timeline's first stamp
         for member_id in run.cast.participants:
             # Sidecars: RanksVerified (`on_report`) will say their replica's ranks verified.
             pushed = run.cast.waits_for_ranks_verified(member_id)
@@ -347,7 +347,7 @@ class JobDriver:
             ),
             tick=lambda: self._flush(run),
         )
-        run.update(transfer_end_ns=time.time_ns())
+        run.note(transfer_end_ns=time.time_ns())
 
     async def _verify(self, run: RefitRun) -> None:
         await self._enter(run, RefitState.VERIFYING, [RefitState.TRANSFERRING])

@@ -159,6 +159,13 @@ class RefitRun:
         self.record = self.record.model_copy(update=changes)
         self._dirty = True
 
+    def note(self, **changes: object) -> None:
+        """Change the record in memory without asking for a write of its own: the change goes
+        with the next one (a phase's entry). For the hop timeline's stamps: a write in the
+        middle of TRANSFERRING would cost a store round trip per refit, and one landing on a
+        store that just lost its state races the loss's detection."""
+        self.record = self.record.model_copy(update=changes)
+
     def written(self, record: RefitRecord) -> None:
         """`record` was just written to the store; it is the run's record now."""
         if record.state not in self._entered:
