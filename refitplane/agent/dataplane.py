@@ -242,8 +242,8 @@ class DataPlaneMember(NullHandler):
         self.before_transfer(cmd)
         if held.send_bytes and self.transport.copies_links and cmd.config is not None:
             # The weights are held from here (the trainer's read-lock): a sender over CUDA
-            # IPC may checksum them now (REFIT_IPC_PRESUM), overlapping the coordinator's prepare round (and a
-            # colocated vLLM's wake), not during the receivers' copies.
+            # IPC may checksum them now (REFIT_IPC_PRESUM), overlapping the coordinator's
+            # prepare round (and a colocated vLLM's wake), not during the receivers' copies.
             self._executor_for(cmd.config).presum_links(held.plan, self._shards())
         with self._ready:
             self._prepared[cmd.refit_id] = Prepared(cmd.refit_id, cmd.version, cmd.epoch, cmd, held)
