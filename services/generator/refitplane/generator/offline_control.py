@@ -50,13 +50,20 @@ class OfflineLLMControl(CallerPausedControl):
     def engine(self, timeout_s: float = 120.0) -> Iterator[Any]:
         """The `LLM`, for the caller's own calls while this control drives it: waits (at most
         `timeout_s`) until no verb of the sidecar's is in vLLM, and keeps them out meanwhile."""
-        if not self._engine_client.acquire(timeout=timeout_s):
-            raise Unavailable(
-                f"the vLLM engine stayed busy with the sidecar's verbs for {timeout_s:g} s "
-                "(a pre-armed /update_weights not answered?); see the vLLM log"
-            )
-        try:
+        with self._engine_within(
+            timeout_s,
+            f"the vLLM engine stayed busy with the sidecar's verbs for {timeout_s:g} s "
+            "(a pre-armed /update_weights not answered?); see the vLLM log",
+        ):
             yield self.llm
+
+    @contextlib.contextmanager
+    def _engine_within(self, timeout_s: float, busy: str) -> Iterator[None]:
+        """The engine client's lock, waited for at most `timeout_s` (then Unavailable(busy))."""
+        if not self._engine_client.acquire(timeout=timeout_s):
+            raise Unavailable(busy)
+        try:
+            yield
         finally:
             self._engine_client.release()
 
@@ -106,13 +113,10 @@ class OfflineLLMControl(CallerPausedControl):
     ) -> list[dict[str, Any]] | None:
         # In-process: the call returns when the workers answer (nothing to cut short), but
         # the wait for another verb (a pre-armed update) to end is bounded.
-        if not self._engine_client.acquire(timeout=timeout_s):
-            raise Unavailable(
-                f"vLLM's engine was busy with another verb (a weight update) for {timeout_s:g} s: "
-                "its workers' engine status was not asked"
-            )
-        try:
+        with self._engine_within(
+            timeout_s,
+            f"vLLM's engine was busy with another verb (a weight update) for {timeout_s:g} s: "
+            "its workers' engine status was not asked",
+        ):
             statuses = self.llm.collective_rpc("weight_transfer_engine", kwargs={"op": "status"})
-        finally:
-            self._engine_client.release()
         return list(statuses) if isinstance(statuses, list) else None
