@@ -9,6 +9,8 @@
 #     extra wheels; p3 or p4 as stage_vllm.sh split it):   bash scripts/device/gpu_suite.sh 1
 #     (nothing carried):   bash scripts/device/gpu_suite.sh 2
 #     (nothing carried):   bash scripts/device/gpu_suite.sh 3
+# On a one-GPU machine (nvidia-h100-x1, counted at part of its time) calls 1 and 2 run their
+# two lanes one after the other on GPU 0 (LANES_ONLY="1.1" picks lanes); call 3 needs two GPUs.
 # Here (no GPU): `bash scripts/device/gpu_suite.sh check` collects each lane's selection and
 # fails unless together they hold every test of tests/gpu exactly once.
 #
@@ -57,6 +59,7 @@ run_lane() {  # run_lane NAME SECONDS: the lane's pytest in its own process grou
   lane_args "$name"
   local visible=0,1
   [ "$gpu" = 2gpu ] || visible=$gpu
+  [ "$gpus" -ge 2 ] || visible=0  # one GPU: every one-GPU lane runs on it, one at a time
   echo "[suite $name] $(date -u +%T) GPU $visible, ${secs}s: pytest ${ARGS[*]}"
   CUDA_VISIBLE_DEVICES=$visible setsid timeout -k 10 "$secs" python3 -m pytest -v -rs \
     -p no:cacheprovider --durations=0 --basetemp="/tmp/gpu-suite/$name" \
@@ -106,9 +109,15 @@ mkdir -p /tmp/gpu-suite  # pytest makes --basetemp, not its parent
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 left=$(( ${CALL_S:-530} - ($(date +%s) - began) - 15 ))  # 15 s for the last lane's kill and tails
 echo "[suite] call $call: $left s for its lanes"
+gpus=$(nvidia-smi -L | grep -c '^GPU')
 rc=0
 if [ "$call" = 3 ]; then
+  [ "$gpus" -ge 2 ] || { echo "[suite] call 3 needs two GPUs, this machine has $gpus" >&2; exit 2; }
   run_lane 3.2gpu "$left" || rc=1
+elif [ "$gpus" -lt 2 ]; then
+  for lane in ${LANES_ONLY:-$call.0 $call.1}; do
+    run_lane "$lane" $(( ${CALL_S:-530} - ($(date +%s) - began) - 15 )) || rc=1
+  done
 else
   run_lane "$call.0" "$left" >"$OUT/suite-$call.0.txt" 2>&1 &
   first=$!
