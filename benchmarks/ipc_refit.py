@@ -228,13 +228,13 @@ def _unaligned(world: World, steps: list[Any], repeats: int, seed0: int) -> dict
 
 
 def _presum(world: World, steps: list[Any], repeats: int, seed0: int) -> dict[str, Any]:
-    """The trainer checksums at PrepareRefit (REFIT_IPC_PRESUM), on the same world: what
-    taking the sender's reads off the transfer saves."""
-    world.ask("trainer-0", ("presum", True), "presum")
+    """The trainer checksums during the transfer (REFIT_IPC_PRESUM=0), on the same world:
+    what taking the sender's reads off the transfer (the default) saves."""
+    world.ask("trainer-0", ("presum", False), "presum")
     try:
-        return _refits(world, steps, "ipc sums at prepare", repeats, seed0)
+        return _refits(world, steps, "ipc sums during the transfer", repeats, seed0)
     finally:
-        world.ask("trainer-0", ("presum", False), "presum")
+        world.ask("trainer-0", ("presum", True), "presum")
 
 
 def _tokens(world: World, min_margin: float = 0.5) -> dict[str, Any]:
@@ -487,7 +487,8 @@ def main() -> int:
     parser.add_argument(
         "--compare-presum",
         action="store_true",
-        help="colocated: also refit with the trainer's checksums at PrepareRefit",
+        help="colocated: also refit with the trainer's checksums during the transfer "
+        "(REFIT_IPC_PRESUM=0; at PrepareRefit is the default)",
     )
     parser.add_argument(
         "--compare-unaligned",

@@ -255,7 +255,7 @@ def _presum_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> di
 def test_sums_taken_at_prepare_catch_weights_changed_after_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("REFIT_IPC_PRESUM", "1")  # off by default; the spawned ranks read it
+    monkeypatch.setenv("REFIT_IPC_PRESUM", "1")  # the default, whatever the caller's env says
     results = run_ipc_world(_presum_worker, [0, 0], timeout_s=60)
     for rank in (0, 1):
         assert results[rank][0] == "ok", results[rank]
