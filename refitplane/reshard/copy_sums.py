@@ -23,10 +23,13 @@ from typing import Any
 
 import torch
 
-from refitplane.reshard.triton_load import load_kernel
+from refitplane.reshard.triton_load import launch_setting, load_kernel
 
-_BLOCK = 1024
-_ITERS = 16
+# The launch shape: words per step of a program, steps per program, warps per program
+# (settable for measuring it, `benchmarks/copy_sums_gpu.py`; read at import).
+_BLOCK = launch_setting("REFIT_COPY_SUMS_BLOCK", 1024, 64, 16384)
+_ITERS = launch_setting("REFIT_COPY_SUMS_ITERS", 16, 1, 256)
+_WARPS = launch_setting("REFIT_COPY_SUMS_WARPS", 4, 1, 32)
 _BYTES_PER_PROGRAM = 8 * _BLOCK * _ITERS
 _SEARCH_STEPS = 20
 _ROW = 5
@@ -98,6 +101,7 @@ class CopySums:
             STEPS=_SEARCH_STEPS,
             ROW=_ROW,
             ALIGNED=use_aligned,
+            num_warps=_WARPS,
         )
 
 

@@ -15,25 +15,14 @@ import os
 from typing import Any
 
 from refitplane.errors import InvalidArgument
-
-
-def _launch_setting(name: str, default: int, lowest: int, highest: int) -> int:
-    """A power of two from the environment (read once, at import: the kernels' shapes)."""
-    raw = os.environ.get(name, "").strip()
-    value = int(raw) if raw.isdigit() else (default if not raw else -1)
-    if not lowest <= value <= highest or value & (value - 1):
-        raise InvalidArgument(
-            f"{name} must be a power of two from {lowest} to {highest}, got {raw!r}", field=name
-        )
-    return value
-
+from refitplane.reshard.triton_load import launch_setting
 
 # Words per program of the sender's scan and gather (a power of two from 8, so bitmap bytes
 # never straddle programs, to 65536), and the scan's warps per program. Settings for measuring
 # the scan's speed (`benchmarks/delta_scan_gpu.py`); the defaults are what ran on 2xH100
 # (SCAN_UPDATE's default excepted: see there).
-BLOCK = _launch_setting("REFIT_DELTA_SCAN_BLOCK", 4096, 8, 65536)
-SCAN_WARPS = _launch_setting("REFIT_DELTA_SCAN_WARPS", 4, 1, 32)
+BLOCK = launch_setting("REFIT_DELTA_SCAN_BLOCK", 4096, 8, 65536)
+SCAN_WARPS = launch_setting("REFIT_DELTA_SCAN_WARPS", 4, 1, 32)
 # How the scan takes the checksum sums: "reload" (the block again as 64-bit words, from the
 # cache; what ran on 2xH100) or "words" (from the words already loaded, `folded_sums`).
 SCAN_SUMS = os.environ.get("REFIT_DELTA_SCAN_SUMS", "reload").strip() or "reload"

@@ -7,7 +7,22 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from typing import Any
+
+from refitplane.errors import InvalidArgument
+
+
+def launch_setting(name: str, default: int, lowest: int, highest: int) -> int:
+    """A kernel's launch shape from the environment, a power of two from `lowest` to
+    `highest` (read once, at import; settings for measuring a kernel's speed)."""
+    raw = os.environ.get(name, "").strip()
+    value = int(raw) if raw.isdigit() else (default if not raw else -1)
+    if not lowest <= value <= highest or value & (value - 1):
+        raise InvalidArgument(
+            f"{name} must be a power of two from {lowest} to {highest}, got {raw!r}", field=name
+        )
+    return value
 
 
 @functools.cache
