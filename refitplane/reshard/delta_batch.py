@@ -94,16 +94,11 @@ def per_message(values: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """Each message's total of per-block `values` ([blocks, ...], summed as int64, wrapping
     as the checksum does): one scan and a difference at each message's ends, not an
     `index_add_`, whose atomics on the same few rows serialize (~5,000 blocks a message)."""
-    # Scanned along the contiguous dimension: CUDA scans a [blocks, 2] tensor along dim 0 as
-    # one sequential pass per column (2 M blocks: ~280 ms on an H100, the ninth session's
-    # sweep), the transposed copy in one parallel pass per row.
-    lanes = values.reshape(blocks.count, -1).t().contiguous()
-    running = torch.cumsum(lanes, 1, dtype=torch.int64)
-    # A zero column first: message m's total is running[end] - running[first] (no host sync).
-    running = torch.cat([running.new_zeros((running.shape[0], 1)), running], 1)
+    running = torch.cumsum(values, 0, dtype=torch.int64)
+    # A zero row first: message m's total is running[end] - running[first] (no host sync).
+    running = torch.cat([running.new_zeros((1, *running.shape[1:])), running])
     ends = torch.cat([blocks.blk0[1:], blocks.blk0.new_tensor([blocks.count])])
-    totals = running[:, ends] - running[:, blocks.blk0]
-    return totals.t().reshape(len(blocks.blk0), *values.shape[1:])
+    return running[ends] - running[blocks.blk0]
 
 
 def _local_starts(counts: torch.Tensor, blocks: Blocks) -> torch.Tensor:

@@ -160,21 +160,3 @@ def test_scan_sums_in_the_interpreter(
     monkeypatch.setenv("REFIT_DELTA_SCAN_SUMS", mode)
     monkeypatch.setenv("REFIT_DELTA_SCAN_TOTALS", totals)
     run_in_interpreter("tests.unit.reshard.test_delta_batch", "check_sums_every_word")
-
-
-def test_per_message_totals_equal_index_add() -> None:
-    # The scan's per-block sums ([blocks, 2] int64, wrapping) and changed counts ([blocks]
-    # int32) added up per message, against index_add_ of the same rows: messages of one
-    # block, of a partial block and of several, values near the int64 limits.
-    from refitplane.reshard.delta_batch import blocks_of, per_message
-
-    blocks = blocks_of([5000, 1, 9000, 4096 * 3], torch.device("cpu"))
-    gen = torch.Generator().manual_seed(3)
-    sums = torch.randint(-(2**62), 2**62, (blocks.count, 2), dtype=torch.int64, generator=gen)
-    counts = torch.randint(0, 4097, (blocks.count,), dtype=torch.int32, generator=gen)
-    index = blocks.block_msg.long()
-    messages = len(blocks.blk0)
-    want_sums = torch.zeros(messages, 2, dtype=torch.int64).index_add_(0, index, sums)
-    want_counts = torch.zeros(messages, dtype=torch.int64).index_add_(0, index, counts.long())
-    assert torch.equal(per_message(sums, blocks), want_sums)
-    assert torch.equal(per_message(counts, blocks), want_counts)
