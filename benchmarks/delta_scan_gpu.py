@@ -19,8 +19,7 @@ median of `--repeats` after a warm-up:
 `--sweep` runs the shapes of `SWEEP` (REFIT_DELTA_SCAN_BLOCK words per program,
 REFIT_DELTA_SCAN_WARPS warps, REFIT_DELTA_SCAN_SUMS: the checksum sums from the block loaded
 again as 64-bit words or from the words already loaded, REFIT_DELTA_SCAN_UPDATE: the base
-advanced word by word or row by row, REFIT_DELTA_SCAN_TOTALS: each block's sums in a row of
-its own or added atomically), each in a process of its own (read at import), and
+advanced word by word or row by row), each in a process of its own (read at import), and
 prints one row each; the first row is the default. `--rows 0 1` runs those rows of it only.
 """
 
@@ -36,18 +35,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# (words per program, warps per program, checksum sums, base update, where the sums go): the
-# default first, then the old default (the base advanced word by word, the sums added by
-# atomics), then the row update alone.
+# (words per program, warps per program, checksum sums, base update): the default first, then
+# the old default (the base advanced word by word) against which the row update is measured.
 SWEEP = (
-    (4096, 4, "reload", "rows", "blocks"),
-    (4096, 4, "reload", "words", "atomic"),
-    (4096, 4, "reload", "rows", "atomic"),
-    (16384, 8, "reload", "rows", "blocks"),
-    (8192, 8, "reload", "rows", "blocks"),
-    (4096, 4, "words", "rows", "blocks"),
-    (16384, 16, "words", "rows", "blocks"),
-    (2048, 4, "reload", "rows", "blocks"),
+    (4096, 4, "reload", "rows"),
+    (4096, 4, "reload", "words"),
+    (4096, 4, "words", "rows"),
+    (8192, 8, "reload", "rows"),
+    (16384, 8, "reload", "rows"),
+    (16384, 16, "words", "rows"),
+    (2048, 4, "reload", "rows"),
 )
 
 
@@ -155,7 +152,6 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
         "warps": delta_kernels.SCAN_WARPS,
         "sums": delta_kernels.SCAN_SUMS,
         "update": delta_kernels.SCAN_UPDATE,
-        "totals": delta_kernels.SCAN_TOTALS,
         "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor(),
         "messages": len(currents),
         "bytes": nbytes,
@@ -174,14 +170,7 @@ def _row(r: dict[str, Any]) -> str:
     passes = [
         f"{r[k] * 1e3:.1f} ({read / r[k]:.0f})" for k in ("copy_s", "scan_s", "scan_no_sums_s")
     ]
-    cells = [
-        str(r["block"]),
-        str(r["warps"]),
-        r["sums"],
-        r.get("update", "words"),
-        r.get("totals", "atomic"),
-    ]
-    cells += passes
+    cells = [str(r["block"]), str(r["warps"]), r["sums"], r.get("update", "words"), *passes]
     cells += [f"{r['gather_s'] * 1e3:.1f}", f"{r['sample_s'] * 1e3:.2f}"]
     return "| " + " | ".join(cells) + " |"
 
@@ -193,10 +182,9 @@ def _print_head(first: dict[str, Any], model: str, fraction: float) -> None:
         f"({first['changed_words']} words; {first['encodings']}); ms (GB/s over both images)"
     )
     print(
-        "| words/program | warps | sums | update | totals | copy | scan | scan, no sums | gather "
-        "| sample |"
+        "| words/program | warps | sums | update | copy | scan | scan, no sums | gather | sample |"
     )
-    print("|---:|---:|---|---|---|---:|---:|---:|---:|---:|", flush=True)
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|", flush=True)
 
 
 def main() -> None:
@@ -221,14 +209,13 @@ def main() -> None:
     else:
         results = []
         picked = SWEEP if args.rows is None else [SWEEP[i] for i in args.rows]
-        for block, warps, sums, update, totals in picked:
+        for block, warps, sums, update in picked:
             env = {
                 **os.environ,
                 "REFIT_DELTA_SCAN_BLOCK": str(block),
                 "REFIT_DELTA_SCAN_WARPS": str(warps),
                 "REFIT_DELTA_SCAN_SUMS": sums,
                 "REFIT_DELTA_SCAN_UPDATE": update,
-                "REFIT_DELTA_SCAN_TOTALS": totals,
             }
             command = [sys.executable, __file__, "--model", args.model, "--json"]
             command += ["--device", args.device]
@@ -236,7 +223,7 @@ def main() -> None:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 print(
-                    f"block {block}, warps {warps}, {sums}, {update}, {totals}: failed\n{done.stderr[-2000:]}"
+                    f"block {block}, warps {warps}, {sums}, {update}: failed\n{done.stderr[-2000:]}"
                 )
                 continue
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -32,7 +32,6 @@ from refitplane.reshard.delta_kernels import (
     BITS,
     BLOCK,
     SCAN_SUMS,
-    SCAN_TOTALS,
     SCAN_UPDATE,
     SCAN_WARPS,
     TL_WORDS,
@@ -90,17 +89,6 @@ def _addresses(tensors: Sequence[torch.Tensor | None], device: torch.device) -> 
     return _table([t.data_ptr() if t is not None else 0 for t in tensors], torch.int64, device)
 
 
-def per_message(values: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """Each message's total of per-block `values` ([blocks, ...], summed as int64, wrapping
-    as the checksum does): one scan and a difference at each message's ends, not an
-    `index_add_`, whose atomics on the same few rows serialize (~5,000 blocks a message)."""
-    running = torch.cumsum(values, 0, dtype=torch.int64)
-    # A zero row first: message m's total is running[end] - running[first] (no host sync).
-    running = torch.cat([running.new_zeros((1, *running.shape[1:])), running])
-    ends = torch.cat([blocks.blk0[1:], blocks.blk0.new_tensor([blocks.count])])
-    return running[ends] - running[blocks.blk0]
-
-
 def _local_starts(counts: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """Each block's exclusive prefix sum of `counts` within its message."""
     exclusive = torch.cumsum(counts, 0, dtype=torch.int64) - counts
@@ -150,13 +138,6 @@ def scan_many(
         for c, row in zip(currents, sums or [None] * len(currents), strict=True)
     ]
     summed = tuple(row is not None for row in rows)
-    # Each block's sums in a row of its own (`SCAN_TOTALS`), added up per message below.
-    by_block = any(summed) and SCAN_TOTALS == "blocks"
-    partial = (
-        torch.zeros((blocks.count, 2), dtype=torch.int64, device=device)
-        if by_block
-        else block_counts
-    )
     scan[(blocks.count,)](
         blocks.block_msg,
         blocks.blk0,
@@ -167,7 +148,6 @@ def scan_many(
         bits,
         block_counts,
         _addresses(rows, device) if any(summed) else block_counts,
-        partial,
         UPDATE=update,
         WORD=TL_WORDS[word],
         WORD_BYTES=word,
@@ -176,14 +156,10 @@ def scan_many(
         SUMS=any(summed),
         SUMS_FROM_WORDS=SCAN_SUMS == "words",
         UPDATE_ROWS=SCAN_UPDATE == "rows",
-        BLOCK_SUMS=by_block,
         num_warps=SCAN_WARPS,
     )
-    if by_block:
-        totals = per_message(partial, blocks)
-        picked = [i for i, row in enumerate(rows) if row is not None]
-        torch._foreach_add_([rows[i] for i in picked], [totals[i] for i in picked])  # type: ignore[misc]
-    counts = per_message(block_counts, blocks)
+    counts = torch.zeros(len(currents), dtype=torch.int64, device=device)
+    counts.index_add_(0, blocks.block_msg.long(), block_counts.long())
     return ScanBatch(word, blocks, list(currents), bits, bits_at, block_counts, counts, summed)
 
 
@@ -252,7 +228,6 @@ def sample_changed(
         tables[1],
         tables[4],
         torch.empty(count * BITS, dtype=torch.uint8, device=device),
-        found,
         found,
         found,
         UPDATE=False,

@@ -44,10 +44,11 @@ class DeltaCosts:
     """Device seconds per byte of message (or per changed word) of each step of a delta,
     from the 2 x H100 profile of 2026-11-26 (BENCHMARKS.md, WB): scan 23.6 ms and gather
     10.1 ms for 16.4 GB of messages, the receiver's index applies 5.9 ms for 82 M changed
-    words, its bitmap applies ~63 ms for 16.4 GB. Measured before the scan's row update and
-    per-block sums (REFIT_DELTA_SCAN_UPDATE, REFIT_DELTA_SCAN_TOTALS, eighth session): once
-    they run on a GPU, `scan_per_byte` and `gather_per_byte` are the scan and gather
-    columns of `benchmarks/delta_scan_gpu.py`'s default row over its bytes (16.4 GB)."""
+    words, its bitmap applies ~63 ms for 16.4 GB. The scan now runs faster (the base advanced
+    row by row: 19.1 ms for the same bytes on 2 x H100 in the ninth session's sweep,
+    `benchmarks/delta_scan_gpu.py`), but these figures are the ones the decisions were
+    checked against end to end (the executor's delta refits over NVLink and sockets);
+    they change when a delta refit on a GPU is measured with the new scan."""
 
     scan_per_byte: float = 1.44e-12
     gather_per_byte: float = 0.62e-12

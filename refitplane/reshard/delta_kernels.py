@@ -45,17 +45,6 @@ if SCAN_UPDATE not in ("words", "rows"):
         f"REFIT_DELTA_SCAN_UPDATE must be 'words' or 'rows', got {SCAN_UPDATE!r}",
         field="REFIT_DELTA_SCAN_UPDATE",
     )
-# Where the scan puts each block's checksum sums: "blocks" (the default), a row of its own,
-# the messages' totals then summed by one segmented sum (`delta_batch`), or "atomic" (what
-# ran on 2xH100 up to the eighth session): added into the message's row by two atomics per
-# block. Programs run in block order, so the ~5,000 blocks of a 40 MB message all add into
-# the same two addresses at about the same time, and same-address atomics serialize in L2.
-SCAN_TOTALS = os.environ.get("REFIT_DELTA_SCAN_TOTALS", "blocks").strip() or "blocks"
-if SCAN_TOTALS not in ("blocks", "atomic"):
-    raise InvalidArgument(
-        f"REFIT_DELTA_SCAN_TOTALS must be 'blocks' or 'atomic', got {SCAN_TOTALS!r}",
-        field="REFIT_DELTA_SCAN_TOTALS",
-    )
 # Bitmap bytes per block.
 BITS = BLOCK // 8
 _kernels: Any = None
@@ -118,20 +107,6 @@ def compile_kernels() -> Any:
         return s0, s1
 
     @triton.jit
-    def put_sums(out_at, partial, s0, s1, BLOCK_SUMS: tl.constexpr):
-        """A block's checksum sums: with BLOCK_SUMS into its own row of `partial` (int64,
-        [blocks, 2]; `delta_batch` adds each message's rows up after the launch), else added
-        into the message's row (`out_at`) atomically."""
-        if BLOCK_SUMS:
-            here = partial + 2 * tl.program_id(0).to(tl.int64)
-            tl.store(here, s0)
-            tl.store(here + 1, s1)
-        else:
-            out = out_at.to(tl.pointer_type(tl.int64))
-            tl.atomic_add(out, s0)
-            tl.atomic_add(out + 1, s1)
-
-    @triton.jit
     def scan(
         block_msg,
         blk0,
@@ -142,7 +117,6 @@ def compile_kernels() -> Any:
         bits,
         counts,
         sums,
-        partial,
         UPDATE: tl.constexpr,
         WORD: tl.constexpr,
         WORD_BYTES: tl.constexpr,
@@ -151,7 +125,6 @@ def compile_kernels() -> Any:
         SUMS: tl.constexpr,
         SUMS_FROM_WORDS: tl.constexpr = False,
         UPDATE_ROWS: tl.constexpr = False,
-        BLOCK_SUMS: tl.constexpr = False,
     ):
         m, local, first, inner, inside = locate(tl.program_id(0), block_msg, blk0, ns, BLOCK)
         cur = tl.load(curs + m).to(tl.pointer_type(WORD))
@@ -191,7 +164,9 @@ def compile_kernels() -> Any:
             out_at = tl.load(sums + m)
             if out_at != 0:
                 s0, s1 = folded_sums(a, inner, first, WORD_BYTES, BLOCK)
-                put_sums(out_at, partial, s0, s1, BLOCK_SUMS)
+                out = out_at.to(tl.pointer_type(tl.int64))
+                tl.atomic_add(out, s0)
+                tl.atomic_add(out + 1, s1)
         if SUMS and not SUMS_FROM_WORDS:
             # The sender's checksum of the message (`checksum.py`'s S0, S1 over its 64-bit
             # words) from the same pass: the block's bytes again as int64, from the cache.
@@ -205,8 +180,9 @@ def compile_kernels() -> Any:
                 else:
                     left64 = tl.load(ns + m) * WORD_BYTES // 8 - w0
                     x = tl.load(words64, mask=k < left64, other=0)
-                s0 = tl.sum(x, axis=0)
-                put_sums(out_at, partial, s0, tl.sum(x * (w0 + k), axis=0), BLOCK_SUMS)
+                out = out_at.to(tl.pointer_type(tl.int64))
+                tl.atomic_add(out, tl.sum(x, axis=0))
+                tl.atomic_add(out + 1, tl.sum(x * (w0 + k), axis=0))
 
     # `first`: the launch's first block (a gather runs in parts, `Gather.launch`); not
     # specialized, so every part runs the one compiled variant.
@@ -273,9 +249,7 @@ def compile_kernels() -> Any:
 
     # The kernels call the helpers by name: Triton's interpreter (TRITON_INTERPRET=1, how the
     # CPU tests run these kernels) looks names up in the module's globals.
-    globals().update(
-        locate=locate, place=place, popc=popc, folded_sums=folded_sums, put_sums=put_sums
-    )
+    globals().update(locate=locate, place=place, popc=popc, folded_sums=folded_sums)
     TL_WORDS.update({1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64})
     _kernels = (scan, gather)
     return _kernels

@@ -5,8 +5,7 @@
 #   1. the CUDA codec tests (tests/gpu/test_delta_cuda.py): the scan with the base advanced
 #      row by row (REFIT_DELTA_SCAN_UPDATE's default "rows") byte-exact on GPU
 #   2. the scan's launch shapes on one GPU (benchmarks/delta_scan_gpu.py --sweep, rows
-#      SWEEP_ROWS): the new default (row update, per-block sums) against the old (word
-#      update, atomic sums), 16384 words with 8 warps, then the row update alone
+#      SWEEP_ROWS): the row update against the word-by-word one, block and warps
 #   3. the executor alone, Qwen3-8B shape over NVLink, the fraction rule alone
 #      (REFIT_DELTA_LINK_GBPS=off, so the deltas really run: "auto" takes the full path over
 #      NVLink) with --profile: where the delta's device time goes
@@ -28,7 +27,7 @@ for step in ${STEPS:-1 2 3}; do
          -q -rf --tb=short -p no:cacheprovider ;;
     2) # shellcheck disable=SC2086 (a list of row numbers)
        TAIL=12 CUDA_VISIBLE_DEVICES=0 run "${T2:-55}" delta_scan_gpu.log python3 \
-         benchmarks/delta_scan_gpu.py --sweep --rows ${SWEEP_ROWS:-0 1 3 2} --repeats 2 \
+         benchmarks/delta_scan_gpu.py --sweep --rows ${SWEEP_ROWS:-0 1 4 3} --repeats 2 \
          --out "$OUT/delta_scan_gpu.json" ;;
     3) TAIL=12 REFIT_DELTA_LINK_GBPS=off run "${T3:-55}" delta_executor_off.log \
          python3 benchmarks/delta_executor_gpu.py --transports nvlink --fractions 0.01 0.05 0.2 \

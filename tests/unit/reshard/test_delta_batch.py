@@ -151,12 +151,6 @@ def check_sums_every_word(device: str) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 @pytest.mark.parametrize("mode", ["reload", "words"])
-@pytest.mark.parametrize("totals", ["blocks", "atomic"])
-def test_scan_sums_in_the_interpreter(
-    mode: str, totals: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # totals: each block's sums in a row of its own, added up per message after the launch,
-    # or added into the message's row atomically (REFIT_DELTA_SCAN_TOTALS).
+def test_scan_sums_in_the_interpreter(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REFIT_DELTA_SCAN_SUMS", mode)
-    monkeypatch.setenv("REFIT_DELTA_SCAN_TOTALS", totals)
     run_in_interpreter("tests.unit.reshard.test_delta_batch", "check_sums_every_word")

@@ -49,7 +49,7 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
     tables |= {"bits_at": "*i64", "bits": "*u8"}
     _compile(
         scan,
-        {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64", "partial": "*i64"},
+        {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
         {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
         | {"ALIGNED": True, "SUMS": True},
         warps,
@@ -59,7 +59,7 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
     for word in (2, 4):
         _compile(
             scan,
-            {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64", "partial": "*i64"},
+            {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
             {"UPDATE": True, "WORD": words[word], "WORD_BYTES": word, "BLOCK": block}
             | {"ALIGNED": True, "SUMS": True, "SUMS_FROM_WORDS": True},
             warps,
@@ -68,16 +68,16 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
     # of 8 bf16 words, not a predicated 2-byte store per word.
     _compile(
         scan,
-        {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64", "partial": "*i64"},
+        {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
         {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
-        | {"ALIGNED": True, "SUMS": True, "UPDATE_ROWS": True, "BLOCK_SUMS": True},
+        | {"ALIGNED": True, "SUMS": True, "UPDATE_ROWS": True},
         warps,
     )
     # The sampled estimate's launch (`sample_changed`): nothing written but scratch.
     for aligned in (True, False):
         _compile(
             scan,
-            {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i32", "partial": "*i32"},
+            {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i32"},
             {"UPDATE": False, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
             | {"ALIGNED": aligned, "SUMS": False},
             warps,
