@@ -290,3 +290,34 @@ async def test_trigger_refuses_a_store_that_lost_its_sentinel(store_url):
             await store.trigger(_trigger())
     finally:
         await store.close()
+
+
+async def test_a_transition_on_a_store_that_lost_its_state_is_not_an_unknown_refit(store_url):
+    # A driver's write that finds its record wiped before the store check noticed the loss
+    # (a FLUSHALL mid-refit) is StoreStateLost, so the driver fails the refit
+    # STORE_STATE_LOST once the record is written back; a refit the store never had stays
+    # NotFound.
+    if not store_url:
+        pytest.skip("the embedded store cannot lose part of its state")
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    store = open_store(store_url, prefix=prefix)
+    try:
+        await store.claim_incarnation()
+        refit = (await store.trigger(_trigger())).refit
+        running = refit.model_copy(update={"state": RefitState.PREPARING})
+        await store.transition(running, [RefitState.PENDING])
+        unknown = running.model_copy(update={"refit_id": "never-triggered"})
+        with pytest.raises(NotFound):
+            await store.transition(unknown, [RefitState.PREPARING])
+        wiper = open_store(store_url, prefix=prefix)
+        await wiper._redis.delete(f"{prefix}incarnation", f"{prefix}refit:{refit.refit_id}")
+        await wiper.close()
+        with pytest.raises(store_base.StoreStateLost):
+            await store.transition(running, [RefitState.PREPARING])
+        # Once the refit is written back (the re-seed), the driver's write goes through.
+        await store.restore_refit(running)
+        failed = running.model_copy(update={"state": RefitState.FAILED})
+        await store.transition(failed, [RefitState.PREPARING])
+        assert (await store.get_refit(refit.refit_id)).state is RefitState.FAILED
+    finally:
+        await store.close()

@@ -3,7 +3,8 @@ outbox, refit events, metrics and plan cache."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from refitplane.coordinator.core.events import RefitEvents
 from refitplane.coordinator.core.membership import Membership
@@ -25,3 +26,6 @@ class DriverContext:
     events: RefitEvents
     metrics: Metrics
     plans: PlanCache
+    # Called when a driver's write finds the store lost its state (`StoreStateLost`): the
+    # store check runs at once instead of at its next interval.
+    store_lost: Callable[[], None] = field(default=lambda: None)

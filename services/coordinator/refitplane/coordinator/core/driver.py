@@ -30,6 +30,7 @@ from refitplane.coordinator.core.report_check import transfer_done_mismatch
 from refitplane.coordinator.core.run import RefitRun, phase_seconds
 from refitplane.coordinator.core.topology import DriverView
 from refitplane.coordinator.core.waits import cancel_and_wait, wait_event
+from refitplane.coordinator.store.base import StoreStateLost
 from refitplane.errors import Conflict, RefitError, Unavailable
 from refitplane.protocol import Backend, Reason, RefitState, Role
 from refitplane.protocol import messages as msg
@@ -175,6 +176,11 @@ class JobDriver:
             await self._commit(run)
         except RefitFailed as failure:
             await self._endings.failed(run, failure)
+        except StoreStateLost as exc:
+            # Its record went with the store: the store check writes it back (`store_lost`),
+            # and the failure below is persisted once it has.
+            self._ctx.store_lost()
+            await self._endings.failed(run, RefitFailed(Reason.STORE_STATE_LOST, exc.message))
         except RefitError as exc:
             reason = Reason.STORE_UNAVAILABLE if isinstance(exc, Unavailable) else Reason.INTERNAL
             await self._endings.failed(run, RefitFailed(reason, exc.message))

@@ -75,7 +75,14 @@ class Coordinator:
         self.layouts = LayoutCache(store)
         self.plans = PlanCache(store, self.layouts, allow_unused=settings.allow_unused_tensors)
         self._ctx = DriverContext(
-            settings, store, self.membership, self.outbox, self.events, self.metrics, self.plans
+            settings,
+            store,
+            self.membership,
+            self.outbox,
+            self.events,
+            self.metrics,
+            self.plans,
+            store_lost=lambda: self.store_watch.suspect(),
         )
         self._drivers: dict[str, JobDriver] = {}
         self._driver_lock = asyncio.Lock()

@@ -308,7 +308,15 @@ class RedisStore(Store):
             "1" if refit.state.terminal else "0",
             str(refit.version if refit.state is RefitState.COMMITTED else 0),
             str(REFITS_KEPT_PER_JOB),
+            self._incarnation,
         )
+        if result == "lost":
+            # A driver's write that finds its record wiped before the store check noticed:
+            # the loss, not an unknown refit (which would end the run without a record).
+            raise StoreStateLost(
+                f"refit {refit.refit_id!r}: the state store lost its state; the coordinator "
+                "re-seeds it"
+            )
         if result == "missing":
             raise NotFound(f"refit {refit.refit_id!r} not found", field="refit_id")
         if result == "conflict":

@@ -2,15 +2,25 @@
 -- the expected states. A terminal transition also moves the job's pointers (the pending
 -- refit becomes active), raises committed_version on COMMITTED, and trims old records.
 -- ARGV: prefix, job, refit id, expected states (comma list), new JSON, terminal (1/0),
---       committed version (0: none), records kept per job
--- Returns {'ok', previous state} | {'conflict', current state} | {'missing', ''}.
+--       committed version (0: none), records kept per job, the incarnation the coordinator
+--       claimed ('' if none)
+-- Returns {'ok', previous state} | {'conflict', current state} | {'missing', ''} |
+--         {'lost', ''}: the record is gone because the store lost its state (its
+--         incarnation sentinel is not the one claimed), not because the refit is unknown.
 local prefix, job, id, expected, doc = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local terminal, committed, keep = ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
+local claimed = ARGV[9] or ''
+
 local jobkey = prefix .. 'job:' .. job
 local function refit_key(rid) return prefix .. 'refit:' .. rid end
 
 local cur = redis.call('GET', refit_key(id))
-if not cur then return {'missing', ''} end
+if not cur then
+  if claimed ~= '' and redis.call('GET', prefix .. 'incarnation') ~= claimed then
+    return {'lost', ''}
+  end
+  return {'missing', ''}
+end
 -- The only "state" key of a record is its top-level one (json from pydantic or cjson, no
 -- spaces), so a pattern reads it without decoding a record that may list 1000s of ranks.
 local state = string.match(cur, '"state":"(%u+)"') or cjson.decode(cur).state
