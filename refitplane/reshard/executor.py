@@ -102,7 +102,8 @@ class Executor:
     def __init__(self, transport: Transport, config: TransferConfig) -> None:
         if config.num_channels > transport.num_channels:
             raise InvalidArgument(
-                f"config asks for {config.num_channels} channels, the group has {transport.num_channels}",
+                f"config asks for {config.num_channels} channels, the group has "
+                f"{transport.num_channels}",
                 field="num_channels",
             )
         self.transport = transport
