@@ -20,16 +20,13 @@ its own (the shape is read at import), one row each; the first row is the defaul
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 # (words per step, steps per program, warps): the default first.
+_SHAPE = ("BLOCK", "ITERS", "WARPS")
 SWEEP = (
     (1024, 16, 4),
     (1024, 4, 4),
@@ -119,48 +116,36 @@ def _row(r: dict[str, Any]) -> str:
     return "| " + " | ".join([*shape, *cells, f"{ratio:.2f}x"]) + " |"
 
 
+def _head(first: dict[str, Any], model: str) -> None:
+    print(
+        f"{first['device']}, {model}: {first['tensors']} tensors, "
+        f"{first['bytes'] / 1e9:.2f} GB; ms (GB/s read + written)"
+    )
+    print(
+        "| words/step | steps | warps | programs | copy limit | per-tensor copy_ | copy + sums "
+        "| vs limit |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-8b")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--rows", type=int, nargs="*", help="which rows of SWEEP (default all)")
-    parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--json", action="store_true", help="print one JSON line (sweep rows)")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    picked = [None] if not args.sweep else [SWEEP[i] for i in (args.rows or range(len(SWEEP)))]
+    sys.path.insert(0, str(Path(__file__).parent))
+    import kernel_sweep
+
+    args = kernel_sweep.parser(__doc__, repeats=10).parse_args()
     if args.json:
         print(json.dumps(_measure(args.model, args.repeats, args.device)))
         return
-    results: list[dict[str, Any]] = []
-    for shape in picked:
-        env = dict(os.environ)
-        if shape is not None:
-            for name, value in zip(("BLOCK", "ITERS", "WARPS"), shape, strict=True):
-                env[f"REFIT_COPY_SUMS_{name}"] = str(value)
-        command = [sys.executable, __file__, "--model", args.model, "--json"]
-        command += ["--device", args.device, "--repeats", str(args.repeats)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            print(f"shape {shape}: failed\n{done.stderr[-2000:]}", flush=True)
-            continue
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        if len(results) == 1:
-            first = results[0]
-            print(
-                f"{first['device']}, {args.model}: {first['tensors']} tensors, "
-                f"{first['bytes'] / 1e9:.2f} GB; ms (GB/s read + written)"
-            )
-            print(
-                "| words/step | steps | warps | programs | copy limit | per-tensor copy_ "
-                "| copy + sums | vs limit |"
-            )
-            print("|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
-        print(_row(results[-1]), flush=True)  # as they come: a window may end first
-    if args.out:
-        meta = {"host": platform.node(), "model": args.model}
-        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+    picked = [] if not args.sweep else [SWEEP[i] for i in (args.rows or range(len(SWEEP)))]
+    shapes = [
+        {f"REFIT_COPY_SUMS_{name}": str(value) for name, value in zip(_SHAPE, s, strict=True)}
+        for s in picked
+    ]
+    arguments = ["--model", args.model, "--device", args.device, "--repeats", str(args.repeats)]
+    results = kernel_sweep.sweep(
+        __file__, shapes or [{}], arguments, lambda first: _head(first, args.model), _row
+    )
+    kernel_sweep.write(args.out, {"model": args.model}, results)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,9 @@ prints one row each; the first row is the default. `--rows 0 1` runs those rows 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -188,15 +185,11 @@ def _print_head(first: dict[str, Any], model: str, fraction: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-8b")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import kernel_sweep
+
+    parser = kernel_sweep.parser(__doc__, repeats=5)
     parser.add_argument("--fraction", type=float, default=0.01)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--rows", type=int, nargs="*", help="which rows of SWEEP (default all)")
-    parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--json", action="store_true", help="print one JSON line (sweep rows)")
-    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not args.sweep:
         result = _measure(args.model, args.fraction, args.repeats, args.device)
@@ -207,32 +200,26 @@ def main() -> None:
         print(_row(result))
         results = [result]
     else:
-        results = []
         picked = SWEEP if args.rows is None else [SWEEP[i] for i in args.rows]
-        for block, warps, sums, update in picked:
-            env = {
-                **os.environ,
+        shapes = [
+            {
                 "REFIT_DELTA_SCAN_BLOCK": str(block),
                 "REFIT_DELTA_SCAN_WARPS": str(warps),
                 "REFIT_DELTA_SCAN_SUMS": sums,
                 "REFIT_DELTA_SCAN_UPDATE": update,
             }
-            command = [sys.executable, __file__, "--model", args.model, "--json"]
-            command += ["--device", args.device]
-            command += ["--fraction", str(args.fraction), "--repeats", str(args.repeats)]
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                print(
-                    f"block {block}, warps {warps}, {sums}, {update}: failed\n{done.stderr[-2000:]}"
-                )
-                continue
-            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            if len(results) == 1:
-                _print_head(results[0], args.model, args.fraction)
-            print(_row(results[-1]), flush=True)  # as they come: a window may end first
-    if args.out:
-        meta = {"host": platform.node(), "model": args.model, "fraction": args.fraction}
-        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+            for block, warps, sums, update in picked
+        ]
+        arguments = ["--model", args.model, "--device", args.device]
+        arguments += ["--fraction", str(args.fraction), "--repeats", str(args.repeats)]
+        results = kernel_sweep.sweep(
+            __file__,
+            shapes,
+            arguments,
+            lambda first: _print_head(first, args.model, args.fraction),
+            _row,
+        )
+    kernel_sweep.write(args.out, {"model": args.model, "fraction": args.fraction}, results)
 
 
 if __name__ == "__main__":

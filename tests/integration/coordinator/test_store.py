@@ -275,49 +275,53 @@ async def test_a_restored_idempotency_key_names_its_refit(store):
     assert "lost-refit" in [r.refit_id for r in await store.list_refits("job", 100)]
 
 
-async def test_trigger_refuses_a_store_that_lost_its_sentinel(store_url):
+@pytest.fixture
+async def claimed(store_url):
+    """A Redis store that claimed its incarnation sentinel, and its key prefix (the
+    embedded store cannot lose part of its state)."""
     if not store_url:
         pytest.skip("the embedded store cannot lose part of its state")
     prefix = f"test-{uuid.uuid4().hex[:8]}:"
     store = open_store(store_url, prefix=prefix)
-    try:
-        await store.claim_incarnation()
+    await store.claim_incarnation()
+    yield store, prefix
+    await store.close()
+
+
+async def _wipe(store_url, prefix, *keys):
+    """Delete `keys` (under `prefix`) as a FLUSHALL would, through a connection of its own."""
+    wiper = open_store(store_url, prefix=prefix)
+    await wiper._redis.delete(*(prefix + key for key in keys))
+    await wiper.close()
+
+
+async def test_trigger_refuses_a_store_that_lost_its_sentinel(store_url, claimed):
+    store, prefix = claimed
+    await store.trigger(_trigger())
+    await _wipe(store_url, prefix, "incarnation")
+    with pytest.raises(store_base.StoreStateLost):
         await store.trigger(_trigger())
-        wiper = open_store(store_url, prefix=prefix)
-        await wiper._redis.delete(f"{prefix}incarnation")  # what FLUSHALL does to it
-        await wiper.close()
-        with pytest.raises(store_base.StoreStateLost):
-            await store.trigger(_trigger())
-    finally:
-        await store.close()
 
 
-async def test_a_transition_on_a_store_that_lost_its_state_is_not_an_unknown_refit(store_url):
+async def test_a_transition_on_a_store_that_lost_its_state_is_not_an_unknown_refit(
+    store_url, claimed
+):
     # A driver's write that finds its record wiped before the store check noticed the loss
     # (a FLUSHALL mid-refit) is StoreStateLost, so the driver fails the refit
     # STORE_STATE_LOST once the record is written back; a refit the store never had stays
     # NotFound.
-    if not store_url:
-        pytest.skip("the embedded store cannot lose part of its state")
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    store = open_store(store_url, prefix=prefix)
-    try:
-        await store.claim_incarnation()
-        refit = (await store.trigger(_trigger())).refit
-        running = refit.model_copy(update={"state": RefitState.PREPARING})
-        await store.transition(running, [RefitState.PENDING])
-        unknown = running.model_copy(update={"refit_id": "never-triggered"})
-        with pytest.raises(NotFound):
-            await store.transition(unknown, [RefitState.PREPARING])
-        wiper = open_store(store_url, prefix=prefix)
-        await wiper._redis.delete(f"{prefix}incarnation", f"{prefix}refit:{refit.refit_id}")
-        await wiper.close()
-        with pytest.raises(store_base.StoreStateLost):
-            await store.transition(running, [RefitState.PREPARING])
-        # Once the refit is written back (the re-seed), the driver's write goes through.
-        await store.restore_refit(running)
-        failed = running.model_copy(update={"state": RefitState.FAILED})
-        await store.transition(failed, [RefitState.PREPARING])
-        assert (await store.get_refit(refit.refit_id)).state is RefitState.FAILED
-    finally:
-        await store.close()
+    store, prefix = claimed
+    refit = (await store.trigger(_trigger())).refit
+    running = refit.model_copy(update={"state": RefitState.PREPARING})
+    await store.transition(running, [RefitState.PENDING])
+    unknown = running.model_copy(update={"refit_id": "never-triggered"})
+    with pytest.raises(NotFound):
+        await store.transition(unknown, [RefitState.PREPARING])
+    await _wipe(store_url, prefix, "incarnation", f"refit:{refit.refit_id}")
+    with pytest.raises(store_base.StoreStateLost):
+        await store.transition(running, [RefitState.PREPARING])
+    # Once the refit is written back (the re-seed), the driver's write goes through.
+    await store.restore_refit(running)
+    failed = running.model_copy(update={"state": RefitState.FAILED})
+    await store.transition(failed, [RefitState.PREPARING])
+    assert (await store.get_refit(refit.refit_id)).state is RefitState.FAILED
