@@ -204,6 +204,8 @@ class JobDriver:
             record = run.record
             run.written(record)
             await self._store.transition(record, [record.state])
+            # Watchers see what changed without a publish of its own (a TransferDone) now.
+            self._ctx.events.publish(record)
 
     async def _await_layouts(self, run: RefitRun) -> None:
         """A member publishes its layout right after it (re-)registers — a trainer rejoining
@@ -455,6 +457,10 @@ class JobDriver:
                 self._ctx.events.publish(run.record)
             case msg.TransferDone():
                 recorded_ns = time.time_ns()
+                if mid in run.done:
+                    # Sent again after its answer was lost (a report stream that broke, a
+                    # unary retry): applied once (bytes_on_wire counts it once).
+                    return True
                 plan = self.delivery.plan_of(run, mid)
                 if plan is None:
                     return False  # a sidecar: it reports ReplicaUpdated, never TransferDone
@@ -481,7 +487,10 @@ class JobDriver:
                     tensors=body.tensors_total,
                 )
                 run.set_hops(mid, body.hops, recorded_ns)
-                self._ctx.events.publish(run.record)
+                # No publish here: the change reaches watchers with the phase's end (the
+                # last TransferDone wakes the driver, which enters VERIFYING and publishes)
+                # or the driver's next flush (0.5 s), so the record's conversion for every
+                # watcher does not hold up the reports still coming in (issue 23).
                 if (told := run.ranks_verified(member)) is not None:
                     self._ctx.outbox.send(*told)  # RanksVerified: the sidecar waits for it
             case msg.ReplicaUpdated():
