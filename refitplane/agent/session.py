@@ -28,6 +28,7 @@ from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.agent.handler import CommandHandler
 from refitplane.agent.layout_upload import layout_requests
+from refitplane.agent.report_stream import ReportStream, enabled_by_env
 from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
 from refitplane.protocol import Reason, convert
 from refitplane.protocol import messages as m
@@ -87,6 +88,7 @@ class AgentSession:
         self._who: tuple[str, Metadata] = ("", self._metadata)
         self._channel = sync_channel(coordinator, tls_ca=tls_ca)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
+        self.reports = ReportStream(self._stub, timeout_s=timeout_s, enabled=enabled_by_env())
         self._lock = threading.RLock()
         self._ttl = 0.0
         self._renew_interval = 1.0
@@ -167,6 +169,7 @@ class AgentSession:
             return
         self._stop.set()
         self._cancel_stream()
+        self.reports.close()
         for t in self._threads:
             t.join(timeout=self._timeout)
         if deregister and self._member_id:
@@ -261,15 +264,19 @@ class AgentSession:
     # --- reports -------------------------------------------------------------------------
 
     def _report(self, refit_id: str, body: m.ReportBody) -> bool:
-        """Send a report, retrying transient errors within `timeout_s`. Returns whether the
-        coordinator accepted it (False: the refit or epoch is no longer current)."""
+        """Send a report (on the open report stream, else unary), retrying transient errors
+        within `timeout_s`. Returns whether the coordinator accepted it (False: the refit or
+        epoch is no longer current)."""
         deadline = time.monotonic() + self._timeout
         delay = _BACKOFF_MIN_S
         while True:
             member_id, metadata = self._who
             request = convert.report_to_proto(m.Report(member_id, refit_id, body))
             try:
-                return bool(self._call_unary("Report", request, metadata).accepted)
+                accepted = self.reports.send(member_id, metadata, request)
+                if accepted is None:
+                    accepted = bool(self._call_unary("Report", request, metadata).accepted)
+                return accepted
             except NotFound:
                 self._reregister(member_id)
                 return False
