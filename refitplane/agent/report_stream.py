@@ -18,7 +18,6 @@ member it lost, PERMISSION_DENIED, INVALID_ARGUMENT) are raised as the unary cal
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -54,11 +53,6 @@ _FALL_BACK = frozenset(
     }
 )
 _END = None  # what ends the request iterator
-
-
-def enabled_by_env() -> bool:
-    """REFIT_REPORT_STREAM (default on): "0" sends every report unary (A/B runs)."""
-    return os.environ.get("REFIT_REPORT_STREAM", "1").strip().lower() not in ("0", "false", "no")
 
 
 class _Broken(Exception):

@@ -28,7 +28,7 @@ from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.agent.handler import CommandHandler
 from refitplane.agent.layout_upload import layout_requests
-from refitplane.agent.report_stream import ReportStream, enabled_by_env
+from refitplane.agent.report_stream import ReportStream
 from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
 from refitplane.protocol import Reason, convert
 from refitplane.protocol import messages as m
@@ -65,6 +65,7 @@ class AgentSession:
         timeout_s: float = 10.0,
         held_version: Callable[[], int] | None = None,
         serving: Callable[[], bool | None] | None = None,
+        report_stream: bool | None = None,
     ) -> None:
         """`coordinator`: gRPC host:port. `timeout_s` bounds every call (and, in `start`,
         how long to wait for the coordinator to answer at all). `held_version`: generators
@@ -75,7 +76,8 @@ class AgentSession:
         is under way, when the answer is about to change), every lease renewal reports both
         (RenewLease.held): after a coordinator restart mid-refit the coordinator takes what
         the replica's ranks hold; and a registration while it is False sends 0 (no version
-        fully held)."""
+        fully held). `report_stream`: reports on a stream held open (None: REFIT_REPORT_STREAM,
+        default on), else every one unary."""
         self.info = info
         self._held_version = held_version
         self._serving = serving
@@ -88,7 +90,9 @@ class AgentSession:
         self._who: tuple[str, Metadata] = ("", self._metadata)
         self._channel = sync_channel(coordinator, tls_ca=tls_ca)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
-        self.reports = ReportStream(self._stub, timeout_s=timeout_s, enabled=enabled_by_env())
+        if report_stream is None:  # REFIT_REPORT_STREAM, on by default
+            report_stream = ClientSettings().report_stream
+        self.reports = ReportStream(self._stub, timeout_s=timeout_s, enabled=report_stream)
         self._lock = threading.RLock()
         self._ttl = 0.0
         self._renew_interval = 1.0
@@ -117,7 +121,13 @@ class AgentSession:
         REFIT_TLS_CA_FILE (what the Helm chart sets in agent pods)."""
         s = settings or ClientSettings()
         return cls(
-            s.coordinator, info, handler, token=s.token(), tls_ca=s.tls_ca_file, timeout_s=timeout_s
+            s.coordinator,
+            info,
+            handler,
+            token=s.token(),
+            tls_ca=s.tls_ca_file,
+            timeout_s=timeout_s,
+            report_stream=s.report_stream,
         )
 
     # --- lifecycle -----------------------------------------------------------------------

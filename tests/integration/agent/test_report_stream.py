@@ -53,6 +53,16 @@ def test_reports_go_on_the_open_stream(coordinator, sim_cluster):
         assert m.session.reports.fell_back == 0
 
 
+def test_report_stream_off_sends_every_report_unary(coordinator, sim_cluster, monkeypatch):
+    monkeypatch.setenv("REFIT_REPORT_STREAM", "0")  # the A/B switch
+    cluster = sim_cluster(coordinator)
+    cluster.trainers(world=1)
+    cluster.replica("a")
+    _commit(cluster.client())
+    assert _unary_reports(coordinator) > 0
+    assert all(m.session.reports.sent == 0 for m in cluster.members)
+
+
 def _stream(stub: Any, metadata: Any, *reports: apb.ReportRequest) -> tuple[Any, list[bool], str]:
     """Send `reports` on one StreamReports stream: how it ended, the answers, the field."""
     requests = [apb.StreamReportsRequest(report=r, seq=i + 1) for i, r in enumerate(reports)]

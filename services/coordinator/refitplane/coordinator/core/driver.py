@@ -457,9 +457,7 @@ class JobDriver:
                 self._ctx.events.publish(run.record)
             case msg.TransferDone():
                 recorded_ns = time.time_ns()
-                if mid in run.done:
-                    # Sent again after its answer was lost (a report stream that broke, a
-                    # unary retry): applied once (bytes_on_wire counts it once).
+                if mid in run.done:  # sent again, its answer lost: applied once
                     return True
                 plan = self.delivery.plan_of(run, mid)
                 if plan is None:
@@ -487,10 +485,8 @@ class JobDriver:
                     tensors=body.tensors_total,
                 )
                 run.set_hops(mid, body.hops, recorded_ns)
-                # No publish here: the change reaches watchers with the phase's end (the
-                # last TransferDone wakes the driver, which enters VERIFYING and publishes)
-                # or the driver's next flush (0.5 s), so the record's conversion for every
-                # watcher does not hold up the reports still coming in (issue 23).
+                # Not published: watchers get it with the phase's end or the next flush,
+                # not converted for them while other reports wait (the report path, docs).
                 if (told := run.ranks_verified(member)) is not None:
                     self._ctx.outbox.send(*told)  # RanksVerified: the sidecar waits for it
             case msg.ReplicaUpdated():
