@@ -185,7 +185,9 @@ class JobDriver:
             self.current = None
             run.finished.set()
 
-    async def _enter(self, run: RefitRun, state: RefitState, expected: list[RefitState]) -> None:
+    async def _enter(
+        self, run: RefitRun, state: RefitState, expected: list[RefitState], *, publish: bool = True
+    ) -> None:
         now = time.time()
         record = run.record.model_copy(
             update={
@@ -197,7 +199,8 @@ class JobDriver:
         )
         await self._store.transition(record, expected)
         run.written(record)
-        self._ctx.events.publish(record)
+        if publish:
+            self._ctx.events.publish(record)
 
     async def _flush(self, run: RefitRun) -> None:
         if run.flush_due():
@@ -331,13 +334,16 @@ class JobDriver:
         )
 
     async def _transfer(self, run: RefitRun) -> None:
-        await self._enter(run, RefitState.TRANSFERRING, [RefitState.PREPARING])
+        await self._enter(run, RefitState.TRANSFERRING, [RefitState.PREPARING], publish=False)
         run.note(start_sent_ns=time.time_ns())  # the hop timeline's first stamp
         for member_id in run.cast.participants:
             # Sidecars: RanksVerified (`on_report`) will say their replica's ranks verified.
             pushed = run.cast.waits_for_ranks_verified(member_id)
             start = msg.StartTransferCmd(run.refit_id, run.record.version, pushed)
             self._ctx.outbox.send(member_id, start)
+        # Watchers after the ranks: the command streams, woken first, run first on the loop,
+        # and the record's conversion for every watcher no longer delays StartTransfer.
+        self._ctx.events.publish(run.record)
         data = run.cast.data_members()
         await run.wait_until(
             lambda: all(i in run.done for i in data),
