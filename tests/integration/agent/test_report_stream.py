@@ -24,12 +24,9 @@ from tests.support.tcp_proxy import TcpProxy
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def _unary_reports(coord: Any) -> float:
-    """Unary Report calls the coordinator answered OK (its request metrics)."""
-    value = coord.core.metrics.registry.get_sample_value(
-        "refit_grpc_requests_total",
-        {"service": "refit.v1.AgentService", "method": "Report", "code": "OK"},
-    )
+def _reports(coord: Any, via: str = "UNARY") -> float:
+    """Reports the coordinator handled, by how they came (refit_agent_reports_total)."""
+    value = coord.core.metrics.registry.get_sample_value("refit_agent_reports_total", {"via": via})
     return value or 0.0
 
 
@@ -47,7 +44,8 @@ def test_reports_go_on_the_open_stream(coordinator, sim_cluster):
     for _ in range(3):
         _commit(client)
     # Group formation, Prepared, TransferDone, ReplicaUpdated: none of them unary.
-    assert _unary_reports(coordinator) == 0
+    assert _reports(coordinator) == 0
+    assert _reports(coordinator, "STREAM") >= 6 * len(cluster.members)
     for m in cluster.members:
         assert m.session.reports.sent >= 6, m.member_id
         assert m.session.reports.fell_back == 0
@@ -59,7 +57,7 @@ def test_report_stream_off_sends_every_report_unary(coordinator, sim_cluster, mo
     cluster.trainers(world=1)
     cluster.replica("a")
     _commit(cluster.client())
-    assert _unary_reports(coordinator) > 0
+    assert _reports(coordinator) > 0
     assert all(m.session.reports.sent == 0 for m in cluster.members)
 
 
@@ -136,7 +134,7 @@ def test_a_stream_broken_mid_refit_hands_the_report_to_unary(coordinator):
         client = RefitClient(coordinator.grpc_target)  # not through the proxy
         _commit(client)
         assert trainer.session.reports.sent > 0
-        unary_before = _unary_reports(coordinator)
+        unary_before = _reports(coordinator)
         refit_id = client.trigger("job").refit_id
         wait_until(
             lambda: client.get(refit_id).state is RefitState.TRANSFERRING, what="TRANSFERRING"
@@ -145,7 +143,7 @@ def test_a_stream_broken_mid_refit_hands_the_report_to_unary(coordinator):
         refit = client.wait(refit_id, timeout_s=20)
         assert refit.state is RefitState.COMMITTED, f"{refit.reason}: {refit.message}"
         assert trainer.session.reports.fell_back >= 1
-        assert _unary_reports(coordinator) > unary_before
+        assert _reports(coordinator) > unary_before
         # After RETRY_AFTER_S the stream is opened again and carries the reports.
         time.sleep(RETRY_AFTER_S)
         trainer.agent.behaviour = Behaviour()
@@ -177,9 +175,9 @@ def test_reports_reach_a_restarted_coordinator(redis_url, coordinator_factory, s
     assert all(m.session.registrations == 1 for m in cluster.members)
     # ...and once RETRY_AFTER_S passed, on a new stream to the second one.
     time.sleep(RETRY_AFTER_S)
-    unary = _unary_reports(second)
+    unary = _reports(second)
     _commit(client)
-    assert _unary_reports(second) == unary
+    assert _reports(second) == unary
 
 
 def test_a_transfer_done_sent_again_is_applied_once(coordinator, sim_cluster):

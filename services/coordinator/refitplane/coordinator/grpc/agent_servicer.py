@@ -90,6 +90,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         accepted = await self._core.report(
             convert.report_from_proto(request), credential=_credential(context)
         )
+        self._core.metrics.reports.labels("UNARY").inc()
         return apb.ReportResponse(accepted=accepted)
 
     async def StreamReports(
@@ -119,6 +120,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             accepted = await self._core.report(
                 convert.report_from_proto(report), credential=credential
             )
+            self._core.metrics.reports.labels("STREAM").inc()
             yield apb.StreamReportsResponse(seq=request.seq, accepted=accepted)
 
     async def Deregister(
