@@ -167,7 +167,10 @@ class ReportStream:
         return None
 
     def close(self) -> None:
-        with self._lock:
-            if self._open is not None:
-                self._open.close()
-                self._open = None
+        """End the stream; a report in flight on it falls back (its wait ends at once)."""
+        stream = self._open
+        if stream is not None:
+            stream.close()
+        if self._lock.acquire(timeout=self._timeout):
+            self._open = None
+            self._lock.release()
