@@ -31,70 +31,41 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from control_overhead import RankSpec, rank_processes, serve_simulated_rank, wait_published
 from control_plane import coordinator as coordinator_process
 from control_plane import redis_server, rows_layout
 
 from refitplane.client import RefitClient
-from refitplane.errors import NotFound
-from refitplane.protocol import RefitState, Role
+from refitplane.protocol import RefitState
 from refitplane.protocol.models import Refit
 from refitplane.testing.hops import hop_ms, last_report_to_phase_end_ms, stamped_ranks
 
 
 def agent_main(args: argparse.Namespace) -> int:
     """One rank: register, publish, answer commands; StartTransfer sleeps `executor_ms`."""
-    from refitplane.agent import AgentSession, MemberInfo
-    from refitplane.agent.simulated import Behaviour, SimulatedAgent
+    from refitplane.agent.simulated import Behaviour
 
-    role = Role.TRAINER if args.role == "trainer" else Role.GENERATOR
-    handler = SimulatedAgent(role, Behaviour(executor_s=args.executor_ms / 1e3, progress=False))
-    info = MemberInfo(
-        job=args.job, role=role, rank=args.rank, world_size=args.world,
-        replica_id=args.replica, host="127.0.0.1", device="cpu",
-    )  # fmt: skip
-    session = AgentSession(args.coordinator, info, handler, timeout_s=60)
-    handler.session = session
-    stop = [False]
-    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
-    with session:
-        session.publish_layout(rows_layout(args.rank, args.world))
-        while not stop[0]:
-            time.sleep(0.1)
-    return 0
+    behaviour = Behaviour(executor_s=args.executor_ms / 1e3, progress=False)
+    return serve_simulated_rank(args, rows_layout(args.rank, args.world), behaviour)
 
 
-@contextlib.contextmanager
-def agents(target: str, job: str, spec: tuple[int, int, int], executor_ms: float) -> Iterator[int]:
+def agents(
+    target: str, job: str, spec: tuple[int, int, int], executor_ms: float
+) -> contextlib.AbstractContextManager[None]:
     trainers, replicas, gen_tp = spec
-    ranks = [("trainer", r, trainers, "") for r in range(trainers)]
+    ranks: list[RankSpec] = [("trainer", r, trainers, "") for r in range(trainers)]
     ranks += [("generator", r, gen_tp, f"r{i}") for i in range(replicas) for r in range(gen_tp)]
-    env = {k: v for k, v in os.environ.items() if k != "REFIT_COORDINATOR"}
-    procs = []
-    try:
-        for role, rank, world, replica in ranks:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "agent", "--role", role,
-                   "--rank", str(rank), "--world", str(world), "--replica", replica,
-                   "--coordinator", target, "--job", job, "--executor-ms", str(executor_ms)]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        yield len(ranks)
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    script = str(Path(__file__).resolve())
+    # REFIT_REPORT_STREAM reaches the ranks: the A/B switch.
+    extra = ("--executor-ms", str(executor_ms))
+    return rank_processes(script, ranks, target, job, *extra, keep_env="REFIT_REPORT_STREAM")
 
 
 @contextlib.contextmanager
@@ -170,17 +141,10 @@ def main() -> int:
     with (
         a_coordinator(args) as target,
         RefitClient(target, timeout_s=60) as client,
-        agents(target, job, spec, args.executor_ms) as members,  # type: ignore[arg-type]
+        agents(target, job, spec, args.executor_ms),  # type: ignore[arg-type]
     ):
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(NotFound):  # before the first registration
-                topology = client.topology(job)
-                if sum(1 for m in topology.members if m.layout_digest) >= members:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the ranks did not publish their layouts in time")
-            time.sleep(0.1)
+        members = spec[0] + spec[1] * spec[2]
+        wait_published(client, job, members, 120)
         rows: list[dict[str, Any]] = []
         for i in range(args.warmup + args.refits):
             refit = one_refit(client, job, i, args.watch)
