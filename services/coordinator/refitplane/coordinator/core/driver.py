@@ -207,8 +207,7 @@ class JobDriver:
             record = run.record
             run.written(record)
             await self._store.transition(record, [record.state])
-            # Watchers see what changed without a publish of its own (a TransferDone) now.
-            self._ctx.events.publish(record)
+            self._ctx.events.publish(record)  # what changed unpublished (a TransferDone)
 
     async def _await_layouts(self, run: RefitRun) -> None:
         """A member publishes its layout right after it (re-)registers — a trainer rejoining
@@ -341,9 +340,7 @@ class JobDriver:
             pushed = run.cast.waits_for_ranks_verified(member_id)
             start = msg.StartTransferCmd(run.refit_id, run.record.version, pushed)
             self._ctx.outbox.send(member_id, start)
-        # Watchers after the ranks: the command streams, woken first, run first on the loop,
-        # and the record's conversion for every watcher no longer delays StartTransfer.
-        self._ctx.events.publish(run.record)
+        self._ctx.events.publish(run.record)  # after: the woken command streams run first
         data = run.cast.data_members()
         await run.wait_until(
             lambda: all(i in run.done for i in data),
