@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Run as a script (`python benchmarks/control_overhead.py`): its folder is sys.path[0], so the
 # sibling benchmarks import as top-level modules.
@@ -152,13 +153,14 @@ def rank_layout(shape: str, rank: int, world: int) -> Layout:
 # --- agent processes ----------------------------------------------------------------------------
 
 
-def agent_main(args: argparse.Namespace) -> int:
-    """One rank: register, publish its layout, answer every command until SIGTERM."""
+def serve_simulated_rank(args: argparse.Namespace, layout: Layout, behaviour: Any = None) -> int:
+    """One simulated rank (`args`: role, rank, world, replica, coordinator, job): register,
+    publish `layout`, answer every command (`Behaviour` knobs) until SIGTERM."""
     from refitplane.agent import AgentSession, MemberInfo
     from refitplane.agent.simulated import SimulatedAgent
 
     role = Role.TRAINER if args.role == "trainer" else Role.GENERATOR
-    handler = SimulatedAgent(role)
+    handler = SimulatedAgent(role, behaviour)
     info = MemberInfo(
         job=args.job, role=role, rank=args.rank, world_size=args.world,
         replica_id=args.replica, host="127.0.0.1", device="cpu",
@@ -167,12 +169,16 @@ def agent_main(args: argparse.Namespace) -> int:
     handler.session = session
     stop = [False]
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
-    layout = rank_layout(args.shape, args.rank, args.world)
     with session:
         session.publish_layout(layout)
         while not stop[0]:
             time.sleep(0.1)
     return 0
+
+
+def agent_main(args: argparse.Namespace) -> int:
+    """One rank of a shape: its layout, every command answered at once."""
+    return serve_simulated_rank(args, rank_layout(args.shape, args.rank, args.world))
 
 
 @dataclass
@@ -189,22 +195,26 @@ class Ranks:
         return self.trainers + self.replicas * self.gen_tp
 
 
+RankSpec = tuple[str, int, int, str]  # role, rank, world, replica
+
+
 @contextlib.contextmanager
-def agents(target: str, job: str, shape: str, ranks: Ranks) -> Iterator[None]:
-    script = str(Path(__file__).resolve())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REFIT_")}
+def rank_processes(
+    script: str, specs: list[RankSpec], target: str, job: str, *extra: str, keep_env: str = ""
+) -> Iterator[None]:
+    """One `script agent ...` process per rank spec (plus `extra` arguments), ended at exit.
+    REFIT_* variables stay out of their environment (`keep_env`: a prefix kept anyway)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("REFIT_") or (keep_env and k.startswith(keep_env))
+    }
     procs: list[subprocess.Popen[bytes]] = []
-    specs = [("trainer", r, ranks.trainers, "") for r in range(ranks.trainers)]
-    specs += [
-        ("generator", r, ranks.gen_tp, f"replica-{i}")
-        for i in range(ranks.replicas)
-        for r in range(ranks.gen_tp)
-    ]
     try:
         for role, rank, world, replica in specs:
-            cmd = [sys.executable, script, "agent", "--shape", shape, "--role", role,
-                   "--rank", str(rank), "--world", str(world), "--replica", replica,
-                   "--coordinator", target, "--job", job]  # fmt: skip
+            cmd = [sys.executable, script, "agent", "--role", role, "--rank", str(rank),
+                   "--world", str(world), "--replica", replica, "--coordinator", target,
+                   "--job", job, *extra]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         yield
     finally:
@@ -217,6 +227,18 @@ def agents(target: str, job: str, shape: str, ranks: Ranks) -> Iterator[None]:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def agents(
+    target: str, job: str, shape: str, ranks: Ranks
+) -> contextlib.AbstractContextManager[None]:
+    specs: list[RankSpec] = [("trainer", r, ranks.trainers, "") for r in range(ranks.trainers)]
+    specs += [
+        ("generator", r, ranks.gen_tp, f"replica-{i}")
+        for i in range(ranks.replicas)
+        for r in range(ranks.gen_tp)
+    ]
+    return rank_processes(str(Path(__file__).resolve()), specs, target, job, "--shape", shape)
 
 
 def wait_published(client: RefitClient, job: str, members: int, timeout_s: float) -> float:

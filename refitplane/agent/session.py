@@ -28,6 +28,7 @@ from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.agent.handler import CommandHandler
 from refitplane.agent.layout_upload import layout_requests
+from refitplane.agent.report_stream import ReportStream
 from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
 from refitplane.protocol import Reason, convert
 from refitplane.protocol import messages as m
@@ -64,6 +65,7 @@ class AgentSession:
         timeout_s: float = 10.0,
         held_version: Callable[[], int] | None = None,
         serving: Callable[[], bool | None] | None = None,
+        report_stream: bool | None = None,
     ) -> None:
         """`coordinator`: gRPC host:port. `timeout_s` bounds every call (and, in `start`,
         how long to wait for the coordinator to answer at all). `held_version`: generators
@@ -74,7 +76,8 @@ class AgentSession:
         is under way, when the answer is about to change), every lease renewal reports both
         (RenewLease.held): after a coordinator restart mid-refit the coordinator takes what
         the replica's ranks hold; and a registration while it is False sends 0 (no version
-        fully held)."""
+        fully held). `report_stream`: reports on a stream held open (None: REFIT_REPORT_STREAM,
+        default on), else every one unary."""
         self.info = info
         self._held_version = held_version
         self._serving = serving
@@ -87,6 +90,9 @@ class AgentSession:
         self._who: tuple[str, Metadata] = ("", self._metadata)
         self._channel = sync_channel(coordinator, tls_ca=tls_ca)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
+        if report_stream is None:  # REFIT_REPORT_STREAM, on by default
+            report_stream = ClientSettings().report_stream
+        self.reports = ReportStream(self._stub, timeout_s=timeout_s, enabled=report_stream)
         self._lock = threading.RLock()
         self._ttl = 0.0
         self._renew_interval = 1.0
@@ -115,7 +121,13 @@ class AgentSession:
         REFIT_TLS_CA_FILE (what the Helm chart sets in agent pods)."""
         s = settings or ClientSettings()
         return cls(
-            s.coordinator, info, handler, token=s.token(), tls_ca=s.tls_ca_file, timeout_s=timeout_s
+            s.coordinator,
+            info,
+            handler,
+            token=s.token(),
+            tls_ca=s.tls_ca_file,
+            timeout_s=timeout_s,
+            report_stream=s.report_stream,
         )
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -167,6 +179,7 @@ class AgentSession:
             return
         self._stop.set()
         self._cancel_stream()
+        self.reports.close()
         for t in self._threads:
             t.join(timeout=self._timeout)
         if deregister and self._member_id:
@@ -261,15 +274,19 @@ class AgentSession:
     # --- reports -------------------------------------------------------------------------
 
     def _report(self, refit_id: str, body: m.ReportBody) -> bool:
-        """Send a report, retrying transient errors within `timeout_s`. Returns whether the
-        coordinator accepted it (False: the refit or epoch is no longer current)."""
+        """Send a report (on the open report stream, else unary), retrying transient errors
+        within `timeout_s`. Returns whether the coordinator accepted it (False: the refit or
+        epoch is no longer current)."""
         deadline = time.monotonic() + self._timeout
         delay = _BACKOFF_MIN_S
         while True:
             member_id, metadata = self._who
             request = convert.report_to_proto(m.Report(member_id, refit_id, body))
             try:
-                return bool(self._call_unary("Report", request, metadata).accepted)
+                accepted = self.reports.send(member_id, metadata, request)
+                if accepted is None:
+                    accepted = bool(self._call_unary("Report", request, metadata).accepted)
+                return accepted
             except NotFound:
                 self._reregister(member_id)
                 return False

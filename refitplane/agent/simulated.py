@@ -6,6 +6,7 @@ the control plane; knobs make it fail, stall or hold a transfer until aborted.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from refitplane.protocol.messages import (
     AbortRefitCmd,
     CommandBody,
     CreateRendezvousCmd,
+    HopStamps,
     JoinGroupCmd,
     LeaveGroupCmd,
     PrepareRefitCmd,
@@ -49,6 +51,11 @@ class Behaviour:
     delay_s: Mapping[str, float] = field(default_factory=dict)
     # start_transfer: wait (bounded) until the refit is aborted instead of finishing.
     hold_transfer_s: float = 0.0
+    # start_transfer: how long the simulated executor runs (a sleep between its hop stamps).
+    executor_s: float = 0.0
+    # start_transfer: report Progress halfway (real ranks send none in a transfer's first
+    # 0.5 s: benchmarks of the report path turn it off).
+    progress: bool = True
 
 
 class SimulatedAgent(NullHandler):
@@ -129,6 +136,7 @@ class SimulatedAgent(NullHandler):
         self._s().report_prepared(cmd.refit_id)
 
     def on_start_transfer(self, cmd: StartTransferCmd) -> None:
+        seen_ns = time.time_ns()
         if not self._begin("start_transfer", cmd):
             return
         s = self._s()
@@ -146,7 +154,11 @@ class SimulatedAgent(NullHandler):
         received = held.recv_bytes if held is not None else 0
         tensors = held.tensors_received if held is not None else 0
         total = sent + received
-        if total:
+        executor_start_ns = time.time_ns()
+        if self.behaviour.executor_s:
+            time.sleep(self.behaviour.executor_s)
+        hops = HopStamps(seen_ns, executor_start_ns, time.time_ns())
+        if total and self.behaviour.progress:
             s.report_progress(
                 cmd.refit_id, bytes_sent=sent // 2, bytes_received=received // 2, bytes_total=total
             )
@@ -157,6 +169,7 @@ class SimulatedAgent(NullHandler):
             seconds=0.001,
             tensors_verified=tensors,
             tensors_total=tensors,
+            hops=dataclasses.replace(hops, sent_ns=time.time_ns()),
         )
 
     def on_abort_refit(self, cmd: AbortRefitCmd) -> None:

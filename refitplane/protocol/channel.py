@@ -70,6 +70,9 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.RefitError]] = {
 
 # The metadata key a member presents its own credential under (RegisterResponse).
 MEMBER_CREDENTIAL_KEY = "x-refit-member-credential"
+# A report on a StreamReports stream (a Failure's message, a rendezvous) stays below this;
+# a larger one goes by the unary Report, under the server's whole-message limit.
+MAX_STREAM_REPORT_BYTES = 64 * 1024
 
 
 def auth_metadata(token: str | None) -> Metadata:

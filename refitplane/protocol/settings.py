@@ -22,6 +22,9 @@ class ClientSettings(BaseSettings):
     # CA bundle for a TLS coordinator (unset: plaintext)
     tls_ca_file: Path | None = None
     job: str = ""
+    # Agents: send reports on a StreamReports stream held open (false: every report by the
+    # unary Report, for A/B runs; docs/coordinator.md#the-report-path).
+    report_stream: bool = True
 
     def token(self) -> str | None:
         if self.auth_token_file is not None:

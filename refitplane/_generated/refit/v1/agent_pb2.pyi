@@ -909,6 +909,55 @@ class ReportResponse(_message.Message):
 Global___ReportResponse: _TypeAlias = ReportResponse  # noqa: Y015
 
 @_typing.final
+class StreamReportsRequest(_message.Message):
+    """One report on a StreamReports stream; at most 64 KiB (larger ones go by Report)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPORT_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """Chosen by the agent (increasing on a stream) and echoed in the answer."""
+    @_builtins.property
+    def report(self) -> Global___ReportRequest: ...
+    def __init__(
+        self,
+        *,
+        report: Global___ReportRequest | None = ...,
+        seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["report", b"report", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamReportsRequest: _TypeAlias = StreamReportsRequest  # noqa: Y015
+
+@_typing.final
+class StreamReportsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    accepted: _builtins.bool
+    """As ReportResponse.accepted."""
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        accepted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamReportsResponse: _TypeAlias = StreamReportsResponse  # noqa: Y015
+
+@_typing.final
 class DeregisterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

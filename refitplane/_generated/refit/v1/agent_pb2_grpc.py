@@ -59,6 +59,11 @@ class AgentServiceStub:
                 request_serializer=refit_dot_v1_dot_agent__pb2.ReportRequest.SerializeToString,
                 response_deserializer=refit_dot_v1_dot_agent__pb2.ReportResponse.FromString,
                 _registered_method=True)
+        self.StreamReports = channel.stream_stream(
+                '/refit.v1.AgentService/StreamReports',
+                request_serializer=refit_dot_v1_dot_agent__pb2.StreamReportsRequest.SerializeToString,
+                response_deserializer=refit_dot_v1_dot_agent__pb2.StreamReportsResponse.FromString,
+                _registered_method=True)
         self.Deregister = channel.unary_unary(
                 '/refit.v1.AgentService/Deregister',
                 request_serializer=refit_dot_v1_dot_agent__pb2.DeregisterRequest.SerializeToString,
@@ -99,6 +104,17 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamReports(self, request_iterator, context):
+        """Reports on a stream the member holds open (issue 23): each report one message on an
+        HTTP/2 stream already open, handled as it arrives, answered in order. The member's
+        credential goes with the stream's metadata; the first report's member_id binds the
+        stream to that member, and a report naming any other member ends it PERMISSION_DENIED.
+        Report stays for older agents and as the fallback when a stream breaks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Deregister(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -132,6 +148,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=refit_dot_v1_dot_agent__pb2.ReportRequest.FromString,
                     response_serializer=refit_dot_v1_dot_agent__pb2.ReportResponse.SerializeToString,
+            ),
+            'StreamReports': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamReports,
+                    request_deserializer=refit_dot_v1_dot_agent__pb2.StreamReportsRequest.FromString,
+                    response_serializer=refit_dot_v1_dot_agent__pb2.StreamReportsResponse.SerializeToString,
             ),
             'Deregister': grpc.unary_unary_rpc_method_handler(
                     servicer.Deregister,
@@ -274,6 +295,33 @@ class AgentService:
             '/refit.v1.AgentService/Report',
             refit_dot_v1_dot_agent__pb2.ReportRequest.SerializeToString,
             refit_dot_v1_dot_agent__pb2.ReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamReports(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/refit.v1.AgentService/StreamReports',
+            refit_dot_v1_dot_agent__pb2.StreamReportsRequest.SerializeToString,
+            refit_dot_v1_dot_agent__pb2.StreamReportsResponse.FromString,
             options,
             channel_credentials,
             insecure,

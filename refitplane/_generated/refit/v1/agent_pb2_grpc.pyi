@@ -48,6 +48,13 @@ class AgentServiceStub:
     PublishLayout: _grpc.UnaryUnaryMultiCallable[_agent_pb2.PublishLayoutRequest, _agent_pb2.PublishLayoutResponse]
     StreamCommands: _grpc.UnaryStreamMultiCallable[_agent_pb2.StreamCommandsRequest, _agent_pb2.Command]
     Report: _grpc.UnaryUnaryMultiCallable[_agent_pb2.ReportRequest, _agent_pb2.ReportResponse]
+    StreamReports: _grpc.StreamStreamMultiCallable[_agent_pb2.StreamReportsRequest, _agent_pb2.StreamReportsResponse]
+    """Reports on a stream the member holds open (issue 23): each report one message on an
+    HTTP/2 stream already open, handled as it arrives, answered in order. The member's
+    credential goes with the stream's metadata; the first report's member_id binds the
+    stream to that member, and a report naming any other member ends it PERMISSION_DENIED.
+    Report stays for older agents and as the fallback when a stream breaks.
+    """
     Deregister: _grpc.UnaryUnaryMultiCallable[_agent_pb2.DeregisterRequest, _agent_pb2.DeregisterResponse]
 
 @_typing.type_check_only
@@ -58,6 +65,13 @@ class AgentServiceAsyncStub(AgentServiceStub):
     PublishLayout: _aio.UnaryUnaryMultiCallable[_agent_pb2.PublishLayoutRequest, _agent_pb2.PublishLayoutResponse]  # type: ignore[assignment]
     StreamCommands: _aio.UnaryStreamMultiCallable[_agent_pb2.StreamCommandsRequest, _agent_pb2.Command]  # type: ignore[assignment]
     Report: _aio.UnaryUnaryMultiCallable[_agent_pb2.ReportRequest, _agent_pb2.ReportResponse]  # type: ignore[assignment]
+    StreamReports: _aio.StreamStreamMultiCallable[_agent_pb2.StreamReportsRequest, _agent_pb2.StreamReportsResponse]  # type: ignore[assignment]
+    """Reports on a stream the member holds open (issue 23): each report one message on an
+    HTTP/2 stream already open, handled as it arrives, answered in order. The member's
+    credential goes with the stream's metadata; the first report's member_id binds the
+    stream to that member, and a report naming any other member ends it PERMISSION_DENIED.
+    Report stays for older agents and as the fallback when a stream breaks.
+    """
     Deregister: _aio.UnaryUnaryMultiCallable[_agent_pb2.DeregisterRequest, _agent_pb2.DeregisterResponse]  # type: ignore[assignment]
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -95,6 +109,19 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _agent_pb2.ReportRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_agent_pb2.ReportResponse, _abc.Awaitable[_agent_pb2.ReportResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def StreamReports(
+        self,
+        request_iterator: _MaybeAsyncIterator[_agent_pb2.StreamReportsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_agent_pb2.StreamReportsResponse], _abc.AsyncIterator[_agent_pb2.StreamReportsResponse]]:
+        """Reports on a stream the member holds open (issue 23): each report one message on an
+        HTTP/2 stream already open, handled as it arrives, answered in order. The member's
+        credential goes with the stream's metadata; the first report's member_id binds the
+        stream to that member, and a report naming any other member ends it PERMISSION_DENIED.
+        Report stays for older agents and as the fallback when a stream breaks.
+        """
 
     @_abc_1.abstractmethod
     def Deregister(

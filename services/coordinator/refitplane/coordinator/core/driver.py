@@ -191,7 +191,9 @@ class JobDriver:
             self.current = None
             run.finished.set()
 
-    async def _enter(self, run: RefitRun, state: RefitState, expected: list[RefitState]) -> None:
+    async def _enter(
+        self, run: RefitRun, state: RefitState, expected: list[RefitState], *, publish: bool = True
+    ) -> None:
         now = time.time()
         record = run.record.model_copy(
             update={
@@ -203,13 +205,15 @@ class JobDriver:
         )
         await self._store.transition(record, expected)
         run.written(record)
-        self._ctx.events.publish(record)
+        if publish:
+            self._ctx.events.publish(record)
 
     async def _flush(self, run: RefitRun) -> None:
         if run.flush_due():
             record = run.record
             run.written(record)
             await self._store.transition(record, [record.state])
+            self._ctx.events.publish(record)  # what changed unpublished (a TransferDone)
 
     async def _await_layouts(self, run: RefitRun) -> None:
         """A member publishes its layout right after it (re-)registers — a trainer rejoining
@@ -335,13 +339,14 @@ class JobDriver:
         )
 
     async def _transfer(self, run: RefitRun) -> None:
-        await self._enter(run, RefitState.TRANSFERRING, [RefitState.PREPARING])
+        await self._enter(run, RefitState.TRANSFERRING, [RefitState.PREPARING], publish=False)
         run.note(start_sent_ns=time.time_ns())  # the hop timeline's first stamp
         for member_id in run.cast.participants:
             # Sidecars: RanksVerified (`on_report`) will say their replica's ranks verified.
             pushed = run.cast.waits_for_ranks_verified(member_id)
             start = msg.StartTransferCmd(run.refit_id, run.record.version, pushed)
             self._ctx.outbox.send(member_id, start)
+        self._ctx.events.publish(run.record)  # after: the woken command streams run first
         data = run.cast.data_members()
         await run.wait_until(
             lambda: all(i in run.done for i in data),
@@ -461,6 +466,8 @@ class JobDriver:
                 self._ctx.events.publish(run.record)
             case msg.TransferDone():
                 recorded_ns = time.time_ns()
+                if mid in run.done:  # sent again, its answer lost: applied once
+                    return True
                 plan = self.delivery.plan_of(run, mid)
                 if plan is None:
                     return False  # a sidecar: it reports ReplicaUpdated, never TransferDone
@@ -487,7 +494,8 @@ class JobDriver:
                     tensors=body.tensors_total,
                 )
                 run.set_hops(mid, body.hops, recorded_ns)
-                self._ctx.events.publish(run.record)
+                # Not published: watchers get it with the phase's end or the next flush,
+                # not converted for them while other reports wait (the report path, docs).
                 if (told := run.ranks_verified(member)) is not None:
                     self._ctx.outbox.send(*told)  # RanksVerified: the sidecar waits for it
             case msg.ReplicaUpdated():

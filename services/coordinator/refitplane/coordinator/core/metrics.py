@@ -123,6 +123,13 @@ class Metrics:
             ["how"],
             registry=r,
         )
+        self.reports = Counter(
+            "refit_agent_reports",
+            "Agent reports handled, by how they came: STREAM (on a StreamReports stream) or "
+            "UNARY (a Report call: older agents, and the fallback when a stream broke)",
+            ["via"],
+            registry=r,
+        )
         self.jobs_driven = Gauge(
             "refit_jobs_driven", "Jobs with a refit driver in this coordinator", registry=r
         )

@@ -14,8 +14,9 @@ from refitplane._generated.refit.v1 import common_pb2 as cpb
 from refitplane.coordinator.core.service import Coordinator
 from refitplane.coordinator.grpc.encoding import CommandEncoder
 from refitplane.coordinator.grpc.layout_uploads import LayoutUploads
+from refitplane.errors import InvalidArgument, PermissionDenied
 from refitplane.protocol import convert
-from refitplane.protocol.channel import MEMBER_CREDENTIAL_KEY
+from refitplane.protocol.channel import MAX_STREAM_REPORT_BYTES, MEMBER_CREDENTIAL_KEY
 from refitplane.reshard.layout import Layout
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -89,7 +90,38 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         accepted = await self._core.report(
             convert.report_from_proto(request), credential=_credential(context)
         )
+        self._core.metrics.reports.labels("UNARY").inc()
         return apb.ReportResponse(accepted=accepted)
+
+    async def StreamReports(
+        self, requests: AsyncIterator[apb.StreamReportsRequest], context: Context
+    ) -> AsyncIterator[apb.StreamReportsResponse]:
+        """Reports on one open stream, each handled as it arrives. The credential came with
+        the stream's metadata; the first report binds the stream to its member (checked
+        then, and again with every report: a member replaced or gone is refused as on the
+        unary path), and a report naming another member ends the stream."""
+        credential = _credential(context)
+        bound = ""
+        async for request in requests:
+            report = request.report
+            if request.ByteSize() > MAX_STREAM_REPORT_BYTES:
+                raise InvalidArgument(
+                    f"a streamed report is {request.ByteSize()} bytes, above "
+                    f"{MAX_STREAM_REPORT_BYTES} (send it with Report)",
+                    field="report",
+                )
+            if not bound:
+                bound = self._core.authenticate(report.member_id, credential).member_id
+            elif report.member_id != bound:
+                raise PermissionDenied(
+                    f"this stream reports for member {bound!r}, not {report.member_id!r}",
+                    field="report.member_id",
+                )
+            accepted = await self._core.report(
+                convert.report_from_proto(report), credential=credential
+            )
+            self._core.metrics.reports.labels("STREAM").inc()
+            yield apb.StreamReportsResponse(seq=request.seq, accepted=accepted)
 
     async def Deregister(
         self, request: apb.DeregisterRequest, context: Context

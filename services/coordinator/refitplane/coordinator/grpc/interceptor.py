@@ -1,8 +1,9 @@
 """The one place where gRPC meets domain errors.
 
-For every refit.v1 method the interceptor (1) checks the bearer token on mutating calls,
-(2) decodes the request itself, so undecodable bytes become INVALID_ARGUMENT naming the
-request rather than an opaque INTERNAL, and (3) maps `RefitError`s to status codes with the
+For every refit.v1 method the interceptor (1) checks the bearer token on mutating calls (a
+stream's at its open), (2) decodes the request itself (every message of a client stream), so
+undecodable bytes become INVALID_ARGUMENT naming the request rather than an opaque INTERNAL,
+and (3) maps `RefitError`s to status codes with the
 reason and the bad field in trailing metadata (`refit-reason`, `refit-field`). Anything
 else is logged and answered INTERNAL without details.
 """
@@ -90,10 +91,12 @@ class RefitInterceptor(grpc.aio.ServerInterceptor):
         decode: Callable[[bytes], Any] = handler.request_deserializer or (lambda raw: raw)
         tokens = self._tokens
 
-        async def prologue(raw: bytes, context: Context) -> Any:
+        def check_token(context: Context) -> None:
             if needs_token:
                 auth = dict(context.invocation_metadata() or ()).get("authorization")
                 tokens.check(auth if isinstance(auth, str) else None)
+
+        def decoded(raw: bytes) -> Any:
             try:
                 return decode(raw)
             except (DecodeError, ValueError, TypeError) as exc:
@@ -102,6 +105,10 @@ class RefitInterceptor(grpc.aio.ServerInterceptor):
                     f"message ({type(exc).__name__})",
                     field="request",
                 ) from None
+
+        async def prologue(raw: bytes, context: Context) -> Any:
+            check_token(context)
+            return decoded(raw)
 
         if handler.unary_unary is not None:
             # The aio server calls these behaviours with an aio context and awaits them.
@@ -127,5 +134,25 @@ class RefitInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(
                 stream_behavior, response_serializer=handler.response_serializer
+            )
+
+        if handler.stream_stream is not None:
+            # StreamReports: the token at the stream's open, every message decoded here.
+            bidi: Any = handler.stream_stream
+
+            async def bidi_behavior(
+                raw_requests: AsyncIterator[bytes], context: Context
+            ) -> AsyncIterator[Any]:
+                async def requests() -> AsyncIterator[Any]:
+                    async for raw in raw_requests:
+                        yield decoded(raw)
+
+                async with _status_from_errors(context, method):
+                    check_token(context)
+                    async for item in bidi(requests(), context):
+                        yield item
+
+            return grpc.stream_stream_rpc_method_handler(
+                bidi_behavior, response_serializer=handler.response_serializer
             )
         return handler
