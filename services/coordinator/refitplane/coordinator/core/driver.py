@@ -21,6 +21,7 @@ from refitplane.coordinator.core.endings import RefitEndings
 from refitplane.coordinator.core.failures import RefitFailed, list_some
 from refitplane.coordinator.core.groups import GroupEpochs, is_group_report
 from refitplane.coordinator.core.held_versions import HeldVersions
+from refitplane.coordinator.core.layout_wait import await_layouts
 from refitplane.coordinator.core.membership import Departure
 from refitplane.coordinator.core.plan_delivery import PlanDelivery
 from refitplane.coordinator.core.planning import PlannedRefit, Roster
@@ -159,7 +160,13 @@ class JobDriver:
             # the participants; a layout problem still fails the refit at PREPARING.
             setup: _Setup | RefitFailed
             try:
-                await self._await_layouts(run)
+                await await_layouts(
+                    run,
+                    self._ctx.membership,
+                    self.job,
+                    self._s.prepare_timeout_s,
+                    lambda: self._stopping,
+                )
                 setup = await self._plan(run)
             except RefitFailed as failure:
                 setup = failure
@@ -214,40 +221,6 @@ class JobDriver:
             run.written(record)
             await self._store.transition(record, [record.state])
             self._ctx.events.publish(record)  # what changed unpublished (a TransferDone)
-
-    async def _await_layouts(self, run: RefitRun) -> None:
-        """A member publishes its layout right after it (re-)registers — a trainer rejoining
-        after a stall, a restarted vLLM worker. A refit triggered in between waits for those
-        layouts (up to the prepare timeout, counted from each registration) instead of
-        failing at once with LAYOUT_MISSING; members registered longer ago than that are not
-        waited for (planning then names them)."""
-        window = self._s.prepare_timeout_s
-        logged = False
-        while True:
-            if run.failure is not None:  # cancelled while waiting
-                raise run.failure
-            now = time.time()
-            joining = [
-                m
-                for m in self._ctx.membership.of_job(self.job)
-                if m.alive
-                and m.role.is_data_plane
-                and not m.layout_digest
-                and now - m.registered_unix < window
-            ]
-            if not joining or self._stopping:
-                return
-            if not logged:
-                log.info(
-                    "refit %s waits for the layout of %s (registered %.2f s ago)",
-                    run.refit_id,
-                    list_some([m.describe() for m in joining]),
-                    now - max(m.registered_unix for m in joining),
-                )
-                logged = True
-            run.changed.clear()
-            # Layouts arrive over RPCs that do not signal the run: look again soon.
-            await wait_event(run.changed, 0.02)
 
     async def _plan(self, run: RefitRun) -> _Setup:
         """Who takes part, at which group ranks, with which plan (nothing is sent yet)."""
