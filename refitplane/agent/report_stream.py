@@ -53,6 +53,11 @@ _FALL_BACK = frozenset(
     }
 )
 _END = None  # what ends the request iterator
+# What wrapping a report in a StreamReportsRequest adds at most (the report's tag and a
+# length of up to 3 bytes, seq's tag and a varint of up to 10): the coordinator measures
+# the wrapped request against MAX_STREAM_REPORT_BYTES, so the stream takes a report only
+# where that fits.
+_WRAPPING_BYTES = 1 + 3 + 1 + 10
 
 
 class _Broken(Exception):
@@ -128,7 +133,7 @@ class ReportStream:
         """Whether the coordinator accepted the report; None: the stream did not carry it
         (send it by the unary Report). Raises the coordinator's answer to the report itself
         (NotFound, PermissionDenied, ...), as the unary call would."""
-        if not self.enabled or request.ByteSize() > MAX_STREAM_REPORT_BYTES:
+        if not self.enabled or request.ByteSize() + _WRAPPING_BYTES > MAX_STREAM_REPORT_BYTES:
             return None
         # Another thread's report in flight: wait for it, bounded (answers come in order).
         if not self._lock.acquire(timeout=self._timeout):

@@ -124,6 +124,31 @@ def test_a_stream_carries_one_members_reports_only(coordinator, sim_cluster):
     _commit(cluster.client())
 
 
+def test_a_report_at_the_limit_goes_unary_not_refused(coordinator, sim_cluster):
+    # The coordinator measures the wrapped request (report + seq) against the limit: a report
+    # of exactly MAX_STREAM_REPORT_BYTES must go by the unary Report, not be refused
+    # INVALID_ARGUMENT on the stream and raised to the caller.
+    cluster = sim_cluster(coordinator)
+    (trainer,) = cluster.trainers(world=1)
+    session = trainer.session
+
+    def size(n: int) -> int:
+        return apb.ReportRequest(
+            member_id=session.member_id,
+            refit_id="no-such-refit",
+            failure=apb.Failure(reason="AGENT_ERROR", message="x" * n),
+        ).ByteSize()
+
+    n = MAX_STREAM_REPORT_BYTES
+    while size(n) > MAX_STREAM_REPORT_BYTES:  # the lengths' varints grow with it
+        n -= 1
+    assert size(n) == MAX_STREAM_REPORT_BYTES
+    message = "x" * n
+    unary_before = _reports(coordinator)
+    assert session.report_failure("no-such-refit", "AGENT_ERROR", message) is False
+    assert _reports(coordinator) == unary_before + 1
+
+
 def test_a_stream_broken_mid_refit_hands_the_report_to_unary(coordinator):
     proxy = TcpProxy("127.0.0.1", coordinator.server.grpc_port)
     cluster = SimCluster(proxy.target)
