@@ -8,7 +8,7 @@ from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
 
-from refitplane.testing.process_world import spawn_and_collect
+from refitplane.testing.process_world import forked_from_server, spawn_and_collect
 
 Worker = Callable[..., dict[str, Any]]
 
@@ -26,7 +26,8 @@ def _entry(
 def run_world(
     worker: Worker, world: int, *, timeout_s: float = 120.0, **kwargs: Any
 ) -> dict[int, tuple[str, dict[str, Any]]]:
-    """Run `worker(rank=, world=, port=, **kwargs)` in `world` spawned processes.
+    """Run `worker(rank=, world=, port=, **kwargs)` in `world` processes (forked from a
+    server that imported torch once: `forked_from_server`).
 
     The parent hosts the rendezvous store. Ranks that die without reporting are absent
     from the result. Every process is gone when this returns.
@@ -41,5 +42,9 @@ def run_world(
     )
     port = store.port
     return spawn_and_collect(
-        _entry, lambda r, out: (worker, r, world, port, kwargs, out), world, timeout_s
+        _entry,
+        lambda r, out: (worker, r, world, port, kwargs, out),
+        world,
+        timeout_s,
+        context=forked_from_server(),
     )
