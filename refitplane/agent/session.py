@@ -29,6 +29,7 @@ from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.agent.handler import CommandHandler
 from refitplane.agent.layout_upload import layout_requests
 from refitplane.agent.report_stream import ReportStream
+from refitplane.agent.report_verbs import ReportVerbs
 from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
 from refitplane.protocol import Reason, convert
 from refitplane.protocol import messages as m
@@ -53,7 +54,7 @@ _BACKOFF_MAX_S = 2.0
 _GROUP_COMMANDS = (m.CreateRendezvousCmd, m.JoinGroupCmd, m.LeaveGroupCmd)
 
 
-class AgentSession:
+class AgentSession(ReportVerbs):
     def __init__(
         self,
         coordinator: str,
@@ -295,79 +296,6 @@ class AgentSession:
                     raise
                 time.sleep(delay)
                 delay = min(_BACKOFF_MAX_S, delay * 2)
-
-    def report_rendezvous_ready(self, epoch: int, rendezvous: bytes) -> bool:
-        return self._report("", m.RendezvousReady(epoch=epoch, rendezvous=rendezvous))
-
-    def report_group_joined(self, epoch: int) -> bool:
-        return self._report("", m.GroupJoined(epoch=epoch))
-
-    def report_prepared(self, refit_id: str) -> bool:
-        return self._report(refit_id, m.Prepared())
-
-    def report_progress(
-        self, refit_id: str, *, bytes_sent: int = 0, bytes_received: int = 0, bytes_total: int = 0
-    ) -> bool:
-        return self._report(
-            refit_id,
-            m.Progress(
-                bytes_sent=bytes_sent, bytes_received=bytes_received, bytes_total=bytes_total
-            ),
-        )
-
-    def report_transfer_done(
-        self,
-        refit_id: str,
-        *,
-        bytes_sent: int = 0,
-        bytes_received: int = 0,
-        seconds: float = 0.0,
-        tensors_verified: int = 0,
-        tensors_total: int = 0,
-        bytes_full: int = 0,
-        delta_base_version: int = 0,
-        hops: m.HopStamps | None = None,
-    ) -> bool:
-        return self._report(
-            refit_id,
-            m.TransferDone(
-                bytes_sent=bytes_sent,
-                bytes_received=bytes_received,
-                seconds=seconds,
-                tensors_verified=tensors_verified,
-                tensors_total=tensors_total,
-                bytes_full=bytes_full,
-                delta_base_version=delta_base_version,
-                hops=hops or m.HopStamps(),
-            ),
-        )
-
-    def report_plan_missing(
-        self, refit_id: str, plan_digest: str, plan_rank: int, message: str = ""
-    ) -> bool:
-        """A PrepareRefit named a plan this rank does not hold: the coordinator resends it."""
-        return self._report(
-            refit_id, m.PlanMissing(plan_digest=plan_digest, plan_rank=plan_rank, message=message)
-        )
-
-    def report_replica_updated(self, refit_id: str, version: int) -> bool:
-        return self._report(refit_id, m.ReplicaUpdated(version=version))
-
-    def report_failure(
-        self,
-        refit_id: str,
-        reason: str,
-        message: str,
-        *,
-        weights_modified: bool = False,
-        epoch: int = 0,
-    ) -> bool:
-        return self._report(
-            refit_id,
-            m.Failure(
-                reason=reason, message=message, weights_modified=weights_modified, epoch=epoch
-            ),
-        )
 
     # --- threads -------------------------------------------------------------------------
 
