@@ -40,7 +40,7 @@ class HeldPlan:
             plan=plan,
             send_bytes=plan.send_bytes,
             recv_bytes=plan.recv_bytes,
-            tensors_received=len({p.tensor for link in plan.recvs for p in link.pieces}),
+            tensors_received=plan.tensors_received,
         )
 
 

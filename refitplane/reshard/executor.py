@@ -329,7 +329,7 @@ class Executor:
             schedule,
             steps,
             tables,
-            tensors_received=len({p.tensor for link in plan.recvs for p in link.pieces}),
+            tensors_received=plan.tensors_received,
             buckets=tuple(buckets),
             bucket_steps=tuple(spans),
             ring_bytes=ring_bytes,

@@ -118,6 +118,21 @@ def test_replicas_share_the_sending() -> None:
     assert stats.recv_imbalance == 1.0
 
 
+def test_a_rank_plan_is_made_once_and_counts_each_tensor_once() -> None:
+    """TP2 by rows → TP4 by columns, 8 tensors: every target rank gets pieces of each tensor
+    from both sources, yet receives 8 tensors (what its executor reports as
+    `tensors_total`, and the coordinator checks at every TransferDone). The plan hands out
+    the same rank plan each time, so that count is taken once per plan, not per report."""
+    plan = build_plan(_dp_tp_source(dp=1, tp=2), _tp_target(tp=4, first=100))
+    for rank in range(100, 104):
+        rank_plan = plan.rank_plan(rank)
+        pieces = sum(len(link.pieces) for link in rank_plan.recvs)
+        assert pieces > 8, pieces
+        assert rank_plan.tensors_received == 8
+        assert plan.rank_plan(rank) is rank_plan
+    assert plan.rank_plan(0).tensors_received == 0  # a sender receives nothing
+
+
 def test_same_host_senders_are_preferred() -> None:
     source, target = _dp_tp_source(dp=2, tp=2), _tp_target(tp=2, first=100)
     hosts = {0: "a", 1: "a", 2: "b", 3: "b", 100: "b", 101: "b"}

@@ -14,17 +14,12 @@ from refitplane.protocol import messages as msg
 from refitplane.reshard.plan import RankPlan
 
 
-def planned_tensors(plan: RankPlan) -> int:
-    """Distinct tensors the rank receives (what its executor counts as `tensors_total`)."""
-    return len({piece.tensor for link in plan.recvs for piece in link.pieces})
-
-
 def transfer_done_mismatch(plan: RankPlan, done: msg.TransferDone, *, delta: bool) -> str | None:
     """What in `done` contradicts `plan` (None when it adds up). `delta`: some of this
     rank's links went as deltas, so its bytes on the wire are at most its share (a delta is
     never larger than the dense message), and only a sender's `bytes_full` is exact."""
     problems: list[str] = []
-    tensors = planned_tensors(plan)
+    tensors = plan.tensors_received
     if done.tensors_total != tensors:
         problems.append(f"tensors_total {done.tensors_total}, the plan sends it {tensors}")
     if done.tensors_verified > done.tensors_total:
