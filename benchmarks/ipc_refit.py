@@ -237,6 +237,16 @@ def _presum(world: World, steps: list[Any], repeats: int, seed0: int) -> dict[st
         world.ask("trainer-0", ("presum", True), "presum")
 
 
+def _prepare_sums(world: World, steps: list[Any], repeats: int, seed0: int) -> dict[str, Any]:
+    """The trainer's steps leave the sums to PrepareRefit (before the step-end sums, the
+    default), on the same world: what taking them at the step's end saves."""
+    world.ask("trainer-0", ("step_sums", False), "step_sums")
+    try:
+        return _refits(world, steps, "ipc sums at PrepareRefit", repeats, seed0)
+    finally:
+        world.ask("trainer-0", ("step_sums", True), "step_sums")
+
+
 def _tokens(world: World, min_margin: float = 0.5) -> dict[str, Any]:
     """vLLM's greedy tokens against transformers' over the trainer's own tensors, compared
     up to the first step whose two best logits are closer than `min_margin` (bf16 near-ties
@@ -433,6 +443,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                 comparisons = (
                     (args.compare_unfused, _unfused, 30),
                     (args.compare_presum, _presum, 90),
+                    (args.compare_prepare_sums, _prepare_sums, 70),
                     (args.compare_unaligned, _unaligned, 40),
                 )
                 for asked, compare, seed in comparisons if t == "ipc" else ():
@@ -489,6 +500,12 @@ def main() -> int:
         action="store_true",
         help="colocated: also refit with the trainer's checksums during the transfer "
         "(REFIT_IPC_PRESUM=0; at PrepareRefit is the default)",
+    )
+    parser.add_argument(
+        "--compare-prepare-sums",
+        action="store_true",
+        help="colocated: also refit with the trainer's checksums taken at PrepareRefit "
+        "instead of at the end of its optimizer step (the default)",
     )
     parser.add_argument(
         "--compare-unaligned",

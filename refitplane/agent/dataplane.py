@@ -110,6 +110,8 @@ class DataPlaneMember(NullHandler):
         self.epoch = 0
         self._stores: dict[int, Any] = {}
         self._executor: Executor | None = None
+        # The plan this rank last sent by over CUDA IPC: what a step's end checksums for.
+        self._sent_plan: HeldPlan | None = None
         self._prepared: dict[str, Prepared] = {}
         self._ready = threading.Condition()
         self._cancel = threading.Event()
@@ -243,8 +245,12 @@ class DataPlaneMember(NullHandler):
         if held.send_bytes and self.transport.copies_links and cmd.config is not None:
             # The weights are held from here (the trainer's read-lock): a sender over CUDA
             # IPC may checksum them now (REFIT_IPC_PRESUM), overlapping the coordinator's
-            # prepare round (and a colocated vLLM's wake), not during the receivers' copies.
-            self._executor_for(cmd.config).presum_links(held.plan, self._shards())
+            # prepare round (and a colocated vLLM's wake), not during the receivers' copies,
+            # unless the last optimizer step's end took them and nothing wrote since.
+            self._executor_for(cmd.config).presum_links(
+                held.plan, self._shards(), writes=self.weight_writes()
+            )
+            self._sent_plan = held
         with self._ready:
             self._prepared[cmd.refit_id] = Prepared(cmd.refit_id, cmd.version, cmd.epoch, cmd, held)
             self._ready.notify_all()
@@ -441,6 +447,25 @@ class DataPlaneMember(NullHandler):
 
     def before_transfer(self, cmd: PrepareRefitCmd) -> None:
         """Called when a refit is prepared (e.g. trainers take the weights read-lock)."""
+
+    def weight_writes(self) -> int | None:
+        """How many times the weights were opened for writing so far (trainers: optimizer
+        steps), or None where the rank does not count them."""
+        return None
+
+    def presum_after_step(self, writes: int) -> bool:
+        """At the end of an optimizer step (`writes`: its count), inside its write hold: on a
+        sender whose last refit ran link copies over CUDA IPC, checksum the outgoing chunks
+        now for the next refit, which then sends these sums instead of reading the weights
+        during its prepare round. Never raises (training goes on); returns whether it did."""
+        executor, held = self._executor, self._sent_plan
+        if executor is None or held is None or executor.transport is not self.transport:
+            return False
+        try:
+            return executor.presum_links(held.plan, self._shards(), writes=writes, after_step=True)
+        except (RefitError, RuntimeError) as exc:  # the next PrepareRefit takes them then
+            log.warning("checksums at the end of the step failed: %s", exc)
+            return False
 
     def after_transfer(
         self, prepared: Prepared, report: TransferReport | None, *, weights_modified: bool

@@ -115,8 +115,10 @@ class Executor:
         # bytes may change (they land as they arrive), whatever the run's outcome.
         self.receives_posted = False
         self._prepared: PreparedPlan | None = None
-        # Link copies (`ipc_run.py`): the links of the prepared plan, kept with it.
+        # Link copies (`ipc_run.py`): the links of the prepared plan, kept with it. Sums are
+        # taken from the agent's command thread (PrepareRefit) or a trainer's step.
         self._links: LinkCopies | None = None
+        self._presum_lock = threading.Lock()
 
     def run(
         self,
@@ -191,34 +193,61 @@ class Executor:
             self.ring.free()
         return report
 
-    def presum_links(self, plan: RankPlan, shards: LocalShards) -> bool:
-        """When a refit is prepared, on a sender of a group that runs link copies (agreed at
-        its first transfer), checksum the outgoing chunks now (`ipc_run.presum`): the
-        transfer then only sends the sums. The caller holds the weights from here to the
-        end of the refit. Returns whether it did."""
-        if self._links is not None:
-            self._links.presummed = False  # sums of an earlier prepare describe nothing now
-        if not (
-            self.transport.copies_links
-            and link_copies_enabled()
-            and self.config.verify_checksums
-            and plan.send_bytes
-            and not isinstance(shards, StagedShards)
-            and cast("CudaIpcTransport", self.transport).agreed_link_copies
-        ):
-            return False
-        from refitplane.reshard.ipc_run import PRESUM, LinkCopies, presum
+    def presum_links(
+        self,
+        plan: RankPlan,
+        shards: LocalShards,
+        *,
+        writes: int | None = None,
+        after_step: bool = False,
+    ) -> bool:
+        """On a sender of a group that runs link copies (agreed at its first transfer),
+        checksum the outgoing chunks now (`ipc_run.presum`): the transfer then only sends
+        the sums. Called when a refit is prepared (the caller holds the weights from there
+        to the end of the refit), and by trainers at the end of each optimizer step
+        (`after_step`, inside the step's write hold) with `writes`, the weights' write count
+        then: a PrepareRefit that passes the same count keeps those sums instead of reading
+        the weights again during the prepare round. Returns whether sums are in place."""
+        with self._presum_lock:
+            links = self._links
+            if (
+                not after_step
+                and writes is not None
+                and links is not None
+                and links.presummed
+                and links.presummed_after_write == writes
+                and self._prepared is not None
+                and links.key is self._prepared
+                and self._prepared.serves(plan, shards)
+            ):
+                return bool(links.outgoing)
+            if links is not None:
+                links.presummed = False  # sums of an earlier prepare describe nothing now
+                links.presummed_after_write = None
+            if not (
+                self.transport.copies_links
+                and link_copies_enabled()
+                and self.config.verify_checksums
+                and plan.send_bytes
+                and not isinstance(shards, StagedShards)
+                and cast("CudaIpcTransport", self.transport).agreed_link_copies
+            ):
+                return False
+            from refitplane.reshard.ipc_run import PRESUM, LinkCopies, presum
 
-        if not PRESUM:
-            return False
+            if not PRESUM:
+                return False
 
-        prepared = self._prepare(plan, shards)
-        if self._links is None or self._links.key is not prepared:
-            self._links = LinkCopies.build(prepared, prepared.steps, plan.rank)
-        presum(
-            cast("CudaIpcTransport", self.transport), self._links, self.config.max_inflight_bytes
-        )
-        return bool(self._links.outgoing)
+            prepared = self._prepare(plan, shards)
+            if self._links is None or self._links.key is not prepared:
+                self._links = LinkCopies.build(prepared, prepared.steps, plan.rank)
+            presum(
+                cast("CudaIpcTransport", self.transport),
+                self._links,
+                self.config.max_inflight_bytes,
+                writes if after_step else None,
+            )
+            return bool(self._links.outgoing)
 
     def _link_rate(self) -> float | None:
         """The rate this rank's "auto" decisions as a sender assume: REFIT_DELTA_LINK_GBPS if
@@ -280,7 +309,9 @@ class Executor:
             on_receive=receiving,
         )
         try:
-            with transfer_profile(plan.rank):
+            # A trainer's step-end sums (`presum_links`) wait for the transfer: the two never
+            # share the links' sum rows (they meet only after a refit's hold expired).
+            with self._presum_lock, transfer_profile(plan.rank):
                 run.execute()
         except BaseException:
             self._links = None

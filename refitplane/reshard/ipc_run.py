@@ -133,6 +133,10 @@ class LinkCopies:
     # The outgoing links' sums were launched when the refit was prepared (`presum`), on the
     # transport's sum stream: the next run sends them instead of checksumming then.
     presummed: bool = False
+    # Set when they were taken at the end of an optimizer step (`Executor.presum_links`'s
+    # `after_step`): the trainer's weight-write count then. A PrepareRefit that finds the
+    # same count keeps them (nothing wrote the weights since); any other takes them again.
+    presummed_after_write: int | None = None
 
     @staticmethod
     def build(
@@ -160,7 +164,9 @@ def _launch_sums(transport: CudaIpcTransport, links: LinkCopies, budget: int) ->
             out.summer.launch()
 
 
-def presum(transport: CudaIpcTransport, links: LinkCopies, budget: int) -> None:
+def presum(
+    transport: CudaIpcTransport, links: LinkCopies, budget: int, after_write: int | None = None
+) -> None:
     """Checksum a sender's outgoing chunks now, when the refit is prepared, so that its
     transfer only sends the sums and the receivers' copies have the memory to themselves.
 
@@ -175,6 +181,7 @@ def presum(transport: CudaIpcTransport, links: LinkCopies, budget: int) -> None:
     transport.sum_stream().wait_event(final)
     _launch_sums(transport, links, budget)
     links.presummed = True
+    links.presummed_after_write = after_write
 
 
 class LinkCopyRun:
@@ -227,6 +234,7 @@ class LinkCopyRun:
         if self.verify and self.links.outgoing:
             self._send_sums()
         self.links.presummed = False  # used, or stale: the next refit's prepare sums again
+        self.links.presummed_after_write = None
         try:
             for inc in self.links.incoming:
                 self._copy(inc)

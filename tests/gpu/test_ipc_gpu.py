@@ -267,6 +267,93 @@ def test_sums_taken_at_prepare_catch_weights_changed_after_them(
     assert "checksum" in receiver["message"], receiver
 
 
+def _step_sums_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> dict[str, Any]:
+    """Refits of link copies where the sender's sums are taken at the end of each optimizer
+    step (`presum_links(after_step=True)`, what `TrainerAgent.updating_weights` does) and
+    the prepare passes the weights' write count. Refit 1 agrees on link copies. Refit 2:
+    the step's sums are kept at prepare (no second launch) and verify. Refit 3: another
+    write began after the step's sums (count 3, not 2): the prepare takes them again, and
+    they verify. Refit 4: the weights change after the step's sums without a write hold (a
+    caller breaking the contract): the prepare keeps the sums (same count) and the
+    receiver's sums of what it copied must not match."""
+    import torch
+
+    from refitplane.errors import ChecksumMismatch
+    from refitplane.reshard import ipc_run
+    from refitplane.reshard.config import TransferConfig
+    from refitplane.reshard.executor import Executor
+
+    launches = [0]
+    launch = ipc_run._launch_sums
+
+    def counted(*args: Any) -> None:
+        launches[0] += 1
+        launch(*args)
+
+    ipc_run._launch_sums = counted
+    case = pc.make_case("tp2", 0.25)
+    layout = case.source if rank == 0 else case.target
+    shards = pc.make_shards(layout, rank, transport.device, fill=False)
+    executor = Executor(transport, TransferConfig(bucket_bytes=64 * MiB, timeout_s=60))
+    plan = pc.rank_plan(case, rank)
+    out: dict[str, Any] = {"step": [], "prepare": [], "launches": [], "wrong": []}
+    # (value written by the step, write count at the step's end, count at prepare)
+    for refit, (value, step_writes, prepare_writes) in enumerate(
+        ((3, None, None), (5, 2, 2), (7, 2, 3), (9, 4, 4)), start=1
+    ):
+        if rank == 0:
+            for sv in shards:
+                sv.tensor.view(torch.uint8).fill_(value)
+            if step_writes is not None:
+                out["step"].append(
+                    executor.presum_links(plan, shards, writes=step_writes, after_step=True)
+                )
+            before = launches[0]
+            if refit == 4:
+                transport.sum_stream().synchronize()
+                for sv in shards:
+                    sv.tensor.view(torch.uint8).fill_(value + 1)
+            out["prepare"].append(executor.presum_links(plan, shards, writes=prepare_writes))
+            out["launches"].append(launches[0] - before)
+        barrier.wait()
+        try:
+            report = executor.run(plan, shards)
+        except ChecksumMismatch as exc:
+            out.update(error=f"refit {refit}", message=exc.message, _aborted=True)
+            return out
+        if rank == 1:
+            torch.cuda.synchronize()
+            if report.tensors_verified != report.tensors_total:
+                out["wrong"].append(f"refit {refit}: {report.tensors_verified} verified")
+            out["wrong"] += [
+                f"refit {refit}: {sv.spec.name}"
+                for sv in shards
+                if not bool((sv.tensor.view(torch.uint8) == value).all())
+            ]
+    out["_aborted"] = rank == 0  # its receiver aborted after refit 4
+    return out
+
+
+@pytest.mark.gpu
+def test_sums_taken_at_the_end_of_a_step_serve_the_next_refit_until_a_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("REFIT_IPC_PRESUM", "1")
+    results = run_ipc_world(_step_sums_worker, [0, 0], timeout_s=60)
+    for rank in (0, 1):
+        assert results[rank][0] == "ok", results[rank]
+    sender, receiver = results[0][1], results[1][1]
+    # Steps before refits 2, 3 and 4 took sums (link copies agreed at refit 1).
+    assert sender["step"] == [True, True, True], sender
+    # Refit 1: no link copies agreed yet, nothing launched. Refit 2: the step's sums kept.
+    # Refit 3: a later write: taken again. Refit 4: kept (same count), then found stale.
+    assert sender["prepare"] == [False, True, True, True], sender
+    assert sender["launches"] == [0, 0, 1, 0], sender
+    assert receiver["wrong"] == [], receiver
+    assert receiver.get("error") == "refit 4", receiver
+    assert "checksum" in receiver["message"], receiver
+
+
 @pytest.mark.gpu
 def test_the_copy_kernel_copies_and_checksums_exactly_on_cuda() -> None:
     """The receiver's copy kernel, both variants (16-byte aligned and not), against `copy_`

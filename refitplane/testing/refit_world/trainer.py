@@ -100,6 +100,16 @@ def trainer_main(rank: int, spec: TrainerSpec, commands: Any, results: Any) -> N
 
                 ipc_run.PRESUM = bool(command[1])
                 results.put(("presum", rank, ipc_run.PRESUM))
+            elif command[0] == "step_sums":
+                # Whether this rank's steps take the next refit's CUDA IPC sums at their end
+                # (`presum_after_step`, the default) or leave them to PrepareRefit.
+                on = bool(command[1])
+                member = agent.member
+                if on:
+                    vars(member).pop("presum_after_step", None)  # the class's own again
+                else:
+                    member.presum_after_step = lambda writes: False  # type: ignore[method-assign]
+                results.put(("step_sums", rank, on))
             elif command[0] == "ipc_handles":
                 results.put(("ipc_handles", rank, _ipc_handles(shards, device)))
         agent.close()

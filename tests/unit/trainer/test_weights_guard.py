@@ -61,3 +61,18 @@ def test_an_abandoned_hold_expires() -> None:
         waited = time.monotonic() - started
     assert 0.2 < waited < 2
     assert not guard.held
+
+
+def test_writes_count_every_write_hold_begun_even_one_that_raised() -> None:
+    """Sums a step's end took (`presum_after_step`) describe the weights until the next write
+    hold begins: the count a PrepareRefit compares moves at every begun hold."""
+    guard = WeightsGuard()
+    assert guard.writes == 0
+    with guard.writing():
+        assert guard.writes == 1
+    with pytest.raises(RuntimeError), guard.writing():
+        raise RuntimeError("the step failed part-way")
+    assert guard.writes == 2
+    guard.hold(timeout_s=1, expires_s=10)  # a refit reading the weights counts nothing
+    guard.release()
+    assert guard.writes == 2

@@ -63,6 +63,9 @@ class WeightsGuard:
         self._hold_until: float | None = None
         # Set while a refit waits for a step to end before it reads the weights.
         self.refit_waiting = threading.Event()
+        # Write holds begun so far: sums taken at the end of one describe the weights until
+        # the next begins.
+        self.writes = 0
 
     def hold(self, timeout_s: float, expires_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -103,6 +106,7 @@ class WeightsGuard:
                     break
                 self._cond.wait(remaining)
             self._writing = True
+            self.writes += 1
         try:
             yield
         finally:
@@ -131,6 +135,9 @@ class _TrainerMember(DataPlaneMember):
     def before_transfer(self, cmd: PrepareRefitCmd) -> None:
         assert cmd.config is not None
         self.guard.hold(self.step_timeout_s, cmd.config.timeout_s + _HOLD_SLACK_S)
+
+    def weight_writes(self) -> int | None:
+        return self.guard.writes
 
     def after_transfer(
         self, prepared: Prepared, report: TransferReport | None, *, weights_modified: bool
@@ -225,6 +232,9 @@ class TrainerAgent:
             if self.device.type == "cuda":
                 # Refit streams must see the finished step.
                 torch.cuda.current_stream(self.device).synchronize()
+                # Colocated (CUDA IPC link copies): the next refit's sender checksums, taken
+                # now on a side stream, still inside the step's hold.
+                self.member.presum_after_step(self.guard.writes)
 
     def refit(
         self,
