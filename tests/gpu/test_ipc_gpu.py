@@ -206,6 +206,51 @@ def test_handle_of_an_exited_sender_is_a_refit_error(worker: Any) -> None:
     assert "rank 0" in detail["message"] or "CUDA IPC" in detail["message"], detail
 
 
+def _sender_and_receiver(worker: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run `worker` as a sender (rank 0) and a receiver (rank 1) on GPU 0; both must end."""
+    results = run_ipc_world(worker, [0, 0], timeout_s=60)
+    for rank in (0, 1):
+        assert results[rank][0] == "ok", results[rank]
+    return results[0][1], results[1][1]
+
+
+def _write_after_the_sums(transport: Any, shards: Any, value: int) -> None:
+    """Change the sender's weights once its sums are taken, as a writer that ignores the
+    refit's hold would."""
+    import torch
+
+    transport.sum_stream().synchronize()
+    for sv in shards:
+        sv.tensor.view(torch.uint8).fill_(value)
+
+
+def _refit_and_check(
+    executor: Any, plan: Any, shards: Any, rank: int, refit: int, value: int, out: dict[str, Any]
+) -> bool:
+    """Run one refit of link copies; on the receiver, check every byte arrived as `value`
+    and was verified (into `out["wrong"]`). False when the receiver's sums did not match
+    (`out` then names the refit and the message)."""
+    import torch
+
+    from refitplane.errors import ChecksumMismatch
+
+    try:
+        report = executor.run(plan, shards)
+    except ChecksumMismatch as exc:
+        out.update(error=f"refit {refit}", message=exc.message, _aborted=True)
+        return False
+    if rank == 1:
+        torch.cuda.synchronize()
+        if report.tensors_verified != report.tensors_total:
+            out["wrong"].append(f"refit {refit}: {report.tensors_verified} verified")
+        out["wrong"] += [
+            f"refit {refit}: {sv.spec.name}"
+            for sv in shards
+            if not bool((sv.tensor.view(torch.uint8) == value).all())
+        ]
+    return True
+
+
 def _presum_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> dict[str, Any]:
     """Three refits of link copies; from the second on the sender checksums its chunks when
     the refit is prepared (`Executor.presum_links`, what a trainer does at PrepareRefit).
@@ -213,7 +258,6 @@ def _presum_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> di
     (a hold that expired): the receiver's sums of what it copied must not match."""
     import torch
 
-    from refitplane.errors import ChecksumMismatch
     from refitplane.reshard.config import TransferConfig
     from refitplane.reshard.executor import Executor
 
@@ -229,24 +273,10 @@ def _presum_worker(*, rank: int, world: int, transport: Any, barrier: Any) -> di
                 sv.tensor.view(torch.uint8).fill_(value)
             out["presummed"].append(executor.presum_links(plan, shards))
             if refit == 3:
-                transport.sum_stream().synchronize()
-                for sv in shards:
-                    sv.tensor.view(torch.uint8).fill_(value + 1)
+                _write_after_the_sums(transport, shards, value + 1)
         barrier.wait()
-        try:
-            report = executor.run(plan, shards)
-        except ChecksumMismatch as exc:
-            out.update(error=f"refit {refit}", message=exc.message, _aborted=True)
+        if not _refit_and_check(executor, plan, shards, rank, refit, value, out):
             return out
-        if rank == 1:
-            torch.cuda.synchronize()
-            if report.tensors_verified != report.tensors_total:
-                out["wrong"].append(f"refit {refit}: {report.tensors_verified} verified")
-            out["wrong"] += [
-                f"refit {refit}: {sv.spec.name}"
-                for sv in shards
-                if not bool((sv.tensor.view(torch.uint8) == value).all())
-            ]
     out["_aborted"] = rank == 0  # its receiver aborted after refit 3
     return out
 
@@ -256,10 +286,7 @@ def test_sums_taken_at_prepare_catch_weights_changed_after_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("REFIT_IPC_PRESUM", "1")  # the default, whatever the caller's env says
-    results = run_ipc_world(_presum_worker, [0, 0], timeout_s=60)
-    for rank in (0, 1):
-        assert results[rank][0] == "ok", results[rank]
-    sender, receiver = results[0][1], results[1][1]
+    sender, receiver = _sender_and_receiver(_presum_worker)
     # The group agrees on link copies at its first transfer: sums at prepare from then on.
     assert sender["presummed"] == [False, True, True], sender
     assert receiver["wrong"] == [], receiver
@@ -278,7 +305,6 @@ def _step_sums_worker(*, rank: int, world: int, transport: Any, barrier: Any) ->
     receiver's sums of what it copied must not match."""
     import torch
 
-    from refitplane.errors import ChecksumMismatch
     from refitplane.reshard import ipc_run
     from refitplane.reshard.config import TransferConfig
     from refitplane.reshard.executor import Executor
@@ -286,9 +312,9 @@ def _step_sums_worker(*, rank: int, world: int, transport: Any, barrier: Any) ->
     launches = [0]
     launch = ipc_run._launch_sums
 
-    def counted(*args: Any) -> None:
+    def counted(transport: Any, links: Any, budget: int) -> None:
         launches[0] += 1
-        launch(*args)
+        launch(transport, links, budget)
 
     ipc_run._launch_sums = counted
     case = pc.make_case("tp2", 0.25)
@@ -310,26 +336,12 @@ def _step_sums_worker(*, rank: int, world: int, transport: Any, barrier: Any) ->
                 )
             before = launches[0]
             if refit == 4:
-                transport.sum_stream().synchronize()
-                for sv in shards:
-                    sv.tensor.view(torch.uint8).fill_(value + 1)
+                _write_after_the_sums(transport, shards, value + 1)
             out["prepare"].append(executor.presum_links(plan, shards, writes=prepare_writes))
             out["launches"].append(launches[0] - before)
         barrier.wait()
-        try:
-            report = executor.run(plan, shards)
-        except ChecksumMismatch as exc:
-            out.update(error=f"refit {refit}", message=exc.message, _aborted=True)
+        if not _refit_and_check(executor, plan, shards, rank, refit, value, out):
             return out
-        if rank == 1:
-            torch.cuda.synchronize()
-            if report.tensors_verified != report.tensors_total:
-                out["wrong"].append(f"refit {refit}: {report.tensors_verified} verified")
-            out["wrong"] += [
-                f"refit {refit}: {sv.spec.name}"
-                for sv in shards
-                if not bool((sv.tensor.view(torch.uint8) == value).all())
-            ]
     out["_aborted"] = rank == 0  # its receiver aborted after refit 4
     return out
 
@@ -339,10 +351,7 @@ def test_sums_taken_at_the_end_of_a_step_serve_the_next_refit_until_a_write(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("REFIT_IPC_PRESUM", "1")
-    results = run_ipc_world(_step_sums_worker, [0, 0], timeout_s=60)
-    for rank in (0, 1):
-        assert results[rank][0] == "ok", results[rank]
-    sender, receiver = results[0][1], results[1][1]
+    sender, receiver = _sender_and_receiver(_step_sums_worker)
     # Steps before refits 2, 3 and 4 took sums (link copies agreed at refit 1).
     assert sender["step"] == [True, True, True], sender
     # Refit 1: no link copies agreed yet, nothing launched. Refit 2: the step's sums kept.
