@@ -16,6 +16,7 @@ import queue
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,6 @@ from refitplane.testing.child_processes import (
     http_ok,
     python,
     read_ports,
-    vllm_server_module,
     wait_for,
 )
 
@@ -100,7 +100,9 @@ class Demo:
         self.generator_tp = generator_tp
         self.procs: list[Managed] = []
 
-    def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Managed:
+    def _start(
+        self, name: str, argv: list[str], env: Mapping[str, str | None] | None = None
+    ) -> Managed:
         proc = Managed(name, argv, self.workdir / f"{name}.log", env)
         self.procs.append(proc)
         return proc
@@ -114,7 +116,7 @@ class Demo:
 
     def run_variant(self, variant: str) -> VariantResult:
         from refitplane.models.tiny import write_tiny_model
-        from refitplane.testing.vllm_cpu import TEST_KV_CACHE_BYTES, cpu_env
+        from refitplane.testing.vllm_server import vllm_serve_command, vllm_serve_env
 
         _, kind, label, trainer_layout = VARIANTS[variant]
         result = VariantResult(variant)
@@ -141,35 +143,10 @@ class Demo:
 
         t0 = time.monotonic()
         vllm_port = free_port()
-        vllm_env = {
-            **cpu_env(self.generator_tp, kv_cache_in_env=False),
-            "VLLM_SERVER_DEV_MODE": "1",
-        }
         vllm = self._start(
             f"vllm-{variant}",
-            python(
-                "-m",
-                vllm_server_module(),
-                "--model",
-                str(model_dir),
-                "--skip-tokenizer-init",
-                "--enforce-eager",
-                "--dtype",
-                "float32",
-                "--max-model-len",
-                "256",
-                "--tensor-parallel-size",
-                str(self.generator_tp),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(vllm_port),
-                "--weight-transfer-config",
-                '{"backend": "refitplane"}',
-                "--kv-cache-memory-bytes",
-                str(TEST_KV_CACHE_BYTES),
-            ),
-            vllm_env,
+            vllm_serve_command(model_dir, vllm_port, tensor_parallel_size=self.generator_tp),
+            vllm_serve_env(self.generator_tp),
         )
         vllm_url = f"http://127.0.0.1:{vllm_port}"
         say("starting vLLM (vllm-cpu; about a minute on 2 cores) ...")

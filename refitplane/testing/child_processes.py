@@ -41,17 +41,30 @@ def free_port() -> int:
 
 
 class Managed:
+    """A child process in its own session, its output in `log`; `env` goes over this
+    process's environment (a None value unsets an inherited variable)."""
+
     def __init__(
-        self, name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        log: Path,
+        env: Mapping[str, str | None] | None = None,
     ) -> None:
         self.name = name
         self.log_path = log
+        merged = dict(os.environ)
+        for key, value in (env or {}).items():
+            if value is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = value
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             list(argv),
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env=merged,
             start_new_session=True,
         )
 

