@@ -9,7 +9,7 @@ import torch
 
 from refitplane.agent.dataplane import DataPlaneMember, Prepared
 from refitplane.agent.settings import AgentSettings
-from refitplane.errors import TransferError
+from refitplane.errors import InvalidArgument, TransferError
 from refitplane.generator.vllm_contract import RefitInitInfo
 from refitplane.protocol.messages import (
     AbortRefitCmd,
@@ -49,6 +49,17 @@ class WorkerMember(DataPlaneMember):
         self._aborts_unnamed = 0
 
     def on_prepare_refit(self, cmd: PrepareRefitCmd) -> None:
+        if cmd.config is not None and not cmd.config.verify_checksums:
+            # vLLM serves a version only once every rank verified what arrived (the
+            # sidecar's RanksVerified wait, the API's report check): an unchecked transfer
+            # would overwrite the live weights and then fail after that wait. Refused here,
+            # before any byte moves.
+            raise InvalidArgument(
+                f"refit {cmd.refit_id}: a vLLM replica takes only verified transfers, and "
+                "this one runs with checksums off (REFIT_VERIFY_CHECKSUMS=false on the "
+                "coordinator); turn them on. Nothing was received",
+                field="verify_checksums",
+            )
         with self._ready:
             self._started.clear()  # one refit at a time: an older start is stale
         super().on_prepare_refit(cmd)
