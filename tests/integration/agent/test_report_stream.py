@@ -149,7 +149,12 @@ def test_a_report_at_the_limit_goes_unary_not_refused(coordinator, sim_cluster):
     assert _reports(coordinator) == unary_before + 1
 
 
-def test_a_stream_broken_mid_refit_hands_the_report_to_unary(coordinator):
+def test_a_stream_broken_mid_refit_hands_the_report_to_unary(coordinator_factory):
+    # The cut breaks every agent connection: each reconnects with gRPC's backoff (1 s, then
+    # 1.6 s, ...). The default 5 s TRANSFERRING bound failed this once on a loaded CI box
+    # (both ranks still reconnecting), and leases (3 s) renew through the same channels;
+    # the test is about the fallback, not those bounds.
+    coordinator = coordinator_factory(transfer_timeout_s=30.0, lease_ttl_s=15.0)
     proxy = TcpProxy("127.0.0.1", coordinator.server.grpc_port)
     cluster = SimCluster(proxy.target)
     try:
