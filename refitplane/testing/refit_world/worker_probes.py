@@ -3,6 +3,7 @@ command (`llm.collective_rpc`): what the benchmark measures there."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,8 +61,6 @@ def check_replayed_weights(worker: Any, steps: Sequence[Any]) -> dict[str, Any]:
 
 def transfer_report(worker: Any) -> dict[str, Any]:
     """In a vLLM worker: the engine's last `TransferReport` (times, groups, delta messages)."""
-    import dataclasses
-
     engine = worker.weight_transfer_engine
     report = engine.member.last_report if engine is not None and engine.member else None
     return dataclasses.asdict(report) if report is not None else {}
@@ -189,12 +188,23 @@ def stale_views(worker: Any) -> dict[str, Any]:
 
 
 def last_refit_seconds(worker: Any) -> dict[str, float]:
-    """In a vLLM worker: how long its refitplane engine's last transfer ran ("executor": the
-    executor's wall time, `TransferReport.seconds`) and its last finish_weight_update
-    ("finish"); 0.0 where it made none."""
+    """In a vLLM worker: how long its refitplane engine's last transfer ran (`report_seconds`)
+    and its last finish_weight_update ("finish"); 0.0 where it made none."""
     engine = getattr(worker, "weight_transfer_engine", None)
-    report = getattr(getattr(engine, "member", None), "last_report", None)
     return {
-        "executor": float(report.seconds) if report is not None else 0.0,
+        **report_seconds(transfer_report(worker)),
         "finish": float(getattr(engine, "last_finish_s", 0.0)),
+    }
+
+
+def report_seconds(report: dict[str, Any]) -> dict[str, float]:
+    """Where a rank's last transfer went, from its `TransferReport` (as a dict): "executor"
+    (its wall time), "prepare" (schedule and staging up to the first op), "wire" (the
+    posting loop until every group completed) and "verify" (the checksum tables' exchange
+    and compare after the last message)."""
+    return {
+        "executor": float(report.get("seconds", 0.0)),
+        "prepare": float(report.get("prepared_seconds", 0.0)),
+        "wire": float(report.get("wire_seconds", 0.0)),
+        "verify": float(report.get("verify_seconds", 0.0)),
     }

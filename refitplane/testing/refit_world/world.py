@@ -271,13 +271,17 @@ class World:
     def rank_seconds(self) -> dict[str, dict[str, float]]:
         """Per data-plane rank ("trainer-0", "replica-0/0", ...), from its last refit: its
         executor's wall time ("executor": what of the coordinator's TRANSFERRING the data
-        plane took) and, in vLLM workers, the engine's finish_weight_update ("finish")."""
-        from refitplane.testing.refit_world.worker_probes import last_refit_seconds
+        plane took) and its parts (`worker_probes.report_seconds`), and in vLLM workers the
+        engine's finish_weight_update ("finish")."""
+        from refitplane.testing.refit_world.worker_probes import (
+            last_refit_seconds,
+            report_seconds,
+        )
 
         out: dict[str, dict[str, float]] = {}
         for r in range(self.trainer_ranks):
             report = self.ask(f"trainer-{r}", "report", "report")
-            out[f"trainer-{r}"] = {"executor": float(report.get("seconds", 0.0))}
+            out[f"trainer-{r}"] = report_seconds(report)
         for name in self.replicas():
             ranks = self.ask(name, ("rpc", (last_refit_seconds, [])), "rpc")
             out.update({f"{name}/{k}": dict(seconds) for k, seconds in enumerate(ranks)})
