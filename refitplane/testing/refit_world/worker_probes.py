@@ -199,12 +199,17 @@ def last_refit_seconds(worker: Any) -> dict[str, float]:
 
 def report_seconds(report: dict[str, Any]) -> dict[str, float]:
     """Where a rank's last transfer went, from its `TransferReport` (as a dict): "executor"
-    (its wall time), "prepare" (schedule and staging up to the first op), "wire" (the
-    posting loop until every group completed) and "verify" (the checksum tables' exchange
-    and compare after the last message)."""
+    (its wall time), "prepare" (schedule and staging up to the first op), "posted" (when its
+    last group was posted, from the start), "host" (its posting loop's host work: adding,
+    posting, queueing the work after each group), "wire" (the posting loop until every
+    group completed) and "verify" (the checksum tables' exchange and compare after the last
+    message). A "posted" near "executor" says the host loop, not the link, set the pace."""
+    host = ("host_add_seconds", "host_post_seconds", "host_after_seconds")
     return {
         "executor": float(report.get("seconds", 0.0)),
         "prepare": float(report.get("prepared_seconds", 0.0)),
+        "posted": float(report.get("posted_seconds", 0.0)),
+        "host": sum(float(report.get(k, 0.0)) for k in host),
         "wire": float(report.get("wire_seconds", 0.0)),
         "verify": float(report.get("verify_seconds", 0.0)),
     }
