@@ -275,6 +275,40 @@ def test_a_refit_aborted_before_the_update_started_leaves_vllm_alone(
     assert world.weight_version() == str(committed.version)
 
 
+def test_a_refit_with_checksums_off_is_refused_before_any_byte_moves(
+    world: World, trainer: Trainer
+) -> None:
+    from refitplane.trainer.vllm_engine import WeightSyncError
+
+    version, tokens = world.weight_version(), world.tokens()
+    # A coordinator set to move weights unverified (REFIT_VERIFY_CHECKSUMS=false): vLLM
+    # serves a version only once every rank verified it, so its workers refuse the refit
+    # at PrepareRefit instead of taking bytes they could never vouch for.
+    settings = world.coordinator.settings
+    settings.verify_checksums = False
+    try:
+        with pytest.raises(WeightSyncError) as failed:
+            trainer.sync(world)
+    finally:
+        settings.verify_checksums = True
+    assert failed.value.reason == "INVALID_ARGUMENT", failed.value
+    assert "REFIT_VERIFY_CHECKSUMS=false" in failed.value.message
+    controller = trainer.engine.controller_member
+    deadline = time.monotonic() + 30
+    while controller.state.paused:
+        assert time.monotonic() < deadline, "the controller did not handle the abort"
+        time.sleep(0.05)
+    # Nothing moved: the replica serves what it served, under the same version.
+    assert world.weight_version() == version
+    assert world.tokens() == tokens
+
+    trainer.sync(world)
+    with world.client() as client:
+        committed = client.list(JOB, limit=1)[0]
+    assert committed.state is RefitState.COMMITTED
+    assert world.weight_version() == str(committed.version)
+
+
 def test_two_trainer_ranks_send_their_own_shards(world: World, trainer: Trainer) -> None:
     from refitplane.testing.child_processes import free_port
     from tests.integration.generator.vllm_api_trainer import RankConfig, trainer_rank_main
