@@ -74,6 +74,20 @@ def _first_core(cores: int) -> int:
     return int(index) % cores if worker.startswith("gw") and index.isdigit() else 0
 
 
+def engine_env(
+    tensor_parallel_size: int, env: Mapping[str, str] | None = None
+) -> dict[str, str | None]:
+    """The environment of an engine that sizes its KV cache itself (vLLM's
+    `kv_cache_memory_bytes`, `vllm serve --kv-cache-memory-bytes`): `cpu_env`'s core binding,
+    an inherited `VLLM_CPU_KVCACHE_SPACE` unset (None: it would override the size), `env` on
+    top."""
+    return {
+        **cpu_env(tensor_parallel_size, kv_cache_in_env=False),
+        "VLLM_CPU_KVCACHE_SPACE": None,
+        **(env or {}),
+    }
+
+
 @contextlib.contextmanager
 def vllm_cpu_engine(
     model: str | Path,
@@ -91,12 +105,7 @@ def vllm_cpu_engine(
     Extra keyword arguments go to `vllm.LLM` (e.g. `weight_transfer_config=...`); `env`
     adds to / overrides `cpu_env(...)` for the engine's lifetime.
     """
-    settings: dict[str, str | None] = {
-        **cpu_env(tensor_parallel_size, kv_cache_in_env=False),
-        "VLLM_CPU_KVCACHE_SPACE": None,  # would override kv_cache_memory_bytes
-        **(env or {}),
-    }
-    with _environment(settings):
+    with _environment(engine_env(tensor_parallel_size, env)):
         from vllm import LLM
 
         before = _child_pids()

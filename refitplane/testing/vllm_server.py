@@ -23,7 +23,7 @@ from refitplane.testing.child_processes import (
     vllm_server_module,
     wait_for,
 )
-from refitplane.testing.vllm_cpu import TEST_KV_CACHE_BYTES, cpu_env
+from refitplane.testing.vllm_cpu import TEST_KV_CACHE_BYTES, engine_env
 
 # `vllm_server_module`: vllm-cpu 0.32 ships its server under another module than the
 # official vLLM's. vllm-cpu takes 45-90 s to start on two busy cores.
@@ -91,14 +91,9 @@ def vllm_serve_command(
 def vllm_serve_env(
     tensor_parallel_size: int, env: Mapping[str, str] | None = None
 ) -> dict[str, str | None]:
-    """The environment `vllm_serve_command` runs in (over this process's): vllm-cpu's
-    core binding, vLLM's dev-mode verbs (the RL endpoints), `env` on top."""
-    return {
-        **cpu_env(tensor_parallel_size, kv_cache_in_env=False),
-        "VLLM_CPU_KVCACHE_SPACE": None,  # would override --kv-cache-memory-bytes
-        "VLLM_SERVER_DEV_MODE": "1",
-        **(env or {}),
-    }
+    """The environment `vllm_serve_command` runs in (over this process's): `engine_env`
+    with vLLM's dev-mode verbs (the RL endpoints), `env` on top."""
+    return engine_env(tensor_parallel_size, {"VLLM_SERVER_DEV_MODE": "1", **(env or {})})
 
 
 @contextlib.contextmanager

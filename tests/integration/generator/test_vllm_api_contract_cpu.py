@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 
 from refitplane.protocol import RefitState
+from tests.integration.conftest import wait_until
 from tests.integration.generator.vllm_api_world import (
     JOB,
     NEW_TOKENS,
@@ -241,6 +242,22 @@ def test_a_refit_right_after_a_trainer_rejoins_waits_for_its_layout(
     assert world.weight_version() == str(version + 1)
 
 
+def _wait_until_resumed(trainer: Trainer) -> None:
+    """The replica's controller handles the AbortRefit after a refit failed (it resumes
+    what it paused): wait until it has."""
+    controller = trainer.engine.controller_member
+    wait_until(lambda: not controller.state.paused, 30, "the controller to handle the abort")
+
+
+def _sync_commits(world: World, trainer: Trainer) -> None:
+    """The next sync commits, and vLLM reports the committed version."""
+    trainer.sync(world)
+    with world.client() as client:
+        committed = client.list(JOB, limit=1)[0]
+    assert committed.state is RefitState.COMMITTED
+    assert world.weight_version() == str(committed.version)
+
+
 def test_a_refit_aborted_before_the_update_started_leaves_vllm_alone(
     world: World, trainer: Trainer
 ) -> None:
@@ -254,25 +271,16 @@ def test_a_refit_aborted_before_the_update_started_leaves_vllm_alone(
         trainer.sync(world)
     assert failed.value.reason == "FAILED_PRECONDITION"
     assert "/start_weight_update" in failed.value.message
-    # The controller handles the AbortRefit after the refit failed: wait until it has
-    # (it resumes what it paused), then look at what it left.
-    controller = trainer.engine.controller_member
-    deadline = time.monotonic() + 30
-    while controller.state.paused:
-        assert time.monotonic() < deadline, "the controller did not handle the abort"
-        time.sleep(0.05)
+    # Once the controller handled the abort, look at what it left.
+    _wait_until_resumed(trainer)
     # The abort neither discarded nor finished an update it had not started: that update is
     # still open (and closing it is still its owner's, and allowed).
     assert world.post("/finish_weight_update").status_code == 200
     assert world.weight_version() == version
     assert "start_weight_update must be called before update_weights" not in world.vllm_log()
 
-    trainer.sync(world)
-    with world.client() as client:
-        committed = client.list(JOB, limit=1)[0]
     # The failed refit used up a version number; vLLM reports the committed one.
-    assert committed.state is RefitState.COMMITTED
-    assert world.weight_version() == str(committed.version)
+    _sync_commits(world, trainer)
 
 
 def test_a_refit_with_checksums_off_is_refused_before_any_byte_moves(
@@ -293,20 +301,12 @@ def test_a_refit_with_checksums_off_is_refused_before_any_byte_moves(
         settings.verify_checksums = True
     assert failed.value.reason == "INVALID_ARGUMENT", failed.value
     assert "REFIT_VERIFY_CHECKSUMS=false" in failed.value.message
-    controller = trainer.engine.controller_member
-    deadline = time.monotonic() + 30
-    while controller.state.paused:
-        assert time.monotonic() < deadline, "the controller did not handle the abort"
-        time.sleep(0.05)
+    _wait_until_resumed(trainer)
     # Nothing moved: the replica serves what it served, under the same version.
     assert world.weight_version() == version
     assert world.tokens() == tokens
 
-    trainer.sync(world)
-    with world.client() as client:
-        committed = client.list(JOB, limit=1)[0]
-    assert committed.state is RefitState.COMMITTED
-    assert world.weight_version() == str(committed.version)
+    _sync_commits(world, trainer)
 
 
 def test_two_trainer_ranks_send_their_own_shards(world: World, trainer: Trainer) -> None:
