@@ -13,14 +13,19 @@ median of `--repeats` after a warm-up:
 - scan: `delta_batch.scan_many` as a sender runs it (base advanced where changed, checksum
   rows added) — the base is restored before each run, outside the timing;
 - scan, no sums: the same without the checksum rows;
-- gather: every payload written (`prepare_gather` + one launch) after the scan;
+- gather: every payload written (`prepare_gather` + one launch) after the scan — with slots
+  (REFIT_DELTA_PACK_CAP), `pack` from the scan's slots and the gather for what overflowed;
 - sample: `sample_changed`, the "auto" estimate before a scan.
+
+Every payload is checked against the torch encoding (`delta.encode_into`) of the same
+bytes, outside the timing: a launch shape that writes other bytes fails its row.
 
 `--sweep` runs the shapes of `SWEEP` (REFIT_DELTA_SCAN_BLOCK words per program,
 REFIT_DELTA_SCAN_WARPS warps, REFIT_DELTA_SCAN_SUMS: the checksum sums from the block loaded
 again as 64-bit words or from the words already loaded, REFIT_DELTA_SCAN_UPDATE: the base
-advanced word by word or row by row), each in a process of its own (read at import), and
-prints one row each; the first row is the default. `--rows 0 1` runs those rows of it only.
+advanced word by word or row by row, REFIT_DELTA_PACK_CAP: slots per block for the scan's
+compaction, 0 none), each in a process of its own (read at import), and prints one row each;
+the first row is the default. `--rows 0 1` runs those rows of it only.
 """
 
 from __future__ import annotations
@@ -32,16 +37,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# (words per program, warps per program, checksum sums, base update): the default first, then
-# the old default (the base advanced word by word) against which the row update is measured.
+# (words per program, warps per program, checksum sums, base update, slots per block): the
+# default first, then the scan's compaction (`pack`) at the shapes ptxas gives registers for
+# (sm_90, per thread: 4096 words and 4 warps 87 without slots, 121 with; 8 warps 47 / 77;
+# 2048 words and 4 warps 45 / 72), then the earlier sweep's shapes.
 SWEEP = (
-    (4096, 4, "reload", "rows"),
-    (4096, 4, "reload", "words"),
-    (4096, 4, "words", "rows"),
-    (8192, 8, "reload", "rows"),
-    (16384, 8, "reload", "rows"),
-    (16384, 16, "words", "rows"),
-    (2048, 4, "reload", "rows"),
+    (4096, 4, "reload", "rows", 0),
+    (4096, 4, "reload", "rows", 64),
+    (4096, 8, "reload", "rows", 64),
+    (4096, 8, "reload", "rows", 0),
+    (2048, 4, "reload", "rows", 32),
+    (2048, 4, "reload", "rows", 0),
+    (4096, 4, "words", "rows", 64),
+    (4096, 4, "reload", "words", 0),
+    (4096, 4, "words", "rows", 0),
+    (16384, 16, "words", "rows", 0),
 )
 
 
@@ -52,7 +62,7 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
 
     from refitplane.reshard import delta_batch, delta_kernels
     from refitplane.reshard.checksum import accumulate_sums
-    from refitplane.reshard.delta import Encoding, choose_encoding
+    from refitplane.reshard.delta import Encoding, choose_encoding, encode_into
     from refitplane.testing.model_layouts import GPU_LAYOUTS, model_layouts
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -141,6 +151,13 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
     ]
     gather = delta_batch.prepare_gather(batch, headers, payloads)
     gather_s = timed(gather.launch) if gather is not None else 0.0
+    for i, (header, payload) in enumerate(zip(headers, payloads, strict=True)):
+        if payload is None:
+            continue
+        want = torch.empty_like(payload)
+        encode_into(currents[i], originals[i], header, 2, want)
+        if not torch.equal(payload, want):
+            raise SystemExit(f"message {i} ({header}): the gather's payload differs from torch's")
     restore()
     sample_s = timed(lambda: delta_batch.sample_changed(currents, bases, 2))
     changed = sum(counts)
@@ -149,6 +166,9 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
         "warps": delta_kernels.SCAN_WARPS,
         "sums": delta_kernels.SCAN_SUMS,
         "update": delta_kernels.SCAN_UPDATE,
+        "slots": delta_kernels.PACK_CAP,
+        "overflow_blocks": int(batch.overflow) if batch.overflow is not None else 0,
+        "blocks": batch.blocks.count,
         "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor(),
         "messages": len(currents),
         "bytes": nbytes,
@@ -167,8 +187,11 @@ def _row(r: dict[str, Any]) -> str:
     passes = [
         f"{r[k] * 1e3:.1f} ({read / r[k]:.0f})" for k in ("copy_s", "scan_s", "scan_no_sums_s")
     ]
-    cells = [str(r["block"]), str(r["warps"]), r["sums"], r.get("update", "words"), *passes]
-    cells += [f"{r['gather_s'] * 1e3:.1f}", f"{r['sample_s'] * 1e3:.2f}"]
+    cells = [str(r["block"]), str(r["warps"]), r["sums"], r.get("update", "words")]
+    slots = r.get("slots", 0)
+    cells.append(f"{slots} ({r.get('overflow_blocks', 0)} over)" if slots else "—")
+    cells += [*passes, f"{r['gather_s'] * 1e3:.1f}", f"{(r['scan_s'] + r['gather_s']) * 1e3:.1f}"]
+    cells.append(f"{r['sample_s'] * 1e3:.2f}")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -179,9 +202,10 @@ def _print_head(first: dict[str, Any], model: str, fraction: float) -> None:
         f"({first['changed_words']} words; {first['encodings']}); ms (GB/s over both images)"
     )
     print(
-        "| words/program | warps | sums | update | copy | scan | scan, no sums | gather | sample |"
+        "| words/program | warps | sums | update | slots/block | copy | scan | scan, no sums "
+        "| gather | scan + gather | sample |"
     )
-    print("|---:|---:|---|---|---:|---:|---:|---:|---:|", flush=True)
+    print("|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
 
 
 def main() -> None:
@@ -207,8 +231,9 @@ def main() -> None:
                 "REFIT_DELTA_SCAN_WARPS": str(warps),
                 "REFIT_DELTA_SCAN_SUMS": sums,
                 "REFIT_DELTA_SCAN_UPDATE": update,
+                "REFIT_DELTA_PACK_CAP": str(slots),
             }
-            for block, warps, sums, update in picked
+            for block, warps, sums, update, slots in picked
         ]
         arguments = ["--model", args.model, "--device", args.device]
         arguments += ["--fraction", str(args.fraction), "--repeats", str(args.repeats)]

@@ -28,7 +28,7 @@ import torch
 from refitplane.errors import InvalidArgument
 from refitplane.reshard import delta_triton
 
-_WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _INDEX_BYTES = 4
 # Sections of a payload start at multiples of this, so each can be viewed as its words.
 _SECTION_ALIGN = 8
@@ -57,7 +57,7 @@ def word_size(itemsizes: Iterable[int]) -> int:
     size = 0
     for itemsize in itemsizes:
         size = math.gcd(size, itemsize)
-    if size not in _WORD_DTYPES:
+    if size not in WORD_DTYPES:
         raise InvalidArgument(f"no word size for element sizes {sorted(set(itemsizes))}")
     return size
 
@@ -71,7 +71,7 @@ def _words(image: torch.Tensor, word: int) -> torch.Tensor:
         raise InvalidArgument("a message image is 1-D contiguous uint8")
     if image.numel() % word:
         raise InvalidArgument(f"a message of {image.numel()} bytes is not in {word}-byte words")
-    return image.view(_WORD_DTYPES[word])
+    return image.view(WORD_DTYPES[word])
 
 
 def changed_words(current: torch.Tensor, base: torch.Tensor, word: int) -> torch.Tensor:
@@ -163,7 +163,7 @@ def encode_scanned(
         return
     cur = _words(current, word)
     values_at = header.nbytes - header.changed * word
-    values = out[values_at:].view(_WORD_DTYPES[word])
+    values = out[values_at:].view(WORD_DTYPES[word])
     section_end = (
         header.changed * _INDEX_BYTES
         if header.encoding is Encoding.INDEX
@@ -224,7 +224,7 @@ def apply_delta(image: torch.Tensor, header: DeltaHeader, word: int, payload: to
         image.copy_(payload)
         return
     dst = _words(image, word)
-    values = payload[header.nbytes - header.changed * word :].view(_WORD_DTYPES[word])
+    values = payload[header.nbytes - header.changed * word :].view(WORD_DTYPES[word])
     nbits = dst.numel()
     if header.encoding is Encoding.INDEX:
         index = payload[: header.changed * _INDEX_BYTES].view(torch.int32)

@@ -14,7 +14,10 @@ the changed words into one scratch buffer, with `update` the changed words writt
 base, and with `sums` the current bytes' checksum sums); `prepare_gather` reads only the
 bitmap and the changed words and writes every payload (index or bitmap section, values) at
 its block's prefix sum, the same bytes as `delta.encode_into`, in launches over runs of
-messages (`Gather.launch`) so sends can follow part by part. Receivers apply payloads with
+messages (`Gather.launch`) so sends can follow part by part. With slots per block
+(`delta_kernels.PACK_CAP`) the scan also compacts each block's changed words, and a part's
+index payloads come from the slots (`pack`), the gather writing only the blocks that
+overflowed them and the bitmap payloads. Receivers apply payloads with
 `delta_apply`, group by group while the transfer runs.
 """
 
@@ -27,10 +30,12 @@ from typing import Any
 import torch
 
 from refitplane.errors import InvalidArgument
-from refitplane.reshard.delta import DeltaHeader, Encoding, encoded_nbytes
+from refitplane.reshard.delta import WORD_DTYPES, DeltaHeader, Encoding, encoded_nbytes
 from refitplane.reshard.delta_kernels import (
     BITS,
     BLOCK,
+    PACK_CAP,
+    PACK_GROUP,
     SCAN_SUMS,
     SCAN_UPDATE,
     SCAN_WARPS,
@@ -109,6 +114,11 @@ class ScanBatch:
     counts: torch.Tensor
     # Which messages' checksum sums the scan added into their rows (`scan_many`'s `sums`).
     summed: tuple[bool, ...] = ()
+    # With `PACK_CAP`: each block's changed words and their indices, compacted by the scan
+    # (`PACK_CAP` slots per block), and how many blocks had more (0-d int64).
+    slot_values: torch.Tensor | None = None
+    slot_index: torch.Tensor | None = None
+    overflow: torch.Tensor | None = None
 
 
 def scan_many(
@@ -125,7 +135,7 @@ def scan_many(
     checksum sums (S0, S1, as `checksum.accumulate_sums`) into its row, where the image is
     whole 8-byte words at an 8-byte aligned address (`ScanBatch.summed` says which), so the
     sender reads its bytes once for the scan and its checksum together."""
-    scan, _ = compile_kernels()
+    scan = compile_kernels()[0]
     device = currents[0].device
     blocks = blocks_of([c.numel() // word for c in currents], device)
     # Each message's bitmap starts at its first block's bytes (whole blocks each).
@@ -138,6 +148,10 @@ def scan_many(
         for c, row in zip(currents, sums or [None] * len(currents), strict=True)
     ]
     summed = tuple(row is not None for row in rows)
+    slot_values = slot_index = None
+    if PACK_CAP:
+        slot_values = torch.empty(blocks.count * PACK_CAP, dtype=WORD_DTYPES[word], device=device)
+        slot_index = torch.empty(blocks.count * PACK_CAP, dtype=torch.int32, device=device)
     scan[(blocks.count,)](
         blocks.block_msg,
         blocks.blk0,
@@ -156,11 +170,28 @@ def scan_many(
         SUMS=any(summed),
         SUMS_FROM_WORDS=SCAN_SUMS == "words",
         UPDATE_ROWS=SCAN_UPDATE == "rows",
+        slot_values=slot_values,
+        slot_index=slot_index,
+        COMPACT=bool(PACK_CAP),
+        CAP=max(1, PACK_CAP),
         num_warps=SCAN_WARPS,
     )
     counts = torch.zeros(len(currents), dtype=torch.int64, device=device)
     counts.index_add_(0, blocks.block_msg.long(), block_counts.long())
-    return ScanBatch(word, blocks, list(currents), bits, bits_at, block_counts, counts, summed)
+    overflow = (block_counts > PACK_CAP).sum() if PACK_CAP else None
+    return ScanBatch(
+        word,
+        blocks,
+        list(currents),
+        bits,
+        bits_at,
+        block_counts,
+        counts,
+        summed,
+        slot_values,
+        slot_index,
+        overflow,
+    )
 
 
 # Blocks a sampled estimate reads across all messages (`sample_changed`): ~8 M words.
@@ -203,13 +234,13 @@ def sample_changed(
     seen = np.bincount(message, weights=size, minlength=len(ns))
     if not kernel:
         changed = [0] * len(ns)
-        dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word]
+        dtype = WORD_DTYPES[word]
         for m, first, n in zip(message.tolist(), local.tolist(), size.tolist(), strict=True):
             a = currents[m].view(dtype)[first * BLOCK : first * BLOCK + n]
             b = bases[m].view(dtype)[first * BLOCK : first * BLOCK + n]
             changed[m] += int(torch.count_nonzero(a != b))
         return _scaled(changed, ns, seen.tolist())
-    scan, _ = compile_kernels()
+    scan = compile_kernels()[0]
     device = currents[0].device
     count = len(message)
     at = torch.from_numpy(local * BLOCK * word)
@@ -271,15 +302,38 @@ class Gather:
     # Each message's first block, and the total: message i's blocks are
     # [first_blocks[i], first_blocks[i + 1]).
     first_blocks: tuple[int, ...]
+    # With the scan's slots (`PACK_CAP`): `pack`'s tables, and whether any block is left to
+    # the gather (one with more changed words than slots, or a bitmap payload's).
+    pack_args: tuple[Any, ...] | None = None
+    gather_left: bool = True
 
     def launch(self, first: int = 0, end: int | None = None) -> None:
         """Write the payloads of messages [first, end) (of the batch's order) on the
         current stream."""
-        _, gather = compile_kernels()
+        _, gather, pack = compile_kernels()
         end = len(self.first_blocks) - 1 if end is None else end
         b0, b1 = self.first_blocks[first], self.first_blocks[end]
-        if b1 > b0:
-            gather[(b1 - b0,)](b0, *self.args, WORD=TL_WORDS[self.word], BLOCK=BLOCK)
+        if b1 <= b0:
+            return
+        if self.pack_args is not None:
+            programs = (b1 - b0 + PACK_GROUP - 1) // PACK_GROUP
+            pack[(programs,)](
+                b0,
+                b1,
+                *self.pack_args,
+                WORD=TL_WORDS[self.word],
+                CAP=PACK_CAP,
+                GROUP=PACK_GROUP,
+            )
+        if self.gather_left:
+            gather[(b1 - b0,)](
+                b0,
+                *self.args,
+                WORD=TL_WORDS[self.word],
+                BLOCK=BLOCK,
+                PACKED=self.pack_args is not None,
+                CAP=max(1, PACK_CAP),
+            )
 
 
 def prepare_gather(
@@ -318,6 +372,9 @@ def prepare_gather(
         values.append(vals)
     if not any(kinds):
         return None
+    starts = _local_starts(batch.block_counts, batch.blocks)
+    kind_table = _table(kinds, torch.int32, device)
+    index_table, values_table = _addresses(indexes, device), _addresses(values, device)
     args = (
         batch.blocks.block_msg,
         batch.blocks.blk0,
@@ -325,15 +382,29 @@ def prepare_gather(
         _addresses(batch.currents, device),
         batch.bits_at,
         batch.bits,
-        _local_starts(batch.block_counts, batch.blocks),
+        starts,
         batch.block_counts,
-        _table(kinds, torch.int32, device),
+        kind_table,
         _addresses(maps, device),
         _table(map_bytes, torch.int64, device),
-        _addresses(indexes, device),
-        _addresses(values, device),
+        index_table,
+        values_table,
     )
     firsts = [0]
     for n in batch.blocks.per_message:
         firsts.append(firsts[-1] + n)
-    return Gather(args, batch.word, tuple(firsts))
+    if batch.slot_values is None or batch.slot_index is None or batch.overflow is None:
+        return Gather(args, batch.word, tuple(firsts))
+    pack_args = (
+        batch.blocks.block_msg,
+        starts,
+        batch.block_counts,
+        kind_table,
+        index_table,
+        values_table,
+        batch.slot_values,
+        batch.slot_index,
+    )
+    # The counts were read already (the headers): this read waits for nothing more.
+    left = int(batch.overflow) > 0 or int(Encoding.BITMAP) in kinds
+    return Gather(args, batch.word, tuple(firsts), pack_args, left)

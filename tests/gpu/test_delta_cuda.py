@@ -144,6 +144,24 @@ def test_batched_kernels_equal_the_torch_payloads() -> None:
     check_batch("cuda")
 
 
+def test_batched_kernels_with_the_scans_slots_equal_the_torch_payloads() -> None:
+    """The same with the scan's compaction (REFIT_DELTA_PACK_CAP=64, read at import: in a
+    child process): `pack` writes the blocks that fit their slots, the gather the rest."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from tests.unit.reshard.test_delta_batch import check_batch; check_batch('cuda')"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "REFIT_DELTA_PACK_CAP": "64"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 def test_applies_through_one_room() -> None:
     """A receiver's applies through one transfer's room (`delta_apply`), compiled: exact,
     several groups, both encodings, 2- and 4-byte words; a bad index writes nothing."""

@@ -113,11 +113,17 @@ def check_batch(device: str) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-@pytest.mark.parametrize("update", ["words", "rows"])
-def test_batched_kernels_in_the_interpreter(update: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("update", "slots"), [("words", "0"), ("rows", "0"), ("rows", "64")])
+def test_batched_kernels_in_the_interpreter(
+    update: str, slots: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # "rows": the base advanced a row of 8 words at a time (REFIT_DELTA_SCAN_UPDATE); the
     # messages of 3 and 4097 words end inside a row, so its store must stop at their end.
+    # 64 slots per block (REFIT_DELTA_PACK_CAP): the index payloads' blocks come from the
+    # scan's slots through `pack`, but the 2 % message's blocks (~80 changed words each)
+    # overflow them and the bitmap payload is the gather's: both kernels write one payload.
     monkeypatch.setenv("REFIT_DELTA_SCAN_UPDATE", update)
+    monkeypatch.setenv("REFIT_DELTA_PACK_CAP", slots)
     run_in_interpreter("tests.unit.reshard.test_delta_batch", "check_batch")
 
 

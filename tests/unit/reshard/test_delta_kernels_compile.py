@@ -44,7 +44,7 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
 
     block = block or delta_kernels.BLOCK
     warps = warps or delta_kernels.SCAN_WARPS
-    scan, gather = delta_kernels.compile_kernels()
+    scan, gather, pack = delta_kernels.compile_kernels()
     tables = {"block_msg": "*i32", "blk0": "*i64", "ns": "*i64", "curs": "*i64"}
     tables |= {"bits_at": "*i64", "bits": "*u8"}
     _compile(
@@ -83,11 +83,25 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
             warps,
         )
     per_message = ("kinds", "maps", "map_bytes", "indexes", "values", "starts")
+    gather_tables = {**tables, "first_block": "i64", "kinds": "*i32", "counts": "*i32"}
+    gather_tables |= {name: "*i64" for name in per_message if name != "kinds"}
+    _compile(gather, gather_tables, {"WORD": tl.int16, "BLOCK": block})
+    # The changed words compacted into slots by the scan (REFIT_DELTA_PACK_CAP), the gather
+    # leaving the blocks that fit them to `pack`.
+    slots = {"slot_values": "*i16", "slot_index": "*i32"}
     _compile(
-        gather,
-        {**tables, "first_block": "i64", "kinds": "*i32", "counts": "*i32"}
-        | {name: "*i64" for name in per_message if name != "kinds"},
-        {"WORD": tl.int16, "BLOCK": block},
+        scan,
+        {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64", **slots},
+        {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
+        | {"ALIGNED": True, "SUMS": True, "UPDATE_ROWS": True, "COMPACT": True, "CAP": 64},
+        warps,
+    )
+    _compile(gather, gather_tables, {"WORD": tl.int16, "BLOCK": block, "PACKED": True, "CAP": 64})
+    _compile(
+        pack,
+        {"first_block": "i64", "end_block": "i64", "block_msg": "*i32", "starts": "*i64"}
+        | {"counts": "*i32", "kinds": "*i32", "indexes": "*i64", "values": "*i64", **slots},
+        {"WORD": tl.int16, "CAP": 64, "GROUP": delta_kernels.PACK_GROUP},
     )
 
 
