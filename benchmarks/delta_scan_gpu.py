@@ -24,8 +24,9 @@ bytes, outside the timing: a launch shape that writes other bytes fails its row.
 REFIT_DELTA_SCAN_WARPS warps, REFIT_DELTA_SCAN_SUMS: the checksum sums from the block loaded
 again as 64-bit words or from the words already loaded, REFIT_DELTA_SCAN_UPDATE: the base
 advanced word by word or row by row, REFIT_DELTA_PACK_CAP: slots per block for the scan's
-compaction, 0 none), each in a process of its own (read at import), and prints one row each;
-the first row is the default. `--rows 0 1` runs those rows of it only.
+compaction, 0 none, REFIT_DELTA_SUM_STRIPES: rows each message's checksum sums are spread
+over), each in a process of its own (read at import), and prints one row each; the first row
+is the default. `--rows 0 1` runs those rows of it only.
 """
 
 from __future__ import annotations
@@ -37,21 +38,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# (words per program, warps per program, checksum sums, base update, slots per block): the
-# default first, then the scan's compaction (`pack`) at the shapes ptxas gives registers for
-# (sm_90, per thread: 4096 words and 4 warps 87 without slots, 121 with; 8 warps 47 / 77;
+# (words per program, warps per program, checksum sums, base update, slots per block, sum
+# stripes): the default first, then the sums striped (their atomics queue on two words per
+# message otherwise), then the scan's compaction (`pack`) at the shapes ptxas gives registers
+# for (sm_90, per thread: 4096 words and 4 warps 87 without slots, 121 with; 8 warps 47 / 77;
 # 2048 words and 4 warps 45 / 72), then the earlier sweep's shapes.
 SWEEP = (
-    (4096, 4, "reload", "rows", 0),
-    (4096, 4, "reload", "rows", 64),
-    (4096, 8, "reload", "rows", 64),
-    (4096, 8, "reload", "rows", 0),
-    (2048, 4, "reload", "rows", 32),
-    (2048, 4, "reload", "rows", 0),
-    (4096, 4, "words", "rows", 64),
-    (4096, 4, "reload", "words", 0),
-    (4096, 4, "words", "rows", 0),
-    (16384, 16, "words", "rows", 0),
+    (4096, 4, "reload", "rows", 0, 1),
+    (4096, 4, "reload", "rows", 0, 32),
+    (4096, 4, "words", "rows", 0, 32),
+    (4096, 4, "reload", "rows", 64, 32),
+    (4096, 8, "reload", "rows", 64, 32),
+    (4096, 8, "reload", "rows", 0, 32),
+    (2048, 4, "reload", "rows", 32, 32),
+    (2048, 4, "reload", "rows", 0, 32),
+    (4096, 4, "reload", "rows", 64, 1),
+    (4096, 4, "words", "rows", 0, 1),
+    (4096, 4, "reload", "words", 0, 1),
 )
 
 
@@ -167,6 +170,7 @@ def _measure(model: str, fraction: float, repeats: int, device_name: str) -> dic
         "sums": delta_kernels.SCAN_SUMS,
         "update": delta_kernels.SCAN_UPDATE,
         "slots": delta_kernels.PACK_CAP,
+        "stripes": delta_kernels.SUM_STRIPES,
         "overflow_blocks": int(batch.overflow) if batch.overflow is not None else 0,
         "blocks": batch.blocks.count,
         "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor(),
@@ -187,7 +191,8 @@ def _row(r: dict[str, Any]) -> str:
     passes = [
         f"{r[k] * 1e3:.1f} ({read / r[k]:.0f})" for k in ("copy_s", "scan_s", "scan_no_sums_s")
     ]
-    cells = [str(r["block"]), str(r["warps"]), r["sums"], r.get("update", "words")]
+    cells = [str(r["block"]), str(r["warps"]), f"{r['sums']}, {r.get('stripes', 1)} stripes"]
+    cells.append(r.get("update", "words"))
     slots = r.get("slots", 0)
     cells.append(f"{slots} ({r.get('overflow_blocks', 0)} over)" if slots else "—")
     cells += [*passes, f"{r['gather_s'] * 1e3:.1f}", f"{(r['scan_s'] + r['gather_s']) * 1e3:.1f}"]
@@ -232,8 +237,9 @@ def main() -> None:
                 "REFIT_DELTA_SCAN_SUMS": sums,
                 "REFIT_DELTA_SCAN_UPDATE": update,
                 "REFIT_DELTA_PACK_CAP": str(slots),
+                "REFIT_DELTA_SUM_STRIPES": str(stripes),
             }
-            for block, warps, sums, update, slots in picked
+            for block, warps, sums, update, slots, stripes in picked
         ]
         arguments = ["--model", args.model, "--device", args.device]
         arguments += ["--fraction", str(args.fraction), "--repeats", str(args.repeats)]

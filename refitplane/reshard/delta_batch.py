@@ -39,6 +39,7 @@ from refitplane.reshard.delta_kernels import (
     SCAN_SUMS,
     SCAN_UPDATE,
     SCAN_WARPS,
+    SUM_STRIPES,
     TL_WORDS,
     compile_kernels,
 )
@@ -148,6 +149,14 @@ def scan_many(
         for c, row in zip(currents, sums or [None] * len(currents), strict=True)
     ]
     summed = tuple(row is not None for row in rows)
+    # With SUM_STRIPES, each message's sums go to its own stripes of a scratch first.
+    striped = SUM_STRIPES > 1 and any(summed)
+    stripes = torch.zeros(
+        (len(rows) if striped else 0, SUM_STRIPES, 2), dtype=torch.int64, device=device
+    )
+    targets = (
+        [stripes[i] if row is not None else None for i, row in enumerate(rows)] if striped else rows
+    )
     slot_values = slot_index = None
     if PACK_CAP:
         slot_values = torch.empty(blocks.count * PACK_CAP, dtype=WORD_DTYPES[word], device=device)
@@ -161,7 +170,7 @@ def scan_many(
         bits_at,
         bits,
         block_counts,
-        _addresses(rows, device) if any(summed) else block_counts,
+        _addresses(targets, device) if any(summed) else block_counts,
         UPDATE=update,
         WORD=TL_WORDS[word],
         WORD_BYTES=word,
@@ -174,8 +183,13 @@ def scan_many(
         slot_index=slot_index,
         COMPACT=bool(PACK_CAP),
         CAP=max(1, PACK_CAP),
+        STRIPES=SUM_STRIPES,
         num_warps=SCAN_WARPS,
     )
+    if striped:
+        folded = stripes.sum(dim=1)  # int64 sums wrap, as the atomics do
+        kept = [row for row in rows if row is not None]
+        torch._foreach_add_(kept, [folded[i] for i, row in enumerate(rows) if row is not None])
     counts = torch.zeros(len(currents), dtype=torch.int64, device=device)
     counts.index_add_(0, blocks.block_msg.long(), block_counts.long())
     overflow = (block_counts > PACK_CAP).sum() if PACK_CAP else None

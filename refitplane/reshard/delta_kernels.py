@@ -58,6 +58,14 @@ if SCAN_UPDATE not in ("words", "rows"):
 PACK_CAP = launch_setting("REFIT_DELTA_PACK_CAP", 0, 0, BLOCK)
 # Blocks per program of `pack`.
 PACK_GROUP = 16
+# Rows of (S0, S1) the scan's checksum sums of one message are spread over (1: the caller's
+# row itself, the default until timed on a GPU). Programs run about in order, so the few
+# hundred resident at a time mostly belong to one message and their two atomic adds each
+# queue on the same two words: a 1 % delta of Qwen3-8B on one H100 scanned in 17.4-19.1 ms
+# with the sums against 14.0-14.9 without (`benchmarks/delta_scan_gpu.py`). Striped, program
+# p adds into row p % SUM_STRIPES of its message's scratch, folded into the caller's row by
+# one small reduction after the launch (sums modulo 2^64: the order does not matter).
+SUM_STRIPES = launch_setting("REFIT_DELTA_SUM_STRIPES", 1, 1, 256)
 # Bitmap bytes per block.
 BITS = BLOCK // 8
 _kernels: Any = None
@@ -142,6 +150,7 @@ def compile_kernels() -> Any:
         slot_index=None,
         COMPACT: tl.constexpr = False,
         CAP: tl.constexpr = 1,
+        STRIPES: tl.constexpr = 1,
     ):
         m, local, first, inner, inside = locate(tl.program_id(0), block_msg, blk0, ns, BLOCK)
         cur = tl.load(curs + m).to(tl.pointer_type(WORD))
@@ -181,7 +190,7 @@ def compile_kernels() -> Any:
             out_at = tl.load(sums + m)
             if out_at != 0:
                 s0, s1 = folded_sums(a, inner, first, WORD_BYTES, BLOCK)
-                out = out_at.to(tl.pointer_type(tl.int64))
+                out = out_at.to(tl.pointer_type(tl.int64)) + (tl.program_id(0) % STRIPES) * 2
                 tl.atomic_add(out, s0)
                 tl.atomic_add(out + 1, s1)
         if SUMS and not SUMS_FROM_WORDS:
@@ -197,7 +206,7 @@ def compile_kernels() -> Any:
                 else:
                     left64 = tl.load(ns + m) * WORD_BYTES // 8 - w0
                     x = tl.load(words64, mask=k < left64, other=0)
-                out = out_at.to(tl.pointer_type(tl.int64))
+                out = out_at.to(tl.pointer_type(tl.int64)) + (tl.program_id(0) % STRIPES) * 2
                 tl.atomic_add(out, tl.sum(x, axis=0))
                 tl.atomic_add(out + 1, tl.sum(x * (w0 + k), axis=0))
         if COMPACT:

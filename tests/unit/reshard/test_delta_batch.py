@@ -113,17 +113,22 @@ def check_batch(device: str) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-@pytest.mark.parametrize(("update", "slots"), [("words", "0"), ("rows", "0"), ("rows", "64")])
+@pytest.mark.parametrize(
+    ("update", "slots", "stripes"), [("words", "0", "1"), ("rows", "0", "1"), ("rows", "64", "4")]
+)
 def test_batched_kernels_in_the_interpreter(
-    update: str, slots: str, monkeypatch: pytest.MonkeyPatch
+    update: str, slots: str, stripes: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # "rows": the base advanced a row of 8 words at a time (REFIT_DELTA_SCAN_UPDATE); the
     # messages of 3 and 4097 words end inside a row, so its store must stop at their end.
     # 64 slots per block (REFIT_DELTA_PACK_CAP): the index payloads' blocks come from the
     # scan's slots through `pack`, but the 2 % message's blocks (~80 changed words each)
     # overflow them and the bitmap payload is the gather's: both kernels write one payload.
+    # 4 stripes (REFIT_DELTA_SUM_STRIPES): the checksum sums spread, then folded into rows
+    # that were zero and rows that were not.
     monkeypatch.setenv("REFIT_DELTA_SCAN_UPDATE", update)
     monkeypatch.setenv("REFIT_DELTA_PACK_CAP", slots)
+    monkeypatch.setenv("REFIT_DELTA_SUM_STRIPES", stripes)
     run_in_interpreter("tests.unit.reshard.test_delta_batch", "check_batch")
 
 
@@ -156,7 +161,11 @@ def check_sums_every_word(device: str) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-@pytest.mark.parametrize("mode", ["reload", "words"])
-def test_scan_sums_in_the_interpreter(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("mode", "stripes"), [("reload", "1"), ("words", "1"), ("reload", "8")])
+def test_scan_sums_in_the_interpreter(
+    mode: str, stripes: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 8 stripes: the 20000-byte messages' blocks of 4096 words land in different stripes.
     monkeypatch.setenv("REFIT_DELTA_SCAN_SUMS", mode)
+    monkeypatch.setenv("REFIT_DELTA_SUM_STRIPES", stripes)
     run_in_interpreter("tests.unit.reshard.test_delta_batch", "check_sums_every_word")

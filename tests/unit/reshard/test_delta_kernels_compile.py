@@ -30,7 +30,9 @@ def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], warp
     from triton.compiler import ASTSource
 
     kinds = {name: signature.get(name, "constexpr") for name in fn.arg_names}
-    source = ASTSource(fn, kinds, constants)
+    # A launch fills a constexpr left out from its default; ASTSource does not.
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    source = ASTSource(fn, kinds, defaults | constants)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
@@ -96,6 +98,15 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
         | {"ALIGNED": True, "SUMS": True, "UPDATE_ROWS": True, "COMPACT": True, "CAP": 64},
         warps,
     )
+    # The sums spread over stripes (REFIT_DELTA_SUM_STRIPES), both ways of taking them.
+    for from_words in (False, True):
+        _compile(
+            scan,
+            {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
+            {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
+            | {"ALIGNED": True, "SUMS": True, "SUMS_FROM_WORDS": from_words, "STRIPES": 32},
+            warps,
+        )
     _compile(gather, gather_tables, {"WORD": tl.int16, "BLOCK": block, "PACKED": True, "CAP": 64})
     _compile(
         pack,
