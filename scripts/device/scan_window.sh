@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sender's delta scan (issue 24), one 2-GPU device window of at most ~150 s (run from the
+# The sender's delta scan (issue 24), one 2-GPU device window of at most ~270 s (run from the
 # checkout root, PYTHONPATH set to it, $OUT collected). Independent steps, each in its own
 # process group under its own timeout (T1..T3 seconds); one failing never stops the others:
 #   1. the CUDA codec tests (tests/gpu/test_delta_cuda.py): the scan with the base advanced
@@ -9,7 +9,9 @@
 #   3. the executor alone, Qwen3-8B shape over NVLink, the fraction rule alone
 #      (REFIT_DELTA_LINK_GBPS=off, so the deltas really run: "auto" takes the full path over
 #      NVLink) with --profile: where the delta's device time goes
-# STEPS picks and orders them (default "1 2 3"). One summary line per step on stdout.
+#   4. the same with the scan's slots and striped sums (REFIT_DELTA_PACK_CAP=64,
+#      REFIT_DELTA_SUM_STRIPES=32; PACK and STRIPES override), against step 3 in one window
+# STEPS picks and orders them (default "1 2 3 4"). One summary line per step on stdout.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -21,17 +23,21 @@ TAG=scan
 . "$(dirname "$0")/window_run.sh"
 
 echo "[scan] $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | tr -s ' ')"
-for step in ${STEPS:-1 2 3}; do
+for step in ${STEPS:-1 2 3 4}; do
   case $step in
     1) TAIL=4 run "${T1:-35}" pytest-delta-cuda.log python3 -m pytest tests/gpu/test_delta_cuda.py \
          -q -rf --tb=short -p no:cacheprovider ;;
     2) # shellcheck disable=SC2086 (a list of row numbers)
-       TAIL=12 CUDA_VISIBLE_DEVICES=0 run "${T2:-55}" delta_scan_gpu.log python3 \
-         benchmarks/delta_scan_gpu.py --sweep --rows ${SWEEP_ROWS:-0 1 4 3} --repeats 2 \
+       TAIL=14 CUDA_VISIBLE_DEVICES=0 run "${T2:-120}" delta_scan_gpu.log python3 \
+         benchmarks/delta_scan_gpu.py --sweep --rows ${SWEEP_ROWS:-0 1 2 3 4 5} --repeats 2 \
          --out "$OUT/delta_scan_gpu.json" ;;
     3) TAIL=12 REFIT_DELTA_LINK_GBPS=off run "${T3:-55}" delta_executor_off.log \
          python3 benchmarks/delta_executor_gpu.py --transports nvlink --fractions 0.01 0.05 0.2 \
          --repeats 2 --profile --out "$OUT/delta_executor_off.json" ;;
+    4) TAIL=12 REFIT_DELTA_LINK_GBPS=off REFIT_DELTA_PACK_CAP=${PACK:-64} \
+         REFIT_DELTA_SUM_STRIPES=${STRIPES:-32} run "${T4:-55}" delta_executor_pack.log \
+         python3 benchmarks/delta_executor_gpu.py --transports nvlink --fractions 0.01 0.05 0.2 \
+         --repeats 2 --profile --out "$OUT/delta_executor_pack.json" ;;
   esac
 done
 echo "[scan] $(date -u +%T) done"
