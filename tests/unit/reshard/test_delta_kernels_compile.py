@@ -49,32 +49,30 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
     scan, gather, pack = delta_kernels.compile_kernels()
     tables = {"block_msg": "*i32", "blk0": "*i64", "ns": "*i64", "curs": "*i64"}
     tables |= {"bits_at": "*i64", "bits": "*u8"}
-    _compile(
-        scan,
-        {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
-        {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
-        | {"ALIGNED": True, "SUMS": True},
-        warps,
-    )
-    # The checksum sums from the words already loaded (REFIT_DELTA_SCAN_SUMS=words).
-    words = {2: tl.int16, 4: tl.int32}
-    for word in (2, 4):
+    writes = {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"}
+    slots = {"slot_values": "*i16", "slot_index": "*i32"}
+
+    def scan_variant(word: int = 2, **settings: Any) -> None:
+        """The sender's scan (base advanced, sums taken) with `settings` on top."""
+        words = {2: tl.int16, 4: tl.int32}
+        shape = {"UPDATE": True, "WORD": words[word], "WORD_BYTES": word, "BLOCK": block}
         _compile(
-            scan,
-            {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
-            {"UPDATE": True, "WORD": words[word], "WORD_BYTES": word, "BLOCK": block}
-            | {"ALIGNED": True, "SUMS": True, "SUMS_FROM_WORDS": True},
-            warps,
+            scan, {**writes, **slots}, shape | {"ALIGNED": True, "SUMS": True} | settings, warps
         )
+
+    scan_variant()
+    # The checksum sums from the words already loaded (REFIT_DELTA_SCAN_SUMS=words).
+    for word in (2, 4):
+        scan_variant(word, SUMS_FROM_WORDS=True)
     # The base advanced row by row (REFIT_DELTA_SCAN_UPDATE=rows): one 16-byte store per row
     # of 8 bf16 words, not a predicated 2-byte store per word.
-    _compile(
-        scan,
-        {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
-        {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
-        | {"ALIGNED": True, "SUMS": True, "UPDATE_ROWS": True},
-        warps,
-    )
+    scan_variant(UPDATE_ROWS=True)
+    # The changed words compacted into slots (REFIT_DELTA_PACK_CAP), the gather leaving the
+    # blocks that fit them to `pack`; the sums spread over stripes (REFIT_DELTA_SUM_STRIPES),
+    # both ways of taking them.
+    scan_variant(UPDATE_ROWS=True, COMPACT=True, CAP=64)
+    for from_words in (False, True):
+        scan_variant(SUMS_FROM_WORDS=from_words, STRIPES=32)
     # The sampled estimate's launch (`sample_changed`): nothing written but scratch.
     for aligned in (True, False):
         _compile(
@@ -88,25 +86,6 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
     gather_tables = {**tables, "first_block": "i64", "kinds": "*i32", "counts": "*i32"}
     gather_tables |= {name: "*i64" for name in per_message if name != "kinds"}
     _compile(gather, gather_tables, {"WORD": tl.int16, "BLOCK": block})
-    # The changed words compacted into slots by the scan (REFIT_DELTA_PACK_CAP), the gather
-    # leaving the blocks that fit them to `pack`.
-    slots = {"slot_values": "*i16", "slot_index": "*i32"}
-    _compile(
-        scan,
-        {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64", **slots},
-        {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
-        | {"ALIGNED": True, "SUMS": True, "UPDATE_ROWS": True, "COMPACT": True, "CAP": 64},
-        warps,
-    )
-    # The sums spread over stripes (REFIT_DELTA_SUM_STRIPES), both ways of taking them.
-    for from_words in (False, True):
-        _compile(
-            scan,
-            {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i64"},
-            {"UPDATE": True, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
-            | {"ALIGNED": True, "SUMS": True, "SUMS_FROM_WORDS": from_words, "STRIPES": 32},
-            warps,
-        )
     _compile(gather, gather_tables, {"WORD": tl.int16, "BLOCK": block, "PACKED": True, "CAP": 64})
     _compile(
         pack,
