@@ -43,9 +43,13 @@ import torch
 
 from refitplane.errors import InvalidArgument
 from refitplane.reshard.delta import DeltaHeader, Encoding
+from refitplane.reshard.triton_load import launch_setting
 
 BLOCK = 4096  # words (or values) per program; a multiple of 8: bitmap bytes stay in one
 ROW = 9
+# Values an index payload's program applies per step of its loop (a power of two up to
+# BLOCK; BLOCK: the whole block at once, as before 2026-11-27, for comparing on a GPU).
+INDEX_CHUNK = launch_setting("REFIT_DELTA_APPLY_CHUNK", 1024, 64, BLOCK)
 _PREFIX_CHUNK = 1024  # block counts summed per step of a message's prefix program
 _SEARCH_STEPS = 20  # rows per launch below 2^20
 _kernels: Any = None
@@ -132,20 +136,32 @@ def _compile() -> Any:
         sums_at,
         WORD_BYTES: tl.constexpr,
         BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):
         """Values and indices from this block's first; indices are under 2^31 (index
-        payloads only for messages below 2^31 words, `choose_encoding`)."""
-        j = tl.arange(0, BLOCK)
-        inside = j < tl.minimum(nvalues - local * BLOCK, BLOCK).to(tl.int32)
+        payloads only for messages below 2^31 words, `choose_encoding`). `CHUNK` values at
+        a time (a loop, not unrolled): the whole block's values at once, with their int64
+        checksum changes, took 254 registers per thread on sm_90 (ptxas), two programs per
+        SM for a kernel of dependent random loads."""
+        here = tl.minimum(nvalues - local * BLOCK, BLOCK).to(tl.int32)
         index = tl.load(row + 4).to(tl.pointer_type(tl.int32)) + local * BLOCK
-        where = tl.load(index + j, mask=inside, other=0)
-        inside = inside & (where >= 0) & (where < words)
-        v = tl.load(values + local * BLOCK + j, mask=inside, other=0)
+        values = values + local * BLOCK
+        d0 = local * 0
+        d1 = local * 0
+        for at in range(0, BLOCK, CHUNK):
+            j = at + tl.arange(0, CHUNK)
+            inside = j < here
+            where = tl.load(index + j, mask=inside, other=0)
+            inside = inside & (where >= 0) & (where < words)
+            v = tl.load(values + j, mask=inside, other=0)
+            if sums_at != 0:
+                old = tl.load(dst + where, mask=inside, other=0)
+                c0, c1 = word_change(where, old, v, inside, WORD_BYTES)
+                d0 += c0
+                d1 += c1
+            tl.store(dst + where, v, mask=inside)
         if sums_at != 0:
-            old = tl.load(dst + where, mask=inside, other=0)
-            d0, d1 = word_change(where, old, v, inside, WORD_BYTES)
             add_sums(sums_at, d0, d1)
-        tl.store(dst + where, v, mask=inside)
 
     @triton.jit
     def scatter_bitmap(
@@ -153,7 +169,9 @@ def _compile() -> Any:
     ):
         """The i-th flagged word takes the i-th value: the block's prefix, the flags in
         earlier rows of the block, the set bits below its own in its row; one bit (word
-        column) at a time, [rows] vectors: few registers, many programs resident."""
+        column) at a time, [rows] vectors, in a loop (unrolled, its eight columns' loads
+        and int64 checksum changes were live at once): few registers, many programs
+        resident."""
         packed, _ = row_bits(row, local, BLOCK)
         per_row = popc(packed)
         before = tl.cumsum(per_row, axis=0) - per_row
@@ -162,7 +180,7 @@ def _compile() -> Any:
         rows = tl.arange(0, BLOCK // 8)
         d0 = local * 0
         d1 = local * 0
-        for k in tl.static_range(8):
+        for k in range(8):
             rank = before + popc(packed & ((1 << k) - 1))
             changed = (((packed >> k) & 1) != 0) & (rank < nvalues - start)
             v = tl.load(values + start + rank, mask=changed, other=0)
@@ -185,6 +203,7 @@ def _compile() -> Any:
         STEPS: tl.constexpr,
         ROW: tl.constexpr,
         BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
         row = program_row_of(tab, n, pid, STEPS, ROW)
@@ -197,7 +216,16 @@ def _compile() -> Any:
         # of a runtime `if` once, and the two work on vectors of different lengths.
         if tl.load(row + 1) == 1:
             scatter_index(
-                row, local, dst, tl.load(row + 3), values, nvalues, sums_at, WORD_BYTES, BLOCK
+                row,
+                local,
+                dst,
+                tl.load(row + 3),
+                values,
+                nvalues,
+                sums_at,
+                WORD_BYTES,
+                BLOCK,
+                CHUNK,
             )
         else:
             scatter_bitmap(row, local, dst, values, nvalues, sums_at, WORD_BYTES, BLOCK)
@@ -328,6 +356,7 @@ def _scatter(table: torch.Tensor, rows: int, programs: int, word: int) -> None:
         STEPS=_SEARCH_STEPS,
         ROW=ROW,
         BLOCK=BLOCK,
+        CHUNK=INDEX_CHUNK,
     )
 
 

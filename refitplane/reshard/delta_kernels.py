@@ -225,7 +225,7 @@ def compile_kernels() -> Any:
             out_values = slot_values + tl.program_id(0).to(tl.int64) * CAP
             out_index = slot_index + tl.program_id(0).to(tl.int64) * CAP
             first32 = first.to(tl.int32)
-            for col in tl.static_range(8):
+            for col in range(8):
                 rank = before + popc(packed & ((1 << col) - 1))
                 keep = (((packed >> col) & 1) != 0) & (rank < CAP)
                 word = rows * 8 + col

@@ -22,6 +22,8 @@ GROUPS = (
     ((3, 1.0, torch.float32, Encoding.INDEX), (50000, 0.02, torch.bfloat16, Encoding.BITMAP)),
     ((4097, 0.0, torch.bfloat16, Encoding.INDEX), (20000, 0.6, torch.float32, Encoding.BITMAP)),
     ((8192, 0.05, torch.float32, Encoding.INDEX),),
+    # ~9,000 values: three programs of 4,096, each through several chunks of its loop.
+    ((30000, 0.3, torch.bfloat16, Encoding.INDEX),),
 )
 
 

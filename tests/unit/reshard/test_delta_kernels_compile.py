@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from tests.unit.reshard.triton_hopper import compiles_for_hopper
+
 
 def _cuda_backend() -> bool:
     if importlib.util.find_spec("triton") is None:
@@ -22,18 +24,6 @@ def _cuda_backend() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not _cuda_backend(), reason="needs Triton's CUDA backend")
-
-
-def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any], warps: int = 4) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kinds = {name: signature.get(name, "constexpr") for name in fn.arg_names}
-    # A launch fills a constexpr left out from its default; ASTSource does not.
-    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
-    source = ASTSource(fn, kinds, defaults | constants)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
 # The sender's launch shapes: the default, and the largest `benchmarks/delta_scan_gpu.py`
@@ -56,7 +46,7 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
         """The sender's scan (base advanced, sums taken) with `settings` on top."""
         words = {2: tl.int16, 4: tl.int32}
         shape = {"UPDATE": True, "WORD": words[word], "WORD_BYTES": word, "BLOCK": block}
-        _compile(
+        compiles_for_hopper(
             scan, {**writes, **slots}, shape | {"ALIGNED": True, "SUMS": True} | settings, warps
         )
 
@@ -75,7 +65,7 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
         scan_variant(SUMS_FROM_WORDS=from_words, STRIPES=32)
     # The sampled estimate's launch (`sample_changed`): nothing written but scratch.
     for aligned in (True, False):
-        _compile(
+        compiles_for_hopper(
             scan,
             {**tables, "bases": "*i64", "counts": "*i32", "sums": "*i32"},
             {"UPDATE": False, "WORD": tl.int16, "WORD_BYTES": 2, "BLOCK": block}
@@ -85,9 +75,11 @@ def test_the_senders_kernels_compile(block: int | None, warps: int | None) -> No
     per_message = ("kinds", "maps", "map_bytes", "indexes", "values", "starts")
     gather_tables = {**tables, "first_block": "i64", "kinds": "*i32", "counts": "*i32"}
     gather_tables |= {name: "*i64" for name in per_message if name != "kinds"}
-    _compile(gather, gather_tables, {"WORD": tl.int16, "BLOCK": block})
-    _compile(gather, gather_tables, {"WORD": tl.int16, "BLOCK": block, "PACKED": True, "CAP": 64})
-    _compile(
+    compiles_for_hopper(gather, gather_tables, {"WORD": tl.int16, "BLOCK": block})
+    compiles_for_hopper(
+        gather, gather_tables, {"WORD": tl.int16, "BLOCK": block, "PACKED": True, "CAP": 64}
+    )
+    compiles_for_hopper(
         pack,
         {"first_block": "i64", "end_block": "i64", "block_msg": "*i32", "starts": "*i64"}
         | {"counts": "*i32", "kinds": "*i32", "indexes": "*i64", "values": "*i64", **slots},
@@ -103,11 +95,12 @@ def test_the_receivers_kernels_compile(word: int) -> None:
 
     popcount, prefix, scatter = delta_apply._compile()
     shape = {"ROW": delta_apply.ROW, "BLOCK": delta_apply.BLOCK}
-    _compile(popcount, {"tab": "*i64", "n": "i64"}, {"STEPS": 20, **shape})
-    _compile(prefix, {"tab": "*i64"}, {"CHUNK": 1024, **shape})
+    compiles_for_hopper(popcount, {"tab": "*i64", "n": "i64"}, {"STEPS": 20, **shape})
+    compiles_for_hopper(prefix, {"tab": "*i64"}, {"CHUNK": 1024, **shape})
     words = {2: tl.int16, 4: tl.int32}
-    _compile(
+    compiles_for_hopper(
         scatter,
         {"tab": "*i64", "n": "i64"},
-        {"WORD": words[word], "WORD_BYTES": word, "STEPS": 20, **shape},
+        {"WORD": words[word], "WORD_BYTES": word, "STEPS": 20, **shape}
+        | {"CHUNK": delta_apply.INDEX_CHUNK},
     )
