@@ -216,9 +216,10 @@ def compile_kernels() -> Any:
             # word's slot: the words changed in earlier rows, then the set bits below its
             # own in its row (`gather`'s order, so the payloads are the same bytes). One word
             # column at a time, [rows] vectors, its words read again (from the cache, only
-            # where changed): a [rows, 8] slot table took the scan from 95 to 232 registers
-            # per thread on sm_90 (ptxas), too few programs resident to hide its loads; last, when
-            # the block's words are no longer held (134 before the base's update and sums).
+            # where changed), in a loop not unrolled, after the base update and the sums: 71
+            # registers per thread on sm_90, as the scan alone (67), where a [rows, 8] slot
+            # table took 232 and the columns unrolled 140, too few programs resident to hide
+            # the scan's loads (`tests/unit/reshard/test_kernel_registers.py`).
             per_row = popc(packed)
             before = tl.cumsum(per_row, axis=0) - per_row
             rows = tl.arange(0, BLOCK // 8)
