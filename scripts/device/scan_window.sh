@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sender's delta scan (issue 24), one 2-GPU device window of at most ~270 s (run from the
+# The sender's delta scan (issue 24), one 2-GPU device window of at most ~330 s (run from the
 # checkout root, PYTHONPATH set to it, $OUT collected). Independent steps, each in its own
 # process group under its own timeout (T1..T3 seconds); one failing never stops the others:
 #   1. the CUDA codec tests (tests/gpu/test_delta_cuda.py): the scan with the base advanced
@@ -11,7 +11,9 @@
 #      NVLink) with --profile: where the delta's device time goes
 #   4. the same with the scan's slots and striped sums (REFIT_DELTA_PACK_CAP=64,
 #      REFIT_DELTA_SUM_STRIPES=32; PACK and STRIPES override), against step 3 in one window
-# STEPS picks and orders them (default "1 2 3 4"). One summary line per step on stdout.
+#   5. step 3 with the receiver's apply in its shape before 2026-11-27
+#      (REFIT_DELTA_APPLY_CHUNK=4096: 254 registers per thread, not 79), the apply's A/B
+# STEPS picks and orders them (default "1 2 3 4 5"). One summary line per step on stdout.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -23,7 +25,7 @@ TAG=scan
 . "$(dirname "$0")/window_run.sh"
 
 echo "[scan] $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | tr -s ' ')"
-for step in ${STEPS:-1 2 3 4}; do
+for step in ${STEPS:-1 2 3 4 5}; do
   case $step in
     1) TAIL=4 run "${T1:-35}" pytest-delta-cuda.log python3 -m pytest tests/gpu/test_delta_cuda.py \
          -q -rf --tb=short -p no:cacheprovider ;;
@@ -38,6 +40,9 @@ for step in ${STEPS:-1 2 3 4}; do
          REFIT_DELTA_SUM_STRIPES=${STRIPES:-32} run "${T4:-55}" delta_executor_pack.log \
          python3 benchmarks/delta_executor_gpu.py --transports nvlink --fractions 0.01 0.05 0.2 \
          --repeats 2 --profile --out "$OUT/delta_executor_pack.json" ;;
+    5) TAIL=12 REFIT_DELTA_LINK_GBPS=off REFIT_DELTA_APPLY_CHUNK=4096 run "${T5:-55}" \
+         delta_executor_apply4096.log python3 benchmarks/delta_executor_gpu.py --transports nvlink \
+         --fractions 0.01 0.05 0.2 --repeats 2 --profile --out "$OUT/delta_executor_apply4096.json" ;;
   esac
 done
 echo "[scan] $(date -u +%T) done"
