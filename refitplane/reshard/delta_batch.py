@@ -36,6 +36,7 @@ from refitplane.reshard.delta_kernels import (
     BLOCK,
     PACK_CAP,
     PACK_GROUP,
+    PACK_WARPS,
     SCAN_SUMS,
     SCAN_UPDATE,
     SCAN_WARPS,
@@ -348,6 +349,7 @@ class Gather:
                 WORD=TL_WORDS[self.word],
                 CAP=PACK_CAP,
                 GROUP=PACK_GROUP,
+                num_warps=PACK_WARPS,
             )
         if self.gather_left:
             gather[(b1 - b0,)](

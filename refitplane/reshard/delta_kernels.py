@@ -56,8 +56,11 @@ if SCAN_UPDATE not in ("words", "rows"):
 # Blocks with more changed words than slots, and bitmap payloads, keep the gather. The slots
 # cost `PACK_CAP` x (word + 4) bytes per block: 786 MB for 16.4 GB of bf16 at 64.
 PACK_CAP = launch_setting("REFIT_DELTA_PACK_CAP", 0, 0, BLOCK)
-# Blocks per program of `pack`.
+# Blocks per program of `pack`, and its warps: 16 blocks of 64 slots over 4 warps took 98
+# registers per thread on sm_90 (four programs per SM), over 8 warps 48 (five of twice the
+# threads).
 PACK_GROUP = 16
+PACK_WARPS = 8
 # Rows of (S0, S1) the scan's checksum sums of one message are spread over (1: the caller's
 # row itself, the default until timed on a GPU). Programs run about in order, so the few
 # hundred resident at a time mostly belong to one message and their two atomic adds each

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from refitplane.reshard import delta_kernels
 from tests.unit.reshard.triton_hopper import registers_on_hopper
 
 
@@ -142,7 +143,13 @@ CASES = {
         _delta_kernel(0), SCAN_ARGS | SLOTS, _scan_settings(COMPACT=True, CAP=64), 8, 64
     ),
     "delta gather": Case(_delta_kernel(1), GATHER_ARGS, _word_settings(BLOCK=4096), 4, 40),
-    "delta pack": Case(_delta_kernel(2), PACK_ARGS, _word_settings(CAP=64, GROUP=16), 4, 104),
+    "delta pack": Case(
+        _delta_kernel(2),
+        PACK_ARGS,
+        _word_settings(CAP=64, GROUP=delta_kernels.PACK_GROUP),
+        delta_kernels.PACK_WARPS,
+        48,
+    ),
     # Receivers of delta refits (`delta_apply`): 6 programs per SM.
     "delta apply": Case(_apply_kernel(2), TABLE, _apply_settings, 4, 80),
     # Every refit: checksums (8 per SM), a colocated receiver's copy that checksums (6), the
