@@ -120,6 +120,19 @@ def _compile() -> Any:
         return tl.sum(diff, axis=0), tl.sum(diff * (at // 8), axis=0)
 
     @triton.jit
+    def write_words(dst, where, v, mask, sums_at, d0, d1, WORD_BYTES: tl.constexpr):
+        """Store `v` at word indices `where` of `dst` (where `mask`) and return (d0, d1)
+        plus what that changes in the image's checksum sums, where its row is kept
+        (`sums_at`)."""
+        if sums_at != 0:
+            old = tl.load(dst + where, mask=mask, other=0)
+            c0, c1 = word_change(where, old, v, mask, WORD_BYTES)
+            d0 += c0
+            d1 += c1
+        tl.store(dst + where, v, mask=mask)
+        return d0, d1
+
+    @triton.jit
     def add_sums(sums_at, d0, d1):
         out = sums_at.to(tl.pointer_type(tl.int64))
         tl.atomic_add(out, d0)
@@ -154,12 +167,7 @@ def _compile() -> Any:
             where = tl.load(index + j, mask=inside, other=0)
             inside = inside & (where >= 0) & (where < words)
             v = tl.load(values + j, mask=inside, other=0)
-            if sums_at != 0:
-                old = tl.load(dst + where, mask=inside, other=0)
-                c0, c1 = word_change(where, old, v, inside, WORD_BYTES)
-                d0 += c0
-                d1 += c1
-            tl.store(dst + where, v, mask=inside)
+            d0, d1 = write_words(dst, where, v, inside, sums_at, d0, d1, WORD_BYTES)
         if sums_at != 0:
             add_sums(sums_at, d0, d1)
 
@@ -185,12 +193,7 @@ def _compile() -> Any:
             changed = (((packed >> k) & 1) != 0) & (rank < nvalues - start)
             v = tl.load(values + start + rank, mask=changed, other=0)
             where = local * BLOCK + rows * 8 + k
-            if sums_at != 0:
-                old = tl.load(dst + where, mask=changed, other=0)
-                c0, c1 = word_change(where, old, v, changed, WORD_BYTES)
-                d0 += c0
-                d1 += c1
-            tl.store(dst + where, v, mask=changed)
+            d0, d1 = write_words(dst, where, v, changed, sums_at, d0, d1, WORD_BYTES)
         if sums_at != 0:
             add_sums(sums_at, d0, d1)
 
@@ -237,6 +240,7 @@ def _compile() -> Any:
         row_bits=row_bits,
         program_row_of=program_row_of,
         word_change=word_change,
+        write_words=write_words,
         add_sums=add_sums,
         scatter_index=scatter_index,
         scatter_bitmap=scatter_bitmap,
