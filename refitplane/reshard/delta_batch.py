@@ -98,18 +98,24 @@ def _addresses(tensors: Sequence[torch.Tensor | None], device: torch.device) -> 
     return _table([t.data_ptr() if t is not None else 0 for t in tensors], torch.int64, device)
 
 
-def _per_message(counts: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """Each message's sum of its blocks' `counts` (int64): a message's blocks are contiguous,
-    so two reads of one prefix sum. (An `index_add_` by block owner queued one atomic add per
-    block, two million for Qwen3-8B, on the few hundred message slots, each slot's in a row.)"""
-    total = torch.zeros(blocks.count + 1, dtype=torch.int64, device=counts.device)
+def _prefix(counts: torch.Tensor) -> torch.Tensor:
+    """The exclusive prefix sums of the block counts (int64), then their total: what both
+    the per-message counts and the gather's starts are read from."""
+    total = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
     torch.cumsum(counts, 0, dtype=torch.int64, out=total[1:])
-    return total[blocks.ends] - total[blocks.blk0]
+    return total
 
 
-def _local_starts(counts: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """Each block's exclusive prefix sum of `counts` within its message."""
-    exclusive = torch.cumsum(counts, 0, dtype=torch.int64) - counts
+def _per_message(prefix: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """Each message's sum of its blocks' counts: a message's blocks are contiguous, so two
+    reads of `prefix`. (An `index_add_` by block owner queued one atomic add per block, two
+    million for Qwen3-8B, on the few hundred message slots, each slot's in a row.)"""
+    return prefix[blocks.ends] - prefix[blocks.blk0]
+
+
+def _local_starts(prefix: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """Each block's exclusive prefix sum of the counts within its message."""
+    exclusive = prefix[:-1]
     return exclusive - exclusive[blocks.blk0][blocks.block_msg.long()]
 
 
@@ -125,6 +131,8 @@ class ScanBatch:
     bits_at: torch.Tensor
     block_counts: torch.Tensor
     counts: torch.Tensor
+    # `block_counts`' exclusive prefix sums, then their total (`_prefix`).
+    prefix: torch.Tensor
     # Which messages' checksum sums the scan added into their rows (`scan_many`'s `sums`).
     summed: tuple[bool, ...] = ()
     # With `PACK_CAP`: each block's changed words and their indices, compacted by the scan
@@ -162,13 +170,11 @@ def scan_many(
     ]
     summed = tuple(row is not None for row in rows)
     # With SUM_STRIPES, each message's sums go to its own stripes of a scratch first.
-    striped = SUM_STRIPES > 1 and any(summed)
-    stripes = torch.zeros(
-        (len(rows) if striped else 0, SUM_STRIPES, 2), dtype=torch.int64, device=device
-    )
-    targets = (
-        [stripes[i] if row is not None else None for i, row in enumerate(rows)] if striped else rows
-    )
+    stripes: torch.Tensor | None = None
+    targets = rows
+    if SUM_STRIPES > 1 and any(summed):
+        stripes = torch.zeros((len(rows), SUM_STRIPES, 2), dtype=torch.int64, device=device)
+        targets = [stripes[i] if row is not None else None for i, row in enumerate(rows)]
     slot_values = slot_index = None
     if PACK_CAP:
         slot_values = torch.empty(blocks.count * PACK_CAP, dtype=WORD_DTYPES[word], device=device)
@@ -198,11 +204,11 @@ def scan_many(
         STRIPES=SUM_STRIPES,
         num_warps=SCAN_WARPS,
     )
-    if striped:
+    if stripes is not None:
         folded = stripes.sum(dim=1)  # int64 sums wrap, as the atomics do
         kept = [row for row in rows if row is not None]
         torch._foreach_add_(kept, [folded[i] for i, row in enumerate(rows) if row is not None])
-    counts = _per_message(block_counts, blocks)
+    prefix = _prefix(block_counts)
     overflow = (block_counts > PACK_CAP).sum() if PACK_CAP else None
     return ScanBatch(
         word,
@@ -211,7 +217,8 @@ def scan_many(
         bits,
         bits_at,
         block_counts,
-        counts,
+        _per_message(prefix, blocks),
+        prefix,
         summed,
         slot_values,
         slot_index,
@@ -398,7 +405,7 @@ def prepare_gather(
         values.append(vals)
     if not any(kinds):
         return None
-    starts = _local_starts(batch.block_counts, batch.blocks)
+    starts = _local_starts(batch.prefix, batch.blocks)
     kind_table = _table(kinds, torch.int32, device)
     index_table, values_table = _addresses(indexes, device), _addresses(values, device)
     args = (
