@@ -131,6 +131,20 @@ def compile_kernels() -> Any:
         return s0, s1
 
     @triton.jit
+    def rows_before(packed):
+        """Per row of 8 words (`packed`: its bitmap byte), the words changed in the block's
+        earlier rows."""
+        per_row = popc(packed)
+        return tl.cumsum(per_row, axis=0) - per_row
+
+    @triton.jit
+    def column_places(packed, before, col):
+        """Column `col` of a block's rows: which of its words changed, and each one's place
+        among the block's changed words (`before`, then the set bits below its own in its
+        row) — the one order of the gather's payloads and the scan's slots."""
+        return ((packed >> col) & 1) != 0, before + popc(packed & ((1 << col) - 1))
+
+    @triton.jit
     def scan(
         block_msg,
         blk0,
@@ -216,22 +230,21 @@ def compile_kernels() -> Any:
             # This block's changed words in ascending order into its `CAP` slots (`PACK_CAP`),
             # with their word indices in the message; a block with more changed words than
             # slots fills them and is gathered again (`gather`'s PACKED), whole. A changed
-            # word's slot: the words changed in earlier rows, then the set bits below its
-            # own in its row (`gather`'s order, so the payloads are the same bytes). One word
+            # word's slot is its place in `column_places`, the gather's order, so the payloads
+            # are the same bytes. One word
             # column at a time, [rows] vectors, its words read again (from the cache, only
             # where changed), in a loop not unrolled, after the base update and the sums: 71
             # registers per thread on sm_90, as the scan alone (67), where a [rows, 8] slot
             # table took 232 and the columns unrolled 140, too few programs resident to hide
             # the scan's loads (`tests/unit/reshard/test_kernel_registers.py`).
-            per_row = popc(packed)
-            before = tl.cumsum(per_row, axis=0) - per_row
+            before = rows_before(packed)
             rows = tl.arange(0, BLOCK // 8)
             out_values = slot_values + tl.program_id(0).to(tl.int64) * CAP
             out_index = slot_index + tl.program_id(0).to(tl.int64) * CAP
             first32 = first.to(tl.int32)
             for col in range(8):
-                rank = before + popc(packed & ((1 << col) - 1))
-                keep = (((packed >> col) & 1) != 0) & (rank < CAP)
+                flagged, rank = column_places(packed, before, col)
+                keep = flagged & (rank < CAP)
                 word = rows * 8 + col
                 tl.store(out_values + rank, tl.load(cur + word, mask=keep, other=0), mask=keep)
                 tl.store(out_index + rank, first32 + word, mask=keep)
@@ -288,16 +301,14 @@ def compile_kernels() -> Any:
                 # rows of the block, then the set bits below its own in its row. One bit (word
                 # column) at a time: [rows] vectors keep few registers per thread, so many
                 # programs stay resident to hide each one's chain of table loads.
-                per_row = popc(packed)
-                before = tl.cumsum(per_row, axis=0) - per_row
+                before = rows_before(packed)
                 cur = tl.load(curs + m).to(tl.pointer_type(WORD)) + first
                 out_values = tl.load(values + m).to(tl.pointer_type(WORD)) + start
                 # Index payloads only for messages under 2^31 words (`choose_encoding`).
                 index = tl.load(indexes + m).to(tl.pointer_type(tl.int32)) + start
                 first32 = first.to(tl.int32)
                 for k in tl.static_range(8):
-                    changed = ((packed >> k) & 1) != 0
-                    rank = before + popc(packed & ((1 << k) - 1))
+                    changed, rank = column_places(packed, before, k)
                     word = rows * 8 + k
                     a = tl.load(cur + word, mask=changed, other=0)
                     if kind == 1:
@@ -342,7 +353,14 @@ def compile_kernels() -> Any:
 
     # The kernels call the helpers by name: Triton's interpreter (TRITON_INTERPRET=1, how the
     # CPU tests run these kernels) looks names up in the module's globals.
-    globals().update(locate=locate, place=place, popc=popc, folded_sums=folded_sums)
+    globals().update(
+        locate=locate,
+        place=place,
+        popc=popc,
+        folded_sums=folded_sums,
+        rows_before=rows_before,
+        column_places=column_places,
+    )
     TL_WORDS.update({1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64})
     _kernels = (scan, gather, pack)
     return _kernels
