@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,9 +15,7 @@ from refitplane.reshard.delta_exchange import DeltaMessage
 from refitplane.reshard.message_io import StridedChunk
 from refitplane.reshard.schedule import Message
 from refitplane.reshard.transport.base import Handle, P2POp
-
-if TYPE_CHECKING:
-    pass
+from refitplane.reshard.triton_load import launch_setting
 
 
 @dataclass
@@ -80,3 +77,29 @@ GROUP_BUCKETS = 4
 
 
 GROUP_MAX_OPS = 64
+
+# 1: groups grow from a quarter bucket to GROUP_BUCKETS buckets over the first posts and
+# shrink toward the end of the schedule (`group_limit`); 0: every group GROUP_BUCKETS buckets
+# (the shape before 2026-11-27, for measuring one against the other).
+GROUP_TAPER = launch_setting("REFIT_GROUP_TAPER", 1, 0, 1)
+
+
+def group_limit(
+    posted: int, bytes_after: int, bucket_bytes: int, channels: int, taper: int | None = None
+) -> int:
+    """The bytes a channel's group reaches before every channel's group is posted, after
+    `posted` posts, with `bytes_after` bytes of this rank's messages still to come after
+    the current step.
+
+    Bytes move only once posted, and a receiver sums a group only once all of it arrived:
+    the first group's size is a wait before the first byte moves, the last group's sums are
+    a wait after the last one arrived (with 4 channels of 1 GiB groups on Qwen3-8B, ~1 ms at
+    each end). So the first group is a quarter bucket and each post doubles it up to
+    GROUP_BUCKETS buckets; near the end a group is at most half of what remains per
+    channel, so the groups halve down to single messages and the last sums cover one."""
+    full = GROUP_BUCKETS * bucket_bytes
+    if not (GROUP_TAPER if taper is None else taper):
+        return full
+    ramp = (bucket_bytes // 4) << min(posted, 8)
+    taper_to = bytes_after // (2 * max(1, channels))
+    return max(1, min(full, ramp, taper_to))

@@ -31,6 +31,7 @@ stages to apply what it staged only delays its peers: it waits on nothing of the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -196,6 +197,16 @@ class RankSchedule:
     def messages(self) -> Iterator[Message]:
         for step in self.steps:
             yield from step
+
+    @functools.cached_property
+    def bytes_after(self) -> tuple[int, ...]:
+        """For each step, the bytes of the messages in the steps after it: what is still to
+        come there (`op_group.group_limit` shrinks the last groups by it)."""
+        after, out = 0, []
+        for step in reversed(self.steps):
+            out.append(after)
+            after += sum(m.nbytes for m in step)
+        return tuple(reversed(out))
 
     def receive_stages(self, rank: int) -> list[tuple[StageKey, list[str]]]:
         """The stages `rank` receives in, in order, each with the tensors it receives in

@@ -20,7 +20,7 @@ from refitplane.reshard.chunk_copy import launch as launch_copy
 from refitplane.reshard.delta_exchange import DeltaExchange, DeltaLinks
 from refitplane.reshard.link_agreement import without_full_links
 from refitplane.reshard.message_io import MessageIO, resolve_message
-from refitplane.reshard.op_group import GROUP_BUCKETS, GROUP_MAX_OPS, OpGroup
+from refitplane.reshard.op_group import GROUP_MAX_OPS, OpGroup, group_limit
 from refitplane.reshard.run_checksums import RunChecksums
 from refitplane.reshard.schedule import Message
 from refitplane.reshard.staged import StagedBucket, StagedShards
@@ -96,7 +96,8 @@ class TransferRun:
         self.report.tensors_total = prepared.tensors_received
         self.total = plan.send_bytes + plan.recv_bytes
         self.done = 0
-        self.group_bytes = GROUP_BUCKETS * self.cfg.bucket_bytes
+        # How many times groups were posted: the first groups grow with it (`group_limit`).
+        self.posts = 0
         # Keep two groups per channel in flight within the staging budget (what the staged
         # arena leaves of it: the ring is smaller only where the packed messages need less).
         self.group_staged = max(1, prepared.ring_room // (2 * self.cfg.num_channels))
@@ -130,6 +131,12 @@ class TransferRun:
             if bucket is not None:
                 self._next_bucket(self.buckets[bucket])
             full = False
+            limit = group_limit(
+                self.posts,
+                self.schedule.bytes_after[i],
+                self.cfg.bucket_bytes,
+                self.cfg.num_channels,
+            )
             for m, io in self.resolved.pop(i, step):
                 if io is None:
                     raise TransferError(
@@ -142,7 +149,7 @@ class TransferRun:
                 self.report.host_add_seconds += time.perf_counter() - t0
                 group = self.pending[m.channel]
                 full = full or (
-                    group.nbytes >= self.group_bytes
+                    group.nbytes >= limit
                     or group.staged >= self.group_staged
                     or len(group.ops) >= GROUP_MAX_OPS
                 )
@@ -366,6 +373,7 @@ class TransferRun:
         waited forever at four channels (one channel committed), the receiver's host inside
         the first launch of a uint8 copy kernel, the sender waiting for its oldest send."""
         groups = [(ch, g) for ch in sorted(self.pending) if (g := self.pending.pop(ch)).ops]
+        self.posts += bool(groups)
         for channel, group in groups:
             self._pack(channel, group)
         handles = [self._post(channel, group) for channel, group in groups]
