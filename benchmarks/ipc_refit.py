@@ -88,26 +88,39 @@ def _check(world: World, steps: list[Any]) -> dict[str, Any]:
     return {"checked": checked, "failures": failures[:5], "exact": checked > 0 and not failures}
 
 
-def _receiver_seconds(world: World) -> float:
-    """The vLLM worker's own transfer time of the last refit (its executor: the data plane
-    without the coordinator's command and report round trips)."""
+def _receiver_seconds(world: World) -> dict[str, float]:
+    """The vLLM worker's own transfer of the last refit, in parts: "executor" (its wall time:
+    the data plane without the coordinator's command and report round trips), "prepare"
+    (up to its first manifest asked), "wait" (for its senders' manifests), "wire" (from the
+    first manifest asked to the copies' end), "verify" (the sums compared, answers sent)."""
     from refitplane.testing.refit_world.worker_probes import transfer_report
 
     reports = world.ask("replica-0", ("rpc", (transfer_report, [])), "rpc", timeout_s=60)
-    return max(float(r.get("seconds", 0.0)) for r in reports)
+    last = max(reports, key=lambda r: float(r.get("seconds", 0.0)))
+    parts = {
+        "executor": "seconds",
+        "prepare": "prepared_seconds",
+        "wait": "host_wait_seconds",
+        "wire": "wire_seconds",
+        "verify": "verify_seconds",
+    }
+    return {k: float(last.get(v, 0.0)) for k, v in parts.items()}
 
 
 def _row(
     label: str,
     results: list[RefitResult],
     checks: list[dict[str, Any]],
-    receiver_s: list[float] | None = None,
+    receiver: list[dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     bad = [f"{r.state} {r.reason}" for r in results if r.state != "COMMITTED"]
-    receiver_s = receiver_s or []
+    receiver = receiver or []
+    receiver_s = [parts["executor"] for parts in receiver]
     return {
         "label": label,
         "receiver_s": [round(s, 5) for s in receiver_s],
+        "receiver_parts_ms": [{k: round(v * 1e3, 2) for k, v in p.items()} for p in receiver],
+        "hops": [r.hops for r in results],
         "receiver_median_s": statistics.median(receiver_s) if receiver_s else 0.0,
         "total_s": [round(r.seconds, 4) for r in results],
         "transfer_s": [round(r.transfer_s, 4) for r in results],
@@ -139,6 +152,13 @@ def _print(case: str, row: dict[str, Any], limit_s: float) -> None:
     )
     phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["phases_median_s"].items())
     print(f"[{case}] {row['label']} phases (ms): {phases}", flush=True)
+    for parts, hops in zip(row.get("receiver_parts_ms", []), row.get("hops", []), strict=False):
+        print(
+            f"[{case}] {row['label']} receiver (ms): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+            + (f"; {hops}" if hops else ""),
+            flush=True,
+        )
 
 
 def _free_gib() -> float:

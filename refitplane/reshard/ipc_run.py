@@ -236,9 +236,16 @@ class LinkCopyRun:
         self.links.presummed = False  # used, or stale: the next refit's prepare sums again
         self.links.presummed_after_write = None
         try:
+            wire_began = time.monotonic()
             for inc in self.links.incoming:
                 self._copy(inc)
             self._finish_receives()
+            # Over CUDA IPC the report's parts are: `host_wait_seconds` the manifests' wait
+            # (how long after this rank's start its senders' arrived), `wire_seconds` from
+            # the first manifest asked to the copies' end, `verify_seconds` the sums'
+            # compare and the answers.
+            if self.links.incoming:
+                self.report.wire_seconds = time.monotonic() - wire_began
         except BaseException:
             # Tell the senders not to wait for this rank (best effort: the error follows).
             failed = len(self._sends)
@@ -249,8 +256,12 @@ class LinkCopyRun:
             with contextlib.suppress(RefitError):
                 self.t.finish_sends(self._sends[failed:], time.monotonic() + 2.0)
             raise
+        waited = time.perf_counter()
         for out in self.links.outgoing:
             self._await_completion(out)
+        if self.links.outgoing:
+            # A sender's wait: its receivers' copies and compares.
+            self.report.host_wait_seconds += time.perf_counter() - waited
         self.t.finish_sends(self._sends, self.deadline)
         self.t.end()
 
@@ -309,9 +320,11 @@ class LinkCopyRun:
     def _copy(self, inc: _Incoming) -> None:
         self._check()
         where = self._where(inc.peer, self.rank)
+        waited = time.perf_counter()
         head = self.t.recv_control(inc.peer, 8, _TAG_LENGTH, self.deadline, where)
         length = int.from_bytes(head, "little")
         data = self.t.recv_control(inc.peer, length, _TAG_MANIFEST, self.deadline, where)
+        self.report.host_wait_seconds += time.perf_counter() - waited
         if data != inc.manifest or inc.copies is None or inc.copies.fuse != (FUSE and self.verify):
             self._build(inc, data, where)
         assert inc.copies is not None
@@ -359,6 +372,7 @@ class LinkCopyRun:
                 )
                 theirs[inc.peer] = torch.frombuffer(bytearray(data), dtype=torch.int64).view(-1, 2)
         self.t.copy_stream().synchronize()
+        compared = time.perf_counter()
         mismatch: ChecksumMismatch | None = None
         for inc in self.links.incoming:
             status = DONE_OK
@@ -384,6 +398,7 @@ class LinkCopyRun:
                             f"first: {where}{more}"
                         )
             self._answer(inc.peer, status)
+        self.report.verify_seconds = time.perf_counter() - compared
         if mismatch is not None:
             raise mismatch
 
