@@ -21,7 +21,7 @@ from refitplane.reshard.delta_exchange import DeltaExchange, DeltaLinks
 from refitplane.reshard.link_agreement import without_full_links
 from refitplane.reshard.message_io import MessageIO, resolve_message
 from refitplane.reshard.op_group import GROUP_MAX_OPS, OpGroup, group_limit
-from refitplane.reshard.run_checksums import RunChecksums
+from refitplane.reshard.run_checksums import RunChecksums, TableExchange
 from refitplane.reshard.schedule import Message
 from refitplane.reshard.staged import StagedBucket, StagedShards
 from refitplane.reshard.transfer_report import TransferReport
@@ -157,7 +157,7 @@ class TransferRun:
                 # Every channel at once, never one alone: see `_flush_all`.
                 self._flush_all()
             self._retire_completed()
-        self._drain()
+        swap = self._drain(last=True)
         self.report.wire_seconds = time.monotonic() - wire_began
         if self.verify:
             t0 = time.perf_counter()
@@ -167,18 +167,25 @@ class TransferRun:
                 self.cancel,
                 self.schedule.messages,
                 self.report.tensors_total,
+                swap,
             )
             self.report.verify_seconds = time.perf_counter() - t0
         self.t.end()
         return self.report
 
-    def _drain(self) -> None:
-        """Post everything pending and complete everything in flight."""
+    def _drain(self, last: bool = False) -> TableExchange | None:
+        """Post everything pending and complete everything in flight. After the `last`
+        message, where the device orders the work, the checksum tables' swap is posted
+        before the wait (`RunChecksums.exchange`), and returned."""
         self._flush_all()
         self.report.posted_seconds = time.monotonic() - self.started
+        swap = None
+        if last and self.verify and self.t.device_ordered:
+            swap = self.checksums.exchange(self.t, self.deadline)
         while self.in_flight:
             self._complete_oldest()
         self.ring.settled()
+        return swap
 
     def _next_bucket(self, bucket: StagedBucket) -> None:
         """With nothing in flight: apply the open bucket (every byte of it arrived and was
