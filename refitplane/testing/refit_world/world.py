@@ -99,6 +99,13 @@ class World:
         self._results = ctx.Queue()
         self.coordinator = start_coordinator(
             **{
+                # The coordinator's default lease (the tests' 3 s is for worlds of agents
+                # alone): a vLLM engine's process runs its own work beside the member's
+                # lease thread, and on 2xH100 an FP8 engine's rank let a 3 s lease lapse
+                # three times while it loaded and once more in its first refit's
+                # PREPARING (LEASE_EXPIRED; 2026-11-27). No test of this world is about
+                # lease timing.
+                "lease_ttl_s": 15.0,
                 "prepare_timeout_s": 300.0,
                 "transfer_timeout_s": 600.0,
                 "group_timeout_s": 300.0,
