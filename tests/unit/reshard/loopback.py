@@ -17,9 +17,12 @@ import torch
 
 from refitplane.errors import TransferError, TransferTimeout
 from refitplane.reshard.boxes import Box, full_box
+from refitplane.reshard.config import TransferConfig
+from refitplane.reshard.executor import Executor
 from refitplane.reshard.layout import LayoutBuilder, TensorSpec
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.planner import build_plan
+from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.transport.base import Handle, P2POp, Transport
 
 Corrupt = Callable[[int, int, int, int, torch.Tensor], None]
@@ -119,3 +122,46 @@ class LoopbackTransport(Transport):
 
     def close(self) -> None:
         return None
+
+
+def run_pair(
+    hub: LoopbackHub,
+    transports: Sequence[Transport],
+    plans: Sequence[RankPlan],
+    shards: Sequence[LocalShards],
+    config: TransferConfig,
+) -> dict[int, BaseException]:
+    """Ranks 0 and 1 of a pair (`pair_plans`) run one refit each, on a thread of their own
+    over `hub`; what each raised, by rank (a rank that fails aborts its peer's waits)."""
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int) -> None:
+        try:
+            Executor(transports[rank], config).run(plans[rank], shards[rank])
+        except BaseException as exc:  # returned to the test
+            errors[rank] = exc
+            hub.aborted.add(1 - rank)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank is still running after 60 s"
+    return errors
+
+
+def bf16_pair_shards(
+    specs: Mapping[str, TensorSpec],
+) -> tuple[dict[str, torch.Tensor], LocalShards, LocalShards]:
+    """Seeded bf16 values of every tensor of `specs`, a source holding them whole and a
+    target of zeros of the same shapes."""
+    values = {
+        name: torch.randn(spec.shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        for i, (name, spec) in enumerate(specs.items())
+    }
+    source, target = LocalShards(), LocalShards()
+    for name, spec in specs.items():
+        source.add(spec, full_box(spec.shape), values[name].clone())
+        target.add(spec, full_box(spec.shape), torch.zeros(spec.shape, dtype=torch.bfloat16))
+    return values, source, target

@@ -10,7 +10,6 @@ bytes each post carries; REFIT_GROUP_TAPER=0 keeps every group at the full size.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import pytest
@@ -19,13 +18,17 @@ import torch
 from refitplane.reshard import op_group
 from refitplane.reshard.boxes import full_box
 from refitplane.reshard.config import TransferConfig
-from refitplane.reshard.executor import Executor
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.op_group import GROUP_BUCKETS, group_limit
 from refitplane.reshard.schedule import rank_schedule
-from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.transport.base import Handle, P2POp
-from tests.unit.reshard.loopback import LoopbackHub, LoopbackTransport, pair_plans
+from tests.unit.reshard.loopback import (
+    LoopbackHub,
+    LoopbackTransport,
+    bf16_pair_shards,
+    pair_plans,
+    run_pair,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -91,29 +94,8 @@ def _run(specs: dict[str, TensorSpec]) -> list[list[list[int]]]:
     hub = LoopbackHub()
     counts = [sum(1 for _ in rank_schedule(plans[r], CONFIG).messages) for r in (0, 1)]
     recorders = [PostRecorder(hub, r, counts[r]) for r in (0, 1)]
-    values = {
-        name: torch.randn(spec.shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
-        for i, (name, spec) in enumerate(specs.items())
-    }
-    source, target = LocalShards(), LocalShards()
-    for name, spec in specs.items():
-        source.add(spec, full_box(spec.shape), values[name].clone())
-        target.add(spec, full_box(spec.shape), torch.zeros(spec.shape, dtype=torch.bfloat16))
-    errors: dict[int, BaseException] = {}
-
-    def run(rank: int, shards: LocalShards) -> None:
-        try:
-            Executor(recorders[rank], CONFIG).run(plans[rank], shards)
-        except BaseException as exc:  # reported below
-            errors[rank] = exc
-            hub.aborted.add(1 - rank)
-
-    threads = [threading.Thread(target=run, args=(r, s)) for r, s in ((0, source), (1, target))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads)
+    values, source, target = bf16_pair_shards(specs)
+    errors = run_pair(hub, recorders, plans, (source, target), CONFIG)
     assert not errors, errors
     for name, spec in specs.items():
         assert torch.equal(target.view(name, full_box(spec.shape)), values[name]), name

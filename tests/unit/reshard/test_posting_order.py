@@ -31,13 +31,12 @@ import torch
 
 from refitplane.reshard.boxes import full_box
 from refitplane.reshard.config import TransferConfig
-from refitplane.reshard.executor import Executor
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.schedule import Message, rank_schedule
 from refitplane.reshard.shards import LocalShards, torch_dtype
 from refitplane.reshard.transport.base import Handle, P2POp
-from tests.unit.reshard.loopback import LoopbackHub, LoopbackTransport, pair_plans
+from tests.unit.reshard.loopback import LoopbackHub, LoopbackTransport, pair_plans, run_pair
 
 pytestmark = pytest.mark.unit
 
@@ -176,24 +175,7 @@ def test_posted_messages_are_a_prefix_of_the_schedule_whenever_a_rank_launches_w
     hub = LoopbackHub()
     recorders = [PostingRecorder(hub, rank, plans[rank], CONFIG, path) for rank in (0, 1)]
     receiver = _shards(specs, fill=False)
-    errors: dict[int, BaseException] = {}
-
-    def run(rank: int, shards: LocalShards) -> None:
-        try:
-            Executor(recorders[rank], CONFIG).run(plans[rank], shards)
-        except BaseException as exc:  # reported by the test below
-            errors[rank] = exc
-            hub.aborted.add(1 - rank)
-
-    threads = [
-        threading.Thread(target=run, args=(0, _shards(specs, fill=True))),
-        threading.Thread(target=run, args=(1, receiver)),
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads)
+    errors = run_pair(hub, recorders, plans, (_shards(specs, fill=True), receiver), CONFIG)
     assert not errors, errors
     for name, spec in specs.items():
         got = receiver.view(name, full_box(spec.shape)).view(torch.uint8)
