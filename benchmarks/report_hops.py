@@ -24,6 +24,10 @@ timeline") and prints, over the steady refits (min / median / max, ms):
                      (first and last report of the refit separately)
     last->end        the last report accepted to the end of TRANSFERRING
     T-executor       TRANSFERRING minus the simulated executor: what control costs
+
+and, measured in the same run after the refits (`grpc_floor.py`), one message's one-way time
+on gRPC-Python alone between two processes, client stream to aio server as an agent's reports
+go: the floor of each hop above on this machine (`--no-floor` skips it).
 """
 
 from __future__ import annotations
@@ -132,6 +136,7 @@ def main() -> int:
     p.add_argument("--coordinator", choices=("process", "thread"), default="process")
     p.add_argument("--watch", choices=("watch", "poll"), default="watch")
     p.add_argument("--redis", action="store_true", help="a redis-server store (default embedded)")
+    p.add_argument("--no-floor", action="store_true", help="skip gRPC's own one-way time")
     args = p.parse_args()
     spec = tuple(int(x) for x in args.ranks.split("x"))
     if len(spec) != 3:
@@ -157,8 +162,12 @@ def main() -> int:
         f"{'redis' if args.redis else 'embedded'} store, {args.watch}, executor "
         f"{args.executor_ms:g} ms, REFIT_REPORT_STREAM={stream}, {len(rows)} refits (ms)"
     )
-    for key in rows[0]:
-        values = [r[key] for r in rows]
+    series = {key: [r[key] for r in rows] for key in rows[0]}
+    if not args.no_floor:
+        from grpc_floor import one_way_ms
+
+        series["gRPC one-way (floor)"] = one_way_ms()
+    for key, values in series.items():
         print(
             f"  {key:<24} min {min(values):7.2f}  median {statistics.median(values):7.2f}  "
             f"max {max(values):7.2f}"
