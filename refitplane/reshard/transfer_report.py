@@ -65,6 +65,9 @@ class TransferReport:
     # transfer posted (the rest of `seconds` is waiting for the devices and verifying).
     prepared_seconds: float = 0.0
     posted_seconds: float = 0.0
+    # From the start of `run` to this rank's first group posted: how long a byte of this
+    # rank's first waited on it (0.0: nothing posted).
+    first_post_seconds: float = 0.0
     # Host time by phase (a profile of the posting loop): adding messages to groups,
     # posting groups (packing launches, NCCL calls), queueing unpacking and checksums,
     # waiting for groups to complete, and the final exchange of checksum vectors.

@@ -413,6 +413,8 @@ class TransferRun:
             raise type(exc)(f"{exc.message}; posting {group.describe(self.rank)}") from exc
         self.report.host_post_seconds += time.perf_counter() - t0
         self.report.host_settle_seconds += self.t.settle_seconds - settled
+        if not self.report.first_post_seconds:
+            self.report.first_post_seconds = time.monotonic() - self.started
         return handle
 
     def _after_post(self, channel: int, group: OpGroup, handle: Handle) -> None:

@@ -199,7 +199,8 @@ def last_refit_seconds(worker: Any) -> dict[str, float]:
 
 def report_seconds(report: dict[str, Any]) -> dict[str, float]:
     """Where a rank's last transfer went, from its `TransferReport` (as a dict): "executor"
-    (its wall time), "prepare" (schedule and staging up to the first op), "posted" (when its
+    (its wall time), "prepare" (schedule and staging up to the first op), "first post" (when
+    its first group was posted, from the start: the first byte's wait on it), "posted" (when its
     last group was posted, from the start), "host" (its posting loop's host work: adding,
     posting, queueing the work after each group), "wire" (the posting loop until every
     group completed) and "verify" (the checksum tables' exchange and compare after the last
@@ -208,6 +209,7 @@ def report_seconds(report: dict[str, Any]) -> dict[str, float]:
     return {
         "executor": float(report.get("seconds", 0.0)),
         "prepare": float(report.get("prepared_seconds", 0.0)),
+        "first post": float(report.get("first_post_seconds", 0.0)),
         "posted": float(report.get("posted_seconds", 0.0)),
         "host": sum(float(report.get(k, 0.0)) for k in host),
         "wire": float(report.get("wire_seconds", 0.0)),

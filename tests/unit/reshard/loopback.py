@@ -23,6 +23,7 @@ from refitplane.reshard.layout import LayoutBuilder, TensorSpec
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.planner import build_plan
 from refitplane.reshard.shards import LocalShards
+from refitplane.reshard.transfer_report import TransferReport
 from refitplane.reshard.transport.base import Handle, P2POp, Transport
 
 Corrupt = Callable[[int, int, int, int, torch.Tensor], None]
@@ -130,14 +131,18 @@ def run_pair(
     plans: Sequence[RankPlan],
     shards: Sequence[LocalShards],
     config: TransferConfig,
+    reports: dict[int, TransferReport] | None = None,
 ) -> dict[int, BaseException]:
     """Ranks 0 and 1 of a pair (`pair_plans`) run one refit each, on a thread of their own
-    over `hub`; what each raised, by rank (a rank that fails aborts its peer's waits)."""
+    over `hub`; what each raised, by rank (a rank that fails aborts its peer's waits), and
+    into `reports` what each that finished reported."""
     errors: dict[int, BaseException] = {}
 
     def run(rank: int) -> None:
         try:
-            Executor(transports[rank], config).run(plans[rank], shards[rank])
+            report = Executor(transports[rank], config).run(plans[rank], shards[rank])
+            if reports is not None:
+                reports[rank] = report
         except BaseException as exc:  # returned to the test
             errors[rank] = exc
             hub.aborted.add(1 - rank)

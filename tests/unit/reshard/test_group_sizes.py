@@ -21,6 +21,7 @@ from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.op_group import GROUP_BUCKETS, group_limit
 from refitplane.reshard.schedule import rank_schedule
+from refitplane.reshard.transfer_report import TransferReport
 from refitplane.reshard.transport.base import Handle, P2POp
 from tests.unit.reshard.loopback import (
     LoopbackHub,
@@ -95,8 +96,12 @@ def _run(specs: dict[str, TensorSpec]) -> list[list[list[int]]]:
     counts = [sum(1 for _ in rank_schedule(plans[r], CONFIG).messages) for r in (0, 1)]
     recorders = [PostRecorder(hub, r, counts[r]) for r in (0, 1)]
     values, source, target = bf16_pair_shards(specs)
-    errors = run_pair(hub, recorders, plans, (source, target), CONFIG)
+    reports: dict[int, TransferReport] = {}
+    errors = run_pair(hub, recorders, plans, (source, target), CONFIG, reports)
     assert not errors, errors
+    for report in reports.values():
+        # Each rank's first group went out before its last, and both within its run.
+        assert 0 < report.first_post_seconds <= report.posted_seconds <= report.seconds
     for name, spec in specs.items():
         assert torch.equal(target.view(name, full_box(spec.shape)), values[name]), name
     return [rec.posts for rec in recorders]
