@@ -160,7 +160,11 @@ def _sync_through_vllms_trainer_api(llm: Any, c: Checkpoints) -> ApiSync:
 
     target = load_hf_model(c.served, dtype=DTYPE)
     draft = load_hf_model(c.served_draft, dtype=DTYPE)
-    coordinator = start_coordinator(transfer_timeout_s=120.0, verify_timeout_s=120.0)
+    # The coordinator's default lease: vLLM runs in this process beside the trainer's lease
+    # thread (a 3 s lease lapsed under CI's load in the like of this world, vllm_refits.py).
+    coordinator = start_coordinator(
+        lease_ttl_s=15.0, transfer_timeout_s=120.0, verify_timeout_s=120.0
+    )
     try:
         engine = WeightTransferTrainerFactory.trainer_init(
             RefitplaneTrainerInitInfo(

@@ -81,6 +81,12 @@ class RefitSession:
             _env_file=None,  # type: ignore[call-arg]
             **{
                 **TEST_SETTINGS,
+                # The coordinator's default lease, not the agent tests' 3 s: vLLM runs in this
+                # process beside the trainer ranks' lease threads, and under CI's load a
+                # trainer's 3 s lease lapsed mid-refit (LEASE_EXPIRED in
+                # test_vllm_cpu_goes_full_while_a_live_replica_takes_the_delta, 2026-11-27;
+                # refit_world's FP8 engine on GPU the same day). No test here is about leases.
+                "lease_ttl_s": 15.0,
                 "prepare_timeout_s": 60.0,
                 "transfer_timeout_s": 120.0,
                 "group_timeout_s": 60.0,
