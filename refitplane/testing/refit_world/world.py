@@ -93,19 +93,13 @@ class World:
     _client: Any = None
 
     def start(self, *, load_format: str = "dummy", model_dir: Path | None = None) -> World:
-        from refitplane.testing.coordinator import start_coordinator
+        from refitplane.testing.coordinator import ENGINE_WORLD_LEASE_TTL_S, start_coordinator
 
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self.coordinator = start_coordinator(
             **{
-                # The coordinator's default lease (the tests' 3 s is for worlds of agents
-                # alone): a vLLM engine's process runs its own work beside the member's
-                # lease thread, and on 2xH100 an FP8 engine's rank let a 3 s lease lapse
-                # three times while it loaded and once more in its first refit's
-                # PREPARING (LEASE_EXPIRED; 2026-11-27). No test of this world is about
-                # lease timing.
-                "lease_ttl_s": 15.0,
+                "lease_ttl_s": ENGINE_WORLD_LEASE_TTL_S,
                 "prepare_timeout_s": 300.0,
                 "transfer_timeout_s": 600.0,
                 "group_timeout_s": 300.0,

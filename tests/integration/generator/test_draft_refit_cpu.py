@@ -153,17 +153,15 @@ def _sync_through_vllms_trainer_api(llm: Any, c: Checkpoints) -> ApiSync:
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from refitplane.models.tiny import load_hf_model
-    from refitplane.testing.coordinator import start_coordinator
+    from refitplane.testing.coordinator import ENGINE_WORLD_LEASE_TTL_S, start_coordinator
     from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
     from tests.support.fresh_load import kernel_tensors, served_output
     from tests.support.offline_client import OfflineLLMClient
 
     target = load_hf_model(c.served, dtype=DTYPE)
     draft = load_hf_model(c.served_draft, dtype=DTYPE)
-    # The coordinator's default lease: vLLM runs in this process beside the trainer's lease
-    # thread (a 3 s lease lapsed under CI's load in the like of this world, vllm_refits.py).
     coordinator = start_coordinator(
-        lease_ttl_s=15.0, transfer_timeout_s=120.0, verify_timeout_s=120.0
+        lease_ttl_s=ENGINE_WORLD_LEASE_TTL_S, transfer_timeout_s=120.0, verify_timeout_s=120.0
     )
     try:
         engine = WeightTransferTrainerFactory.trainer_init(

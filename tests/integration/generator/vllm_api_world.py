@@ -81,17 +81,14 @@ class Trainer:
 def api_world(root: Path) -> Iterator[World]:
     """The coordinator and the vLLM server, under `root` (vllm.log is there)."""
     from refitplane.models.tiny import write_tiny_model
-    from refitplane.testing.coordinator import start_coordinator
+    from refitplane.testing.coordinator import ENGINE_WORLD_LEASE_TTL_S, start_coordinator
     from refitplane.testing.vllm_server import vllm_server
 
     served = write_tiny_model(root / "served", "dense", seed=5, dtype="float32")
     trained = write_tiny_model(root / "trained", "dense", seed=6, dtype="float32")
-    # Leases of 15 s: the coordinator and the trainer share this test process, the vLLM
-    # server's ranks and sidecar two busy cores; at 5 s a lease lapsed twice on this 2-core
-    # box under extra load (ninth and tenth sessions), failing refits no test here is about.
     coordinator = start_coordinator(
         delta="auto",
-        lease_ttl_s=15.0,
+        lease_ttl_s=ENGINE_WORLD_LEASE_TTL_S,
         prepare_timeout_s=30.0,
         transfer_timeout_s=60.0,
         group_timeout_s=60.0,

@@ -70,7 +70,11 @@ class RefitSession:
         from refitplane.generator.offline_control import OfflineLLMControl
         from refitplane.generator.sidecar import Sidecar, SidecarSettings
         from refitplane.testing.child_processes import free_port
-        from refitplane.testing.coordinator import TEST_SETTINGS, RunningCoordinator
+        from refitplane.testing.coordinator import (
+            ENGINE_WORLD_LEASE_TTL_S,
+            TEST_SETTINGS,
+            RunningCoordinator,
+        )
         from tests.support.vllm_reference import record_applied
 
         self.llm = llm
@@ -81,12 +85,7 @@ class RefitSession:
             _env_file=None,  # type: ignore[call-arg]
             **{
                 **TEST_SETTINGS,
-                # The coordinator's default lease, not the agent tests' 3 s: vLLM runs in this
-                # process beside the trainer ranks' lease threads, and under CI's load a
-                # trainer's 3 s lease lapsed mid-refit (LEASE_EXPIRED in
-                # test_vllm_cpu_goes_full_while_a_live_replica_takes_the_delta, 2026-11-27;
-                # refit_world's FP8 engine on GPU the same day). No test here is about leases.
-                "lease_ttl_s": 15.0,
+                "lease_ttl_s": ENGINE_WORLD_LEASE_TTL_S,
                 "prepare_timeout_s": 60.0,
                 "transfer_timeout_s": 120.0,
                 "group_timeout_s": 60.0,
