@@ -64,7 +64,7 @@ def _compile() -> Any:
     import triton
     import triton.language as tl
 
-    from refitplane.reshard.triton_rows import popc, program_row_of
+    from refitplane.reshard.triton_rows import WORD_TYPES, popc, program_row_of
 
     @triton.jit
     def row_bits(row, local, BLOCK: tl.constexpr):
@@ -245,7 +245,7 @@ def _compile() -> Any:
         scatter_index=scatter_index,
         scatter_bitmap=scatter_bitmap,
     )
-    _TL_WORDS.update({1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64})
+    _TL_WORDS.update(WORD_TYPES)
     _kernels = (popcount, prefix, scatter)
     return _kernels
 

@@ -82,7 +82,7 @@ def compile_kernels() -> Any:
     import triton
     import triton.language as tl
 
-    from refitplane.reshard.triton_rows import popc
+    from refitplane.reshard.triton_rows import WORD_TYPES, popc
 
     @triton.jit
     def locate(pid, block_msg, blk0, ns, BLOCK: tl.constexpr):
@@ -361,6 +361,6 @@ def compile_kernels() -> Any:
         rows_before=rows_before,
         column_places=column_places,
     )
-    TL_WORDS.update({1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64})
+    TL_WORDS.update(WORD_TYPES)
     _kernels = (scan, gather, pack)
     return _kernels

@@ -1,5 +1,5 @@
 """The program → row lookup of the table-driven Triton kernels (checksums, chunk copies,
-delta applies), and the bit count of a bitmap byte (delta kernels).
+delta applies), the bit count of a bitmap byte and the word types (delta kernels).
 
 Imported only where Triton is installed (the kernels' factories import it lazily). A launch
 table has 4 int64 per row, the last one the row's first program; programs of a launch map
@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# Triton's integer type of each word size (bytes) the delta kernels read and write.
+WORD_TYPES = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 # Triton reads the signature: no Python annotations inside the kernel.
