@@ -14,8 +14,9 @@ from refitplane.errors import InvalidArgument
 
 
 def launch_setting(name: str, default: int, lowest: int, highest: int) -> int:
-    """A kernel's launch shape from the environment, a power of two from `lowest` to
-    `highest` (read once, at import; settings for measuring a kernel's speed)."""
+    """A launch setting from the environment (a kernel's shape, the posting loop's group
+    taper), a power of two (or 0) from `lowest` to `highest` (read once, at import; settings
+    for measuring one shape against another)."""
     raw = os.environ.get(name, "").strip()
     value = int(raw) if raw.isdigit() else (default if not raw else -1)
     if not lowest <= value <= highest or value & (value - 1):
