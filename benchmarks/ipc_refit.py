@@ -88,23 +88,23 @@ def _check(world: World, steps: list[Any]) -> dict[str, Any]:
     return {"checked": checked, "failures": failures[:5], "exact": checked > 0 and not failures}
 
 
-def _receiver_seconds(world: World) -> dict[str, float]:
+def _receiver_parts(world: World) -> dict[str, float]:
     """The vLLM worker's own transfer of the last refit, in parts: "executor" (its wall time:
     the data plane without the coordinator's command and report round trips), "prepare"
     (up to its first manifest asked), "wait" (for its senders' manifests), "wire" (from the
     first manifest asked to the copies' end), "verify" (the sums compared, answers sent)."""
-    from refitplane.testing.refit_world.worker_probes import transfer_report
+    from refitplane.testing.refit_world.worker_probes import report_seconds, transfer_report
 
     reports = world.ask("replica-0", ("rpc", (transfer_report, [])), "rpc", timeout_s=60)
     last = max(reports, key=lambda r: float(r.get("seconds", 0.0)))
-    parts = {
-        "executor": "seconds",
-        "prepare": "prepared_seconds",
-        "wait": "host_wait_seconds",
-        "wire": "wire_seconds",
-        "verify": "verify_seconds",
+    parts = report_seconds(last)
+    return {
+        "executor": parts["executor"],
+        "prepare": parts["prepare"],
+        "wait": float(last.get("host_wait_seconds", 0.0)),
+        "wire": parts["wire"],
+        "verify": parts["verify"],
     }
-    return {k: float(last.get(v, 0.0)) for k, v in parts.items()}
 
 
 def _row(
@@ -208,7 +208,7 @@ def _refits(
         world.ask("trainer-0", ("step", step), "step")
         steps.append(step)
         results.append(world.refit(120.0, _watch("refit", label)))
-        receiver.append(_receiver_seconds(world))
+        receiver.append(_receiver_parts(world))
         checks.append(_check(world, steps))
     row = _row(label, results, checks, receiver)
     if sleep_level:
