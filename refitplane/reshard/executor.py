@@ -46,8 +46,16 @@ a receiver raises `ChecksumMismatch` naming the sender, tensors and boxes before
 reports success. Any error aborts the transport: the group must be rebuilt before the next
 refit.
 
+A rank may arm its run at PrepareRefit (`arm`, the agent does after reporting prepared):
+the run is built and everything before its first post that needs no peer is done then
+(`TransferRun.arm`), so that StartTransfer goes straight to posting. The shards armed with are
+the ones the run uses: from PrepareRefit a rank's weights are held (a trainer's read-lock, a
+paused engine). Staged receivers, delta runs and link copies are built at the start.
+
 The pieces: `prepared_plan` (a plan's schedule and resolved views, kept between refits),
-`transfer_run` (one execution: the posting loop, staged buckets, deltas), `run_checksums`
+`transfer_run` (one execution: the posting loop, staged buckets, deltas; armed or not),
+`group_posting` (its channels' groups posted, completed and followed by their unpacking and
+checksums), `run_checksums`
 (its checksum tables, swapped and compared at the end), `op_group` (one channel's batch of
 ops and copies) and `transfer_report` (what a run did).
 """
@@ -56,7 +64,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
 
 from refitplane.errors import InvalidArgument
@@ -96,6 +104,17 @@ def link_copies_enabled() -> bool:
     return ENABLED
 
 
+@dataclass(frozen=True)
+class ArmedRun:
+    """A run armed at PrepareRefit for refit `key`, waiting for its start."""
+
+    key: str
+    plan: RankPlan
+    shards: LocalShards
+    run: TransferRun
+    seconds: float
+
+
 class Executor:
     """Runs plans on one transport; keeps its staging arena across refits."""
 
@@ -119,6 +138,56 @@ class Executor:
         # taken from the agent's command thread (PrepareRefit) or a trainer's step.
         self._links: LinkCopies | None = None
         self._presum_lock = threading.Lock()
+        self._armed: ArmedRun | None = None
+
+    def arm(self, key: str, plan: RankPlan, shards: LocalShards) -> ArmedRun | None:
+        """Build refit `key`'s run now, up to its first post (`TransferRun.arm`), for `run`
+        to start when the start comes; None where it is not armed (staged receivers and
+        link copies build at the start). Nothing is posted or launched: dropping an armed
+        run (`disarm`, a later `arm`) leaves nothing behind."""
+        self._armed = None
+        if isinstance(shards, StagedShards) or (
+            self.transport.copies_links and link_copies_enabled()
+        ):
+            return None
+        began = time.monotonic()
+        prepared = self._prepare(plan, shards)
+        if self.ring.size != prepared.ring_bytes:
+            self.ring = StagingRing(prepared.ring_bytes, self.transport.device)
+        run = self._new_run(prepared, None, None, began, None, None)
+        run.arm()
+        self._armed = ArmedRun(key, plan, shards, run, time.monotonic() - began)
+        return self._armed
+
+    def armed_shards(self, key: str) -> LocalShards | None:
+        """The shards refit `key` was armed with (None: not armed)."""
+        armed = self._armed
+        return armed.shards if armed is not None and armed.key == key else None
+
+    def disarm(self) -> None:
+        self._armed = None
+
+    def _new_run(
+        self,
+        prepared: PreparedPlan,
+        progress: ProgressFn | None,
+        cancel: threading.Event | None,
+        started: float,
+        staged: StagedShards | None,
+        delta: DeltaLinks | None,
+    ) -> TransferRun:
+        return TransferRun(
+            self.transport,
+            self.config,
+            self.ring,
+            prepared,
+            progress,
+            cancel,
+            started,
+            staged,
+            self._rated(delta),
+            never_pays=delta_cost.never_pays(self._link_rate()),
+        )
 
     def run(
         self,
@@ -128,11 +197,25 @@ class Executor:
         progress: ProgressFn | None = None,
         cancel: threading.Event | None = None,
         delta: DeltaLinks | None = None,
+        armed: str = "",
     ) -> TransferReport:
         """`delta`: the links that exchange deltas against a base version (`delta_exchange`);
-        None or no peers: every message in full."""
+        None or no peers: every message in full. `armed`: the refit whose run `arm` may have
+        built for this plan and these shards (any other armed run is dropped)."""
         started = time.monotonic()
         self.receives_posted = False
+        held, self._armed = self._armed, None
+        if (
+            held is not None
+            and armed
+            and held.key == armed
+            and held.plan is plan
+            and held.shards is shards
+            and (delta is None or not delta.peers)
+        ):
+            held.run.start(progress, cancel, started)
+            held.run.report.armed_seconds = held.seconds
+            return self._execute(held.run, plan, None, started)
         prepared = self._prepare(plan, shards)
         if self.ring.size != prepared.ring_bytes:
             self.ring = StagingRing(prepared.ring_bytes, self.transport.device)
@@ -155,19 +238,12 @@ class Executor:
             deadline = started + self.config.timeout_s
             if cast("CudaIpcTransport", self.transport).link_copies(can, deadline):
                 return self._run_links(prepared, progress, cancel, started)
-        never_pays = delta_cost.never_pays(self._link_rate())
-        run = TransferRun(
-            self.transport,
-            self.config,
-            self.ring,
-            prepared,
-            progress,
-            cancel,
-            started,
-            staged,
-            self._rated(delta),
-            never_pays=never_pays,
-        )
+        run = self._new_run(prepared, progress, cancel, started, staged, delta)
+        return self._execute(run, plan, staged, started)
+
+    def _execute(
+        self, run: TransferRun, plan: RankPlan, staged: StagedShards | None, started: float
+    ) -> TransferReport:
         run.report.prepared_seconds = time.monotonic() - started
         try:
             with transfer_profile(plan.rank):
@@ -175,7 +251,7 @@ class Executor:
         except BaseException:
             self.receives_posted = run.receives_posted
             self.transport.abort()
-            self.ring = StagingRing(prepared.ring_bytes, self.transport.device)
+            self.ring = StagingRing(self.ring.size, self.transport.device)
             if staged is not None:
                 staged.discard()
             raise

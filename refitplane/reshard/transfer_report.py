@@ -68,6 +68,9 @@ class TransferReport:
     # From the start of `run` to this rank's first group posted: how long a byte of this
     # rank's first waited on it (0.0: nothing posted).
     first_post_seconds: float = 0.0
+    # A run armed at PrepareRefit (`Executor.arm`): how long arming took there, before the
+    # start (0.0: built when the start came, inside `prepared_seconds`).
+    armed_seconds: float = 0.0
     # Host time by phase (a profile of the posting loop): adding messages to groups,
     # posting groups (packing launches, NCCL calls), queueing unpacking and checksums,
     # waiting for groups to complete, and the final exchange of checksum vectors.

@@ -1,8 +1,8 @@
 """One execution of a rank plan (`TransferRun`, the executor's posting loop): messages added
 to their channel's group in schedule order, groups posted and completed within the staging
-budget, staged buckets applied at their boundaries, deltas exchanged, and the checksum tables
-filled for their exchange at the end (`run_checksums`). Kept out of `Executor` so nothing
-leaks between refits.
+budget (`group_posting`), staged buckets applied at their boundaries, deltas exchanged, and
+the checksum tables filled for their exchange at the end (`run_checksums`). A run may be
+armed before its start (`arm`). Kept out of `Executor` so nothing leaks between refits.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from refitplane.errors import TransferError, TransferTimeout
-from refitplane.reshard.checksum import accumulate_sums_many
-from refitplane.reshard.chunk_copy import launch as launch_copy
 from refitplane.reshard.delta_exchange import DeltaExchange, DeltaLinks
+from refitplane.reshard.group_posting import GroupPosting
 from refitplane.reshard.link_agreement import without_full_links
 from refitplane.reshard.message_io import MessageIO, resolve_message
 from refitplane.reshard.op_group import GROUP_MAX_OPS, OpGroup, group_limit
@@ -25,7 +24,7 @@ from refitplane.reshard.run_checksums import RunChecksums, TableExchange
 from refitplane.reshard.schedule import Message
 from refitplane.reshard.staged import StagedBucket, StagedShards
 from refitplane.reshard.transfer_report import TransferReport
-from refitplane.reshard.transport.base import Handle, P2POp
+from refitplane.reshard.transport.base import P2POp
 
 if TYPE_CHECKING:
     from refitplane.reshard.config import TransferConfig
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
     from refitplane.reshard.transport.base import Transport
 
 
-class TransferRun:
+class TransferRun(GroupPosting):
     """State of one execution (kept out of `Executor` so nothing leaks between refits)."""
 
     def __init__(
@@ -101,11 +100,64 @@ class TransferRun:
         # Keep two groups per channel in flight within the staging budget (what the staged
         # arena leaves of it: the ring is smaller only where the packed messages need less).
         self.group_staged = max(1, prepared.ring_room // (2 * self.cfg.num_channels))
+        # `arm`: the steps added before StartTransfer, whether the last of them filled a group
+        # (posted first thing), and the stream the channels were ordered after.
+        self.armed = False
+        self.next_step = 0
+        self.flush_first = False
+        self.began_after: torch.cuda.Stream | None = None
+
+    # -- before StartTransfer ---------------------------------------------------------------------
+
+    def arm(self) -> None:
+        """At PrepareRefit, after the rank reported prepared (its weights held: a trainer's
+        read-lock, a paused engine): everything of the run up to its first post that needs
+        no peer, so that StartTransfer goes straight to posting. The channels are ordered
+        after the work already queued (what last wrote the weights was queued before they
+        were held), the staging ring is reserved, and the leading steps whose messages go
+        straight from/to parameter memory are added to their groups: host bookkeeping only,
+        nothing launched or posted (a step that packs, stages or needs a staging slice
+        waits for the start). On 2xH100 a Qwen3-8B rank spent 0.8-1.0 ms from its
+        StartTransfer to its first post, ~2 % of the transfer (fourteenth session)."""
+        if self.staged is not None or self.delta is not None:
+            raise TransferError(
+                f"rank {self.rank}: a run that stages or exchanges deltas is not armed"
+            )
+        self._begin()
+        self.ring.reserve()
+        self.report.ring_bytes = self.ring.size
+        i = 0
+        while i < len(self.steps) and not self.flush_first:
+            if not all(io is not None and io.direct is not None for _, io in self.steps[i]):
+                break
+            self.flush_first = self._add_step(i)
+            i += 1
+        self.next_step = i
+        self.armed = True
+
+    def start(
+        self, progress: ProgressFn | None, cancel: threading.Event | None, started: float
+    ) -> None:
+        """An armed run's StartTransfer: its deadline and progress count from now."""
+        self.progress, self.cancel, self.started = progress, cancel, started
+        self.deadline = started + self.cfg.timeout_s
+
+    def _begin(self) -> None:
+        if self.t.device.type == "cuda":
+            self.began_after = torch.cuda.current_stream(self.t.device)
+        self.t.begin()
 
     # -- main loop ----------------------------------------------------------------------------
 
     def execute(self) -> TransferReport:
-        self.t.begin()
+        if not self.armed:
+            self._begin()
+        elif self.t.device.type == "cuda" and (
+            torch.cuda.current_stream(self.t.device) != self.began_after
+        ):
+            # Started on a thread whose current stream is not the one armed on: the
+            # channels also follow what this one queued.
+            self._begin()
         # Connected before the first op: posting then never waits for a peer (nccl.py).
         peers = {link.dst for link in self.plan.sends} | {link.src for link in self.plan.recvs}
         self.t.connect(sorted(peers), self.deadline)
@@ -115,45 +167,25 @@ class TransferRun:
             self.staged.begin(self.buckets)
             self.report.staged_buckets = len(self.buckets)
             self.report.staged_peak_bytes = self.staged.staging_peak_bytes
-        # Sized for this plan (none where every message goes direct); kept between refits,
-        # except by staged receivers, which free it after each.
-        self.ring.reserve()
-        self.report.ring_bytes = self.ring.size
+        if not self.armed:
+            # Sized for this plan (none where every message goes direct); kept between
+            # refits, except by staged receivers, which free it after each.
+            self.ring.reserve()
+            self.report.ring_bytes = self.ring.size
         if self.delta is not None:
             began = time.monotonic()
             self._exchange_delta_headers(self.delta)
             self.report.delta_base_advanced = self.delta.advanced
             self.report.delta_seconds = time.monotonic() - began
         wire_began = time.monotonic()
-        for i, step in enumerate(self.steps):
+        if self.flush_first:
+            self._flush_all()  # the groups `arm` filled
+        for i in range(self.next_step, len(self.steps)):
             self._check_cancel()
             bucket = self.bucket_starts.get(i)
             if bucket is not None:
                 self._next_bucket(self.buckets[bucket])
-            full = False
-            limit = group_limit(
-                self.posts,
-                self.schedule.bytes_after[i],
-                self.cfg.bucket_bytes,
-                self.cfg.num_channels,
-            )
-            for m, io in self.resolved.pop(i, step):
-                if io is None:
-                    raise TransferError(
-                        f"rank {self.rank}: message {m.round} from rank {m.src} to rank {m.dst} "
-                        f"(first tensor {m.chunks[0].tensor!r}) has no memory: its stage is in "
-                        "no staged bucket"
-                    )
-                t0 = time.perf_counter()
-                self._add(m, io)
-                self.report.host_add_seconds += time.perf_counter() - t0
-                group = self.pending[m.channel]
-                full = full or (
-                    group.nbytes >= limit
-                    or group.staged >= self.group_staged
-                    or len(group.ops) >= GROUP_MAX_OPS
-                )
-            if full:
+            if self._add_step(i):
                 # Every channel at once, never one alone: see `_flush_all`.
                 self._flush_all()
             self._retire_completed()
@@ -238,6 +270,30 @@ class TransferRun:
                 handle = self.t.fence(self.t.issue(0, ops, self.deadline))
             self.t.wait(handle, self.deadline, self.cancel)
         deltas.receive(specs)
+
+    def _add_step(self, i: int) -> bool:
+        """Add step `i`'s messages to their channels' groups; whether one is now full."""
+        full = False
+        limit = group_limit(
+            self.posts, self.schedule.bytes_after[i], self.cfg.bucket_bytes, self.cfg.num_channels
+        )
+        for m, io in self.resolved.pop(i, self.steps[i]):
+            if io is None:
+                raise TransferError(
+                    f"rank {self.rank}: message {m.round} from rank {m.src} to rank {m.dst} "
+                    f"(first tensor {m.chunks[0].tensor!r}) has no memory: its stage is in "
+                    "no staged bucket"
+                )
+            t0 = time.perf_counter()
+            self._add(m, io)
+            self.report.host_add_seconds += time.perf_counter() - t0
+            group = self.pending[m.channel]
+            full = full or (
+                group.nbytes >= limit
+                or group.staged >= self.group_staged
+                or len(group.ops) >= GROUP_MAX_OPS
+            )
+        return full
 
     def _add(self, m: Message, io: MessageIO) -> None:
         sending = m.src == self.rank
@@ -353,147 +409,8 @@ class TransferRun:
         else:
             r.bytes_received += payload
 
-    def _follow(self, channel: int, handles: tuple[object, ...]) -> None:
-        """Order the channel's next work (this message's packing or receive, on the device)
-        after the groups that last used its staging space. The channel's pending group is
-        posted first, so that none of its messages waits too: every device-side wait then
-        points from a message to groups of messages before it in the schedule's global
-        order, which both ends share, and the earliest unfinished message can always
-        complete (no cycle through the peer). Every other channel's pending group is posted
-        with it, never this one alone: its unpacking is launched right after posting, and
-        launching needs what is posted to be a prefix of that order (`_flush_all`)."""
-        self._flush_all()
-        self.t.order_after(channel, [h for h in handles if isinstance(h, Handle)])
-
-    def _flush_all(self) -> None:
-        """Post every channel's pending group: first every channel's packing, then every
-        channel's NCCL group, then the work after them (unpacking, checksums).
-
-        What this rank has posted is then always a prefix of the schedule's global order,
-        whenever it launches anything. A launch can block the host until the device is idle
-        (CUDA's lazy loading of a kernel's module on its first launch; a full launch queue);
-        the receives and sends in flight then finish only if the peer posts their
-        counterparts without waiting for this rank. Posted as a prefix, they have: the peer
-        posts everything before it waits, and what it waits for is earlier in the shared order.
-        Posting one channel's group alone, or unpacking it before the next channel's group is
-        posted, breaks that: on 2xH100 the first FP8 Qwen3-30B-A3B refit with experts in place
-        waited forever at four channels (one channel committed), the receiver's host inside
-        the first launch of a uint8 copy kernel, the sender waiting for its oldest send."""
-        groups = [(ch, g) for ch in sorted(self.pending) if (g := self.pending.pop(ch)).ops]
-        self.posts += bool(groups)
-        for channel, group in groups:
-            self._pack(channel, group)
-        handles = [self._post(channel, group) for channel, group in groups]
-        for (channel, group), handle in zip(groups, handles, strict=True):
-            self._after_post(channel, group, handle)
-
-    def _pack(self, channel: int, group: OpGroup) -> None:
-        t0 = time.perf_counter()
-        if self.delta is not None:
-            with self.t.channel_context(channel):
-                self.delta.before_send(group.messages)
-        # Set before posting: a failure while posting may follow a receive already posted.
-        self.receives_posted |= any(not op.send for op in group.ops)
-        if group.pack_dst or group.pack_tables:
-            with self.t.channel_context(channel):
-                if group.pack_dst:
-                    torch._foreach_copy_(group.pack_dst, group.pack_src)
-                for table, buf, sums in group.pack_tables:
-                    launch_copy(table, buf, scatter=False, sums=sums)
-            group.pack_dst, group.pack_src, group.pack_tables = [], [], []
-            self.report.host_pack_seconds += time.perf_counter() - t0
-
-    def _post(self, channel: int, group: OpGroup) -> Handle:
-        t0 = time.perf_counter()
-        settled = self.t.settle_seconds
-        try:
-            handle = self.t.issue(channel, group.ops, self.deadline)
-        except TransferError as exc:
-            # Posting may read the peer's records (CUDA IPC): name the tensors too.
-            raise type(exc)(f"{exc.message}; posting {group.describe(self.rank)}") from exc
-        self.report.host_post_seconds += time.perf_counter() - t0
-        self.report.host_settle_seconds += self.t.settle_seconds - settled
-        if not self.report.first_post_seconds:
-            self.report.first_post_seconds = time.monotonic() - self.started
-        return handle
-
-    def _after_post(self, channel: int, group: OpGroup, handle: Handle) -> None:
-        t1 = time.perf_counter()
-        if self.t.device_ordered:
-            # A group that only sends checksums what it packed (or its parameters) while
-            # the transfer runs: its staging slices come back as soon as the sends are done.
-            receives = any(not op.send for op in group.ops)
-            with self.t.beside(channel, after_transfer=receives):
-                self._after_transfer(group)
-            handle = self.t.fence(handle)
-            if self.t.device_reuse:
-                # Its staging slices come back now: their next users follow `handle` on the
-                # device (`_follow`), so the host never waits for staging space.
-                for token in group.slices:
-                    self.ring.release(token, after=handle)
-                group.slices = []
-            self.report.host_after_seconds += time.perf_counter() - t1
-        elif (
-            group.unpack_dst
-            or group.unpack_strided
-            or group.unpack_tables
-            or group.sum_bufs
-            or group.delta_apply
-        ):
-            group.post = lambda: self._after_transfer(group)
-        group.handle = handle
-        group.ops = []
-        self.in_flight.append(group)
-        self.report.groups += 1
-
-    def _complete_oldest(self) -> None:
-        if not self.in_flight:
-            raise TransferError(f"rank {self.rank}: staging exhausted with nothing in flight")
-        group = self.in_flight.popleft()
-        assert group.handle is not None
-        t0 = time.perf_counter()
-        try:
-            self.t.wait(group.handle, self.deadline, self.cancel)
-            self.report.host_wait_seconds += time.perf_counter() - t0
-        except TransferTimeout as exc:
-            raise TransferTimeout(
-                f"{exc}; waiting for {group.describe(self.rank)}; {len(self.in_flight)} later group(s) "
-                f"in flight, {self.ring.live} staging slice(s) held"
-            ) from exc
-        self._finish(group)
-
-    def _retire_completed(self) -> None:
-        while self.in_flight:
-            handle = self.in_flight[0].handle
-            if handle is None or not self.t.poll(handle):
-                return
-            self._complete_oldest()
-
-    def _finish(self, group: OpGroup) -> None:
-        if group.post is not None:
-            group.post()
-        for token in group.slices:
-            self.ring.release(token)
-        self.done += group.payload
-        if self.progress is not None:
-            self.progress(self.done, self.total)
-
     def _check_cancel(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
             raise TransferError(f"rank {self.rank}: transfer cancelled")
         if time.monotonic() > self.deadline:
             raise TransferTimeout(f"rank {self.rank}: transfer deadline passed")
-
-    # -- packing, unpacking, checksums -----------------------------------------------------------
-
-    def _after_transfer(self, group: OpGroup) -> None:
-        if self.delta is not None:
-            self.delta.apply_all(group.delta_apply)
-        if group.unpack_dst:
-            torch._foreach_copy_(group.unpack_dst, group.unpack_src)
-        for table, buf in group.unpack_tables:
-            launch_copy(table, buf, scatter=True)
-        for part, chunk in group.unpack_strided:
-            chunk.view.copy_(chunk.typed(part))
-        if group.sum_bufs:
-            accumulate_sums_many(group.sum_bufs, group.sum_rows, tables=self.tables)
