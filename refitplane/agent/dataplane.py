@@ -356,7 +356,8 @@ class DataPlaneMember(DeltaBaseKeeping, NullHandler):
 
         executor: Executor | None = None
         with self._arming:  # an arming under way ends first
-            armed = self._executor.armed_shards(refit_id) if self._executor else None
+            held = self._executor
+            armed = held.armed_shards(refit_id) if held is not None else None
         shards = armed if armed is not None else self._shards()
         try:
             executor = self._executor_for(config)

@@ -20,19 +20,19 @@ from refitplane.agent.dataplane import DataPlaneMember
 from refitplane.agent.session import AgentSession
 from refitplane.protocol.messages import AbortRefitCmd, PrepareRefitCmd, StartTransferCmd
 from refitplane.reshard.config import TransferConfig
-from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import RankPlan
-from tests.unit.reshard.loopback import LoopbackHub, LoopbackTransport, bf16_pair_shards, pair_plans
+from tests.unit.reshard.loopback import (
+    DIRECT_CONFIG,
+    LoopbackHub,
+    LoopbackTransport,
+    bf16_pair_shards,
+    embedding_then_layers,
+    pair_plans,
+)
 
 pytestmark = pytest.mark.unit
 
-CONFIG = TransferConfig(
-    bucket_bytes=16384,
-    max_inflight_bytes=65536,
-    num_channels=2,
-    timeout_s=30,
-    direct_min_bytes=8192,
-)
+CONFIG = DIRECT_CONFIG
 
 
 class Reports:
@@ -54,18 +54,8 @@ class Reports:
         return [kwargs for call, kwargs in self.calls if call == name]
 
 
-def _specs() -> dict[str, TensorSpec]:
-    specs = [TensorSpec.create("model.embed_tokens.weight", [128, 64], "bfloat16")]
-    for layer in range(2):
-        specs += [
-            TensorSpec.create(f"model.layers.{layer}.mlp.up_proj.weight", [96, 64], "bfloat16"),
-            TensorSpec.create(f"model.layers.{layer}.input_layernorm.weight", [64], "bfloat16"),
-        ]
-    return {s.name: s for s in specs}
-
-
 def _pair() -> tuple[list[DataPlaneMember], list[Reports], tuple[RankPlan, RankPlan], Any]:
-    specs = _specs()
+    specs = embedding_then_layers(2)
     plans = pair_plans(specs)
     values, source, target = bf16_pair_shards(specs)
     hub = LoopbackHub()

@@ -132,15 +132,20 @@ def run_pair(
     shards: Sequence[LocalShards],
     config: TransferConfig,
     reports: dict[int, TransferReport] | None = None,
+    *,
+    executors: Sequence[Executor] | None = None,
+    armed: str = "",
 ) -> dict[int, BaseException]:
     """Ranks 0 and 1 of a pair (`pair_plans`) run one refit each, on a thread of their own
-    over `hub`; what each raised, by rank (a rank that fails aborts its peer's waits), and
+    over `hub` (with `executors` where given, starting the runs they armed for refit
+    `armed`); what each raised, by rank (a rank that fails aborts its peer's waits), and
     into `reports` what each that finished reported."""
     errors: dict[int, BaseException] = {}
 
     def run(rank: int) -> None:
         try:
-            report = Executor(transports[rank], config).run(plans[rank], shards[rank])
+            executor = executors[rank] if executors else Executor(transports[rank], config)
+            report = executor.run(plans[rank], shards[rank], armed=armed)
             if reports is not None:
                 reports[rank] = report
         except BaseException as exc:  # returned to the test
@@ -170,3 +175,28 @@ def bf16_pair_shards(
         source.add(spec, full_box(spec.shape), values[name].clone())
         target.add(spec, full_box(spec.shape), torch.zeros(spec.shape, dtype=torch.bfloat16))
     return values, source, target
+
+
+# Messages of 8 KiB and more go alone, straight from/to the tensors; smaller ones are packed.
+DIRECT_CONFIG = TransferConfig(
+    bucket_bytes=16384,
+    max_inflight_bytes=65536,
+    num_channels=2,
+    timeout_s=30,
+    direct_min_bytes=8192,
+)
+
+
+def embedding_then_layers(layers: int = 3) -> dict[str, TensorSpec]:
+    """An embedding (16 KiB: one direct message that fills a group under `DIRECT_CONFIG`),
+    then per layer a large tensor (direct) and two small ones (packed)."""
+    specs = [TensorSpec.create("model.embed_tokens.weight", [128, 64], "bfloat16")]
+    for layer in range(layers):
+        specs += [
+            TensorSpec.create(f"model.layers.{layer}.mlp.up_proj.weight", [96, 64], "bfloat16"),
+            TensorSpec.create(f"model.layers.{layer}.input_layernorm.weight", [64], "bfloat16"),
+            TensorSpec.create(
+                f"model.layers.{layer}.post_attention_layernorm.weight", [64], "bfloat16"
+            ),
+        ]
+    return {s.name: s for s in specs}

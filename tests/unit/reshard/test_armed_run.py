@@ -16,40 +16,25 @@ import pytest
 import torch
 
 from refitplane.reshard.boxes import full_box
-from refitplane.reshard.config import TransferConfig
 from refitplane.reshard.executor import Executor
-from refitplane.reshard.layout import TensorSpec
 from refitplane.reshard.plan import RankPlan
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.staged import StagedShards
 from refitplane.reshard.transfer_report import TransferReport
 from refitplane.reshard.transport.base import Handle, P2POp
-from tests.unit.reshard.loopback import LoopbackHub, LoopbackTransport, bf16_pair_shards, pair_plans
+from tests.unit.reshard.loopback import (
+    DIRECT_CONFIG,
+    LoopbackHub,
+    LoopbackTransport,
+    bf16_pair_shards,
+    embedding_then_layers,
+    pair_plans,
+    run_pair,
+)
 
 pytestmark = pytest.mark.unit
 
-# Messages of 8 KiB and more go alone, straight from/to the tensors; smaller ones are packed.
-CONFIG = TransferConfig(
-    bucket_bytes=16384,
-    max_inflight_bytes=65536,
-    num_channels=2,
-    timeout_s=30,
-    direct_min_bytes=8192,
-)
-
-
-def _specs() -> dict[str, TensorSpec]:
-    """An embedding and a layer of large tensors first (direct), then small ones (packed)."""
-    specs = [TensorSpec.create("model.embed_tokens.weight", [128, 64], "bfloat16")]
-    for layer in range(3):
-        specs += [
-            TensorSpec.create(f"model.layers.{layer}.mlp.up_proj.weight", [96, 64], "bfloat16"),
-            TensorSpec.create(f"model.layers.{layer}.input_layernorm.weight", [64], "bfloat16"),
-            TensorSpec.create(
-                f"model.layers.{layer}.post_attention_layernorm.weight", [64], "bfloat16"
-            ),
-        ]
-    return {s.name: s for s in specs}
+CONFIG = DIRECT_CONFIG
 
 
 class PostRecorder(LoopbackTransport):
@@ -92,26 +77,22 @@ def _refit(
         assert [t.posts for t in transports] == [[], []]
         assert not any(hub.mail.values())
     reports: dict[int, TransferReport] = {}
-    errors: dict[int, BaseException] = {}
-
-    def run(rank: int) -> None:
-        try:
-            reports[rank] = executors[rank].run(plans[rank], shards[rank], armed="r1")
-        except BaseException as exc:  # returned to the test
-            errors[rank] = exc
-            hub.aborted.add(1 - rank)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    errors = run_pair(
+        hub,
+        transports,
+        plans,
+        shards,
+        CONFIG,
+        reports,
+        executors=[executors[0], executors[1]],
+        armed="r1",
+    )
     assert not errors, errors
     return transports, reports, executors
 
 
 def test_an_armed_run_posts_what_a_run_built_at_the_start_posts() -> None:
-    specs = _specs()
+    specs = embedding_then_layers()
     plans = pair_plans(specs)
     values, source, target = bf16_pair_shards(specs)
     built, built_reports, _ = _refit(plans, (source, target), armed=False)
@@ -130,7 +111,7 @@ def test_an_armed_run_posts_what_a_run_built_at_the_start_posts() -> None:
 
 
 def test_arming_adds_the_leading_direct_steps_and_stops_at_the_first_packed_one() -> None:
-    specs = _specs()
+    specs = embedding_then_layers()
     plans = pair_plans(specs)
     _, source, target = bf16_pair_shards(specs)
     for plan, shards in zip(plans, (source, target), strict=True):
@@ -158,7 +139,7 @@ def _copy(shards: LocalShards) -> LocalShards:
 
 
 def test_a_start_for_another_refit_or_other_shards_builds_its_own_run() -> None:
-    specs = _specs()
+    specs = embedding_then_layers()
     plans = pair_plans(specs)
     values, source, target = bf16_pair_shards(specs)
     hub = LoopbackHub()
@@ -190,7 +171,7 @@ def test_a_start_for_another_refit_or_other_shards_builds_its_own_run() -> None:
 
 
 def test_a_staged_receiver_is_not_armed() -> None:
-    specs = _specs()
+    specs = embedding_then_layers()
     plans = pair_plans(specs)
     hub = LoopbackHub()
     executor = Executor(LoopbackTransport(hub, 1, 2, CONFIG.num_channels), CONFIG)
