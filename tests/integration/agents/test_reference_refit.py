@@ -75,7 +75,7 @@ def test_refit_commits_and_bytes_match(
         transfer_timeout_s=30.0, prepare_timeout_s=30.0, group_timeout_s=30.0
     )
     with (
-        _world(coordinator, trainer_tp, gen_tp, replicas) as (_trainers, gens, truth),
+        _world(coordinator, trainer_tp, gen_tp, replicas) as (trainers, gens, truth),
         RefitClient(coordinator.grpc_target) as client,
     ):
         wait_layouts(client, "job-a", trainer_tp + gen_tp * replicas)
@@ -106,6 +106,12 @@ def test_refit_commits_and_bytes_match(
         again = client.wait(client.trigger("job-a", idempotency_key="k2").refit_id, timeout_s=60)
         assert again.state == RefitState.COMMITTED
         assert again.version == final.version + 1
+        # Every rank armed its run after reporting Prepared and its StartTransfer ran that
+        # run (docs/coordinator.md, "Armed runs").
+        for agent in [*trainers, *gens]:
+            report = agent.member.last_report
+            assert report is not None
+            assert report.armed_seconds > 0, report
 
 
 def test_named_plans_and_a_lost_plan_cache_over_gloo(
