@@ -75,7 +75,8 @@ from pathlib import Path
 from typing import Any
 
 from load_verdicts import NEW_TOKENS, PROMPT, compare_loads, compare_with_fresh_load
-from nccl_ceiling import measure_ceiling, per_dest_gbs, plan_links
+from nccl_ceiling import measure_ceiling, plan_links
+from refit_tables import control_breakdown, summary
 
 from refitplane.testing.kernel_tensors import kernel_tensors
 from refitplane.testing.model_layouts import GPU_LAYOUTS, GpuLayout
@@ -195,10 +196,10 @@ def run_ours(
         if fresh_load:
             # What every rank's kernels read after the last refit, and what it serves, to
             # compare with a fresh load once the world has stopped (its GPUs free).
-            for r in world.replicas():
-                replicas[r] = {
-                    "tensors": world.ask(r, ("rpc", (kernel_tensors, ["sums"])), "rpc"),
-                    "tokens": world.ask(r, ("tokens", (PROMPT, NEW_TOKENS)), "tokens"),
+            for name in world.replicas():
+                replicas[name] = {
+                    "tensors": world.ask(name, ("rpc", (kernel_tensors, ["sums"])), "rpc"),
+                    "tokens": world.ask(name, ("tokens", (PROMPT, NEW_TOKENS)), "tokens"),
                 }
         if quant:
             # What the kernels read after the last refit, to compare with vLLM's own load.
@@ -223,33 +224,6 @@ def run_ours(
         "replicas": replicas,
         "model_dir": str(model_dir),
     }
-
-
-def control_breakdown(result: Any, ranks: dict[str, dict[str, float]]) -> str:
-    """Where one refit's time outside the data plane went (ms): trigger -> COMMITTED minus
-    the coordinator's TRANSFERRING (issue 23's "control"), its PENDING / PREPARING /
-    VERIFYING, the part of TRANSFERRING that is not the slowest rank's executor (the control
-    plane's start and end of the transfer: StartTransfer delivery, the sidecar's update call
-    reaching the workers, the TransferDone reports), the time outside every phase (the
-    trigger and the watch that saw COMMITTED); then each rank's executor wall time and each
-    vLLM worker's finish_weight_update (the rest of the sidecar's "finish" is vLLM's RPC)."""
-    phases = result.phases
-    transferring = phases.get("TRANSFERRING", 0.0)
-    slowest = max((r.get("executor", 0.0) for r in ranks.values()), default=0.0)
-    parts = {
-        "control": result.seconds - transferring,
-        "PENDING": phases.get("PENDING", 0.0),
-        "PREPARING": phases.get("PREPARING", 0.0),
-        "VERIFYING": phases.get("VERIFYING", 0.0),
-        "TRANSFERRING-executor": transferring - slowest if slowest else float("nan"),
-        "outside phases": result.seconds - sum(phases.values()),
-    }
-    per_rank = [
-        f"{name} {what} {seconds * 1e3:.1f}"
-        for name, timings in ranks.items()
-        for what, seconds in timings.items()
-    ]
-    return ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()) + " | " + ", ".join(per_rank)
 
 
 def baseline_kind(args: argparse.Namespace, total_bytes: int) -> str:
@@ -450,7 +424,7 @@ def main() -> int:
             flush=True,
         )
 
-    _summary(out)
+    summary(out)
     if args.out:
         args.out.write_text(json.dumps(out, indent=2))
     failed = any(r["failed"] for r in out["ours"]["rows"])
@@ -458,54 +432,6 @@ def main() -> int:
     failed |= bool(out.get("vs_fresh_load", {}).get("differ"))
     failed |= "error" in out.get("vllm_nccl", {})
     return 1 if failed else 0
-
-
-def _summary(out: dict[str, Any]) -> None:
-    rows = out["ours"]["rows"]
-    links = {tuple(int(x) for x in k.split(">")): v for k, v in out["links"].items()}
-    best = min(rows, key=lambda r: statistics.median(r["transfer_s"]))
-    data_s = statistics.median(best["transfer_s"])
-    total_s = statistics.median(best["total_s"])
-    print(
-        f"\n{out['model']} {out['layout']} ({out['bytes'] / 2**30:.2f} GiB) on {out.get('gpu', out['device'])}"
-    )
-    print(
-        f"  {'streams':>7} {'bucket':>7} {'direct':>7} {'staging':>8} {'data s':>8} {'total s':>8} {'GB/s/dst':>9} {'% ceil':>7} {'gen +MiB':>9} {'trn +MiB':>9} {'verified':>9}"
-    )
-    for r in rows:
-        d = statistics.median(r["transfer_s"])
-        gbs = per_dest_gbs(links, d)
-        pct = 100 * out["ceiling_s"] / d if "ceiling_s" in out else float("nan")
-        print(
-            f"  {r['streams']:>7} {r['bucket_mib']:>5}Mi {r['direct_mib']:>5}Mi {r['inflight_mib']:>6}Mi {d:>8.3f} {statistics.median(r['total_s']):>8.3f} {gbs:>9.1f} {pct:>6.1f}% {r['generator_extra_mib']:>9.0f} {r['trainer_extra_mib']:>9.0f} {r['verified']:>9}"
-        )
-    phases = {
-        name: statistics.median(p.get(name, 0.0) for p in best["phases"])
-        for name in best["phases"][0]
-    }
-    print(
-        "  best row's phases (median): "
-        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items())
-    )
-    print(
-        f"  best: data plane {data_s:.3f} s ({per_dest_gbs(links, data_s):.1f} GB/s per destination GPU), trigger→committed {total_s:.3f} s"
-    )
-    if "ceiling_s" in out:
-        print(
-            f"  raw ceiling {out['ceiling_s']:.3f} s → data plane at {100 * out['ceiling_s'] / data_s:.1f}% of it"
-        )
-    if "vllm_nccl" in out:
-        base = statistics.median(out["vllm_nccl"]["replica_seconds"])
-        print(
-            f"  vLLM nccl engine {base:.3f} s per refit → refitplane (trigger→committed) is {base / total_s:.1f}x faster, data plane {base / data_s:.1f}x"
-        )
-    out["best"] = {
-        "streams": best["streams"],
-        "bucket_mib": best["bucket_mib"],
-        "direct_mib": best["direct_mib"],
-        "data_s": data_s,
-        "total_s": total_s,
-    }
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def raw_ceiling(links: dict[tuple[int, int], int], world: int, repeats: int) -> 
     for rank, (status, detail) in results.items():
         if status != "ok":
             raise RuntimeError(f"ceiling rank {rank}: {detail}")
-    return max(statistics.median(detail["seconds"]) for _, detail in results.values())
+    return float(max(statistics.median(detail["seconds"]) for _, detail in results.values()))
 
 
 def per_dest_gbs(links: dict[tuple[int, int], int], seconds: float) -> float:
