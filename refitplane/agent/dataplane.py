@@ -372,7 +372,8 @@ class DataPlaneMember(DeltaBaseKeeping, NullHandler):
             )
             executor_end_ns = time.time_ns()
             # Still under the trainer's weights read-lock: the bytes are exactly those sent.
-            self._keep_delta_base(config, shards, prepared, report)
+            sent = prepared.held.send_bytes > 0
+            self._keep_delta_base(config, shards, report, sent=sent, version=prepared.version)
         except BaseException as exc:
             if self.delta_snapshot is not None:
                 # The scan may have advanced the base part-way: it describes no version.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from refitplane.protocol.messages import PrepareRefitCmd
 from refitplane.reshard.config import TransferConfig
@@ -14,9 +13,6 @@ from refitplane.reshard.delta_base import DeltaSnapshot
 from refitplane.reshard.delta_exchange import DeltaLinks
 from refitplane.reshard.shards import LocalShards
 from refitplane.reshard.transfer_report import TransferReport
-
-if TYPE_CHECKING:
-    from refitplane.agent.dataplane import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +60,16 @@ class DeltaBaseKeeping:
         self,
         config: TransferConfig,
         shards: LocalShards,
-        prepared: Prepared,
         report: TransferReport,
+        *,
+        sent: bool,
+        version: int,
     ) -> None:
+        """After a transfer under the weights' hold: a rank that `sent` keeps the bytes it
+        sent as the base of version `version` (or releases it where deltas are off or can
+        never pay on its links)."""
         snapshot = self.delta_snapshot
-        if snapshot is None or not prepared.held.send_bytes:
+        if snapshot is None or not sent:
             return
         if config.delta == "off":
             snapshot.release()  # deltas turned off: give the memory back
@@ -80,4 +81,4 @@ class DeltaBaseKeeping:
                 "no delta can beat this rank's link rate: delta base released (%d bytes)",
                 snapshot.nbytes,
             )
-        snapshot.after_send(shards, prepared.version, report)
+        snapshot.after_send(shards, version, report)
