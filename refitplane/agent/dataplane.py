@@ -124,6 +124,10 @@ class DataPlaneMember(DeltaBaseKeeping, NullHandler):
         # Held while a run is armed (`_arm`, the command thread): a start that comes on
         # another thread (a vLLM worker's update) takes the run once it is built.
         self._arming = threading.Lock()
+        # Under `_ready`: transfers running now. None is armed meanwhile: an aborted one may
+        # still be unwinding on vLLM's thread when the next refit is prepared, and arming
+        # touches what a run uses (the executor's launch tables, the channels' streams).
+        self._transferring = 0
         self._cancel = threading.Event()
         self.last_report: TransferReport | None = None
         self.transfers = 0
@@ -276,8 +280,8 @@ class DataPlaneMember(DeltaBaseKeeping, NullHandler):
             return
         with self._arming:
             with self._ready:
-                if cmd.refit_id not in self._prepared:
-                    return  # already started (a vLLM worker's update), or aborted
+                if cmd.refit_id not in self._prepared or self._transferring:
+                    return  # started (a vLLM worker's update), aborted, or another running
             shards = self._shards()
             if self._delta_links(cmd, shards) is not None:
                 return
@@ -331,6 +335,15 @@ class DataPlaneMember(DeltaBaseKeeping, NullHandler):
             )
             prepared = self._prepared.pop(refit_id)
             start_seen_ns = self._start_seen_ns.pop(refit_id, 0)
+            self._transferring += 1
+        try:
+            return self._transfer(prepared, start_seen_ns)
+        finally:
+            with self._ready:
+                self._transferring -= 1
+
+    def _transfer(self, prepared: Prepared, start_seen_ns: int) -> TransferReport:
+        refit_id = prepared.refit_id
         plan, config = prepared.held.plan, prepared.command.config
         assert config is not None
         session = self._session()

@@ -1,7 +1,8 @@
 """A data-plane rank arms its run after reporting prepared (`DataPlaneMember._arm`), and its
 StartTransfer runs that run: on the trainer's command thread in order, on a vLLM worker from
 vLLM's own thread, which may come first. A run armed for a refit that is then aborted is
-dropped; a refit whose update already started is not armed behind it; a delta refit, which
+dropped; a refit whose update already started is not armed behind it, nor one prepared
+while another transfer still runs; a delta refit, which
 exchanges headers with its peers first, builds at the start; REFIT_ARM_AT_PREPARE=0 arms
 nothing. Two ranks over the in-process loopback transport, bytes moved and verified for
 real; the session is a recorder of the reports (the gRPC path is the agents' integration
@@ -10,6 +11,7 @@ tests')."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, cast
 
 import pytest
@@ -148,3 +150,31 @@ def test_a_delta_refit_and_the_setting_off_arm_nothing(monkeypatch: pytest.Monke
     monkeypatch.setattr(dataplane, "ARM_AT_PREPARE", False)
     _prepare(members[0], plans[0], "r2")
     assert not _armed(members[0], "r2")
+
+
+def test_nothing_is_armed_while_another_transfer_runs() -> None:
+    """An aborted refit may still be unwinding on vLLM's thread when the next is prepared:
+    arming would touch what that run uses (launch tables, the channels' streams)."""
+    members, _, plans, _ = _pair()
+    receiver = members[1]
+    _prepare(receiver, plans[1], "r1")
+    failed: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            receiver.run_transfer("r1")
+        except BaseException as exc:  # the abort below
+            failed.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()  # waits for the sender's bytes, which never come
+    deadline = time.monotonic() + 30
+    while not receiver._transferring and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _prepare(receiver, plans[1], "r2")
+    assert not _armed(receiver, "r2")
+    receiver.on_abort_now(AbortRefitCmd("r1", "CANCELLED", "cancelled"))
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert len(failed) == 1
+    assert "cancelled" in str(failed[0])
