@@ -110,6 +110,8 @@ class GroupPosting:
         self.report.host_settle_seconds += self.t.settle_seconds - settled
         if not self.report.first_post_seconds:
             self.report.first_post_seconds = time.monotonic() - self.started
+            self.report.first_post_call_seconds = time.perf_counter() - t0
+            self.report.first_post_settle_seconds = self.t.settle_seconds - settled
         return handle
 
     def _after_post(self, channel: int, group: OpGroup, handle: Handle) -> None:

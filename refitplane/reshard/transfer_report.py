@@ -68,6 +68,11 @@ class TransferReport:
     # From the start of `run` to this rank's first group posted: how long a byte of this
     # rank's first waited on it (0.0: nothing posted).
     first_post_seconds: float = 0.0
+    # Of it, the first group's posting call (`Transport.issue`), and within that the wait
+    # for the communicator to take the group (non-blocking NCCL's `ncclGroupEnd` in
+    # progress): what an armed run still spends before its first byte can move.
+    first_post_call_seconds: float = 0.0
+    first_post_settle_seconds: float = 0.0
     # A run armed at PrepareRefit (`Executor.arm`): how long arming took there, before the
     # start (0.0: built when the start came, inside `prepared_seconds`).
     armed_seconds: float = 0.0

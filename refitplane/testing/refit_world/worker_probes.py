@@ -201,17 +201,21 @@ def report_seconds(report: dict[str, Any]) -> dict[str, float]:
     """Where a rank's last transfer went, from its `TransferReport` (as a dict): "executor"
     (its wall time), "armed" (the run built at PrepareRefit, before the start: not in
     "executor"), "prepare" (schedule and staging up to the first op), "first post" (when
-    its first group was posted, from the start: the first byte's wait on it), "posted" (when its
-    last group was posted, from the start), "host" (its posting loop's host work: adding,
-    posting, queueing the work after each group), "wire" (the posting loop until every
-    group completed) and "verify" (the checksum tables' exchange and compare after the last
-    message). A "posted" near "executor" says the host loop, not the link, set the pace."""
+    its first group was posted, from the start: the first byte's wait on it; "first call"
+    the posting call of that group, "first settle" its wait for the communicator to take
+    it), "posted" (when its last group was posted, from the start), "host" (its posting
+    loop's host work: adding, posting, queueing the work after each group), "wire" (the
+    posting loop until every group completed) and "verify" (the checksum tables' exchange
+    and compare after the last message). A "posted" near "executor" says the host loop, not
+    the link, set the pace."""
     host = ("host_add_seconds", "host_post_seconds", "host_after_seconds")
     return {
         "executor": float(report.get("seconds", 0.0)),
         "armed": float(report.get("armed_seconds", 0.0)),
         "prepare": float(report.get("prepared_seconds", 0.0)),
         "first post": float(report.get("first_post_seconds", 0.0)),
+        "first call": float(report.get("first_post_call_seconds", 0.0)),
+        "first settle": float(report.get("first_post_settle_seconds", 0.0)),
         "posted": float(report.get("posted_seconds", 0.0)),
         "host": sum(float(report.get(k, 0.0)) for k in host),
         "wire": float(report.get("wire_seconds", 0.0)),

@@ -102,6 +102,9 @@ def _run(specs: dict[str, TensorSpec]) -> list[list[list[int]]]:
     for report in reports.values():
         # Each rank's first group went out before its last, and both within its run.
         assert 0 < report.first_post_seconds <= report.posted_seconds <= report.seconds
+        # Its posting call is part of that wait, the communicator's settling part of the call.
+        assert 0 < report.first_post_call_seconds <= report.first_post_seconds
+        assert 0 <= report.first_post_settle_seconds <= report.first_post_call_seconds
     for name, spec in specs.items():
         assert torch.equal(target.view(name, full_box(spec.shape)), values[name]), name
     return [rec.posts for rec in recorders]
