@@ -151,9 +151,7 @@ class Executor:
         ):
             return None
         began = time.monotonic()
-        prepared = self._prepare(plan, shards)
-        if self.ring.size != prepared.ring_bytes:
-            self.ring = StagingRing(prepared.ring_bytes, self.transport.device)
+        prepared = self._prepare_with_ring(plan, shards)
         run = self._new_run(prepared, None, None, began, None, None)
         run.arm()
         self._armed = ArmedRun(key, plan, shards, run, time.monotonic() - began)
@@ -216,9 +214,7 @@ class Executor:
             held.run.start(progress, cancel, started)
             held.run.report.armed_seconds = held.seconds
             return self._execute(held.run, plan, None, started)
-        prepared = self._prepare(plan, shards)
-        if self.ring.size != prepared.ring_bytes:
-            self.ring = StagingRing(prepared.ring_bytes, self.transport.device)
+        prepared = self._prepare_with_ring(plan, shards)
         staged = shards if prepared.buckets and isinstance(shards, StagedShards) else None
         if staged is not None and len(prepared.buckets) > 1 and not self.config.verify_checksums:
             raise InvalidArgument(
@@ -401,6 +397,14 @@ class Executor:
             progress(total, total)
         write_report(plan.rank, report)
         return report
+
+    def _prepare_with_ring(self, plan: RankPlan, shards: LocalShards) -> PreparedPlan:
+        """`_prepare`, and the staging ring sized for the plan (a new one only where the
+        size changed: the ring is kept between refits)."""
+        prepared = self._prepare(plan, shards)
+        if self.ring.size != prepared.ring_bytes:
+            self.ring = StagingRing(prepared.ring_bytes, self.transport.device)
+        return prepared
 
     def _prepare(self, plan: RankPlan, shards: LocalShards) -> PreparedPlan:
         kept = self._prepared
