@@ -200,10 +200,15 @@ RankSpec = tuple[str, int, int, str]  # role, rank, world, replica
 
 @contextlib.contextmanager
 def rank_processes(
-    script: str, specs: list[RankSpec], target: str, job: str, *extra: str, keep_env: str = ""
+    script: str,
+    specs: list[RankSpec],
+    target: str,
+    job: str,
+    *extra: str,
+    keep_env: tuple[str, ...] = (),
 ) -> Iterator[None]:
     """One `script agent ...` process per rank spec (plus `extra` arguments), ended at exit.
-    REFIT_* variables stay out of their environment (`keep_env`: a prefix kept anyway)."""
+    REFIT_* variables stay out of their environment (`keep_env`: prefixes kept anyway)."""
     env = {
         k: v
         for k, v in os.environ.items()

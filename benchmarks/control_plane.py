@@ -100,7 +100,7 @@ def coordinator(redis_url: str, *, lease_ttl_s: float = 30.0) -> Iterator[str]:
             REFIT_HTTP_HOST="127.0.0.1",
         )
         cmd = [sys.executable, "-m", "refitplane.coordinator", "--grpc-port", "0",
-               "--http-port", "0", "--port-file", str(port_file), "--env-file", str(Path(tmp) / "none")]  # fmt: skip
+               "--http-port", "0", "--lane-port", "0", "--port-file", str(port_file), "--env-file", str(Path(tmp) / "none")]  # fmt: skip
         proc = subprocess.Popen(cmd, env=env, cwd=tmp)
         try:
             deadline = time.monotonic() + 30

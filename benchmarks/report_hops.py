@@ -5,6 +5,7 @@
     python benchmarks/report_hops.py --coordinator thread --refits 30  # in this process, as
                                                                        # gpu_refit.py's world
     REFIT_REPORT_STREAM=0 python benchmarks/report_hops.py ...         # every report unary
+    REFIT_LANE=0 python benchmarks/report_hops.py ...                  # gRPC streams, no lane
 
 One process per data-plane rank (`--ranks TxRxG`: T trainer ranks, R generator replicas of G
 ranks, no sidecar), each a real `AgentSession` whose simulated executor sleeps
@@ -67,9 +68,10 @@ def agents(
     ranks: list[RankSpec] = [("trainer", r, trainers, "") for r in range(trainers)]
     ranks += [("generator", r, gen_tp, f"r{i}") for i in range(replicas) for r in range(gen_tp)]
     script = str(Path(__file__).resolve())
-    # REFIT_REPORT_STREAM reaches the ranks: the A/B switch.
+    # REFIT_REPORT_STREAM and REFIT_LANE reach the ranks: the A/B switches.
     extra = ("--executor-ms", str(executor_ms))
-    return rank_processes(script, ranks, target, job, *extra, keep_env="REFIT_REPORT_STREAM")
+    keep = ("REFIT_REPORT_STREAM", "REFIT_LANE")
+    return rank_processes(script, ranks, target, job, *extra, keep_env=keep)
 
 
 @contextlib.contextmanager
@@ -143,6 +145,7 @@ def main() -> int:
         p.error("--ranks is TxRxG")
     job = "hops"
     stream = os.environ.get("REFIT_REPORT_STREAM", "1")
+    lane = os.environ.get("REFIT_LANE", "1")
     with (
         a_coordinator(args) as target,
         RefitClient(target, timeout_s=60) as client,
@@ -160,7 +163,8 @@ def main() -> int:
     print(
         f"report_hops: ranks {args.ranks}, coordinator {args.coordinator}, "
         f"{'redis' if args.redis else 'embedded'} store, {args.watch}, executor "
-        f"{args.executor_ms:g} ms, REFIT_REPORT_STREAM={stream}, {len(rows)} refits (ms)"
+        f"{args.executor_ms:g} ms, REFIT_REPORT_STREAM={stream}, REFIT_LANE={lane}, {len(rows)} "
+        "refits (ms)"
     )
     series = {key: [r[key] for r in rows] for key in rows[0]}
     if not args.no_floor:

@@ -24,7 +24,7 @@ RUN /opt/refit/bin/pip install --no-cache-dir . ./services/coordinator \
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="refit-coordinator" \
-      org.opencontainers.image.description="refitplane weight-refit coordinator (gRPC 50051, HTTP 8080)" \
+      org.opencontainers.image.description="refitplane weight-refit coordinator (gRPC 50051, control lane 50052, HTTP 8080)" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN groupadd --system --gid 10001 refit \
     && useradd --system --uid 10001 --gid 10001 --no-create-home \
@@ -37,7 +37,7 @@ ENV PATH=/opt/refit/bin:$PATH \
 # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 USER 10001:10001
 WORKDIR /tmp
-EXPOSE 50051 8080
+EXPOSE 50051 50052 8080
 # SIGTERM starts the coordinator's graceful stop (drain calls, close streams, flush state).
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["refit-coordinator"]

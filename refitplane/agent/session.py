@@ -5,9 +5,9 @@ Three daemon threads, every wait bounded:
   * lease — renews every `renew_interval` (ttl/3); a lost lease (NOT_FOUND: the coordinator
     does not know the member or its credential any more) re-registers, re-publishes the
     layout and moves the command stream to the new member id;
-  * stream — holds StreamCommands open, reconnecting with backoff; AbortRefit and
-    LeaveGroup also go to `handler.on_abort_now` at once, RanksVerified only there (to
-    `handler.on_ranks_verified`);
+  * stream — holds the control lane open (`ControlLane`), else StreamCommands,
+    reconnecting with backoff; AbortRefit and LeaveGroup also go to `handler.on_abort_now`
+    at once, RanksVerified only there (to `handler.on_ranks_verified`);
   * worker — runs commands in order; a handler exception becomes a Failure report.
 """
 
@@ -27,6 +27,8 @@ import grpc
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.agent.handler import CommandHandler
+from refitplane.agent.lane import RETRY_AFTER_S as LANE_RETRY_AFTER_S
+from refitplane.agent.lane import ControlLane
 from refitplane.agent.layout_upload import layout_requests
 from refitplane.agent.report_stream import ReportStream
 from refitplane.agent.report_verbs import ReportVerbs
@@ -34,6 +36,7 @@ from refitplane.errors import InvalidArgument, NotFound, RefitError, Unavailable
 from refitplane.protocol import Reason, convert
 from refitplane.protocol import messages as m
 from refitplane.protocol.channel import (
+    MEMBER_CREDENTIAL_KEY,
     Metadata,
     auth_metadata,
     from_rpc_error,
@@ -67,6 +70,7 @@ class AgentSession(ReportVerbs):
         held_version: Callable[[], int] | None = None,
         serving: Callable[[], bool | None] | None = None,
         report_stream: bool | None = None,
+        lane: bool | None = None,
     ) -> None:
         """`coordinator`: gRPC host:port. `timeout_s` bounds every call (and, in `start`,
         how long to wait for the coordinator to answer at all). `held_version`: generators
@@ -78,7 +82,8 @@ class AgentSession(ReportVerbs):
         (RenewLease.held): after a coordinator restart mid-refit the coordinator takes what
         the replica's ranks hold; and a registration while it is False sends 0 (no version
         fully held). `report_stream`: reports on a stream held open (None: REFIT_REPORT_STREAM,
-        default on), else every one unary."""
+        default on), else every one unary. `lane`: commands and reports on the coordinator's
+        control lane when it has one (None: REFIT_LANE, default on)."""
         self.info = info
         self._held_version = held_version
         self._serving = serving
@@ -91,9 +96,14 @@ class AgentSession(ReportVerbs):
         self._who: tuple[str, Metadata] = ("", self._metadata)
         self._channel = sync_channel(coordinator, tls_ca=tls_ca)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
-        if report_stream is None:  # REFIT_REPORT_STREAM, on by default
-            report_stream = ClientSettings().report_stream
+        if report_stream is None or lane is None:  # REFIT_REPORT_STREAM, REFIT_LANE: on
+            defaults = ClientSettings()
+            report_stream = defaults.report_stream if report_stream is None else report_stream
+            lane = defaults.lane if lane is None else lane
         self.reports = ReportStream(self._stub, timeout_s=timeout_s, enabled=report_stream)
+        self.lane = ControlLane(
+            coordinator, tls_ca=tls_ca, token=token, timeout_s=timeout_s, enabled=lane
+        )
         self._lock = threading.RLock()
         self._ttl = 0.0
         self._renew_interval = 1.0
@@ -105,9 +115,8 @@ class AgentSession(ReportVerbs):
         self._call: Any = None
         self._threads: list[threading.Thread] = []
         self.registrations = 0
-        # Command streams opened so far: a command the coordinator wrote to a stream that
-        # broke is lost, so a handler waiting for one reads instead once this moved.
-        self.streams_opened = 0
+        self._grpc_streams = 0
+        self.commands_received = 0
 
     @classmethod
     def from_env(
@@ -129,6 +138,7 @@ class AgentSession(ReportVerbs):
             tls_ca=s.tls_ca_file,
             timeout_s=timeout_s,
             report_stream=s.report_stream,
+            lane=s.lane,
         )
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -146,6 +156,13 @@ class AgentSession(ReportVerbs):
         """What this member's calls carry: the token and its own credential (for tools in
         the member's own process that call the coordinator as it)."""
         return self._who[1]
+
+    @property
+    def streams_opened(self) -> int:
+        """Command streams opened so far (StreamCommands and lanes): a command the
+        coordinator wrote to a stream that broke is lost, so a handler waiting for one reads
+        instead once this moved."""
+        return self._grpc_streams + self.lane.opened
 
     @property
     def lease_ttl_s(self) -> float:
@@ -181,6 +198,7 @@ class AgentSession(ReportVerbs):
         self._stop.set()
         self._cancel_stream()
         self.reports.close()
+        self.lane.shutdown()
         for t in self._threads:
             t.join(timeout=self._timeout)
         if deregister and self._member_id:
@@ -229,6 +247,7 @@ class AgentSession(ReportVerbs):
                 member_metadata(self._token, str(resp.member_credential)),
             )
             self._ttl = resp.lease_ttl_s
+            self.lane.port = int(resp.lane_port)
             self._renew_interval = max(0.01, resp.renew_interval_s)
             self._published = ""
             self.registrations += 1
@@ -284,7 +303,9 @@ class AgentSession(ReportVerbs):
             member_id, metadata = self._who
             request = convert.report_to_proto(m.Report(member_id, refit_id, body))
             try:
-                accepted = self.reports.send(member_id, metadata, request)
+                accepted = self.lane.send(member_id, request)
+                if accepted is None:
+                    accepted = self.reports.send(member_id, metadata, request)
                 if accepted is None:
                     accepted = bool(self._call_unary("Report", request, metadata).accepted)
                 return accepted
@@ -321,31 +342,79 @@ class AgentSession(ReportVerbs):
             log.warning("%s failed: %s", getattr(fn, "__name__", fn), exc.message)
 
     def _cancel_stream(self) -> None:
+        self.lane.close()
         call = self._call
         if call is not None:
             call.cancel()
+
+    def _decode_and_dispatch(self, raw: apb.Command) -> None:
+        self.commands_received += 1
+        try:
+            command = convert.command_from_proto(raw)
+        except RefitError as exc:
+            # A command this agent does not know (a newer coordinator's) or a malformed one:
+            # reopening the stream would not bring it back.
+            log.error("skipped undecodable command %d: %s", raw.seq, exc.message)
+            return
+        self._dispatch(command)
+
+    def _credential(self, metadata: Metadata) -> str:
+        return dict(metadata).get(MEMBER_CREDENTIAL_KEY, "")
+
+    def _hold_lane(self, member_id: str, metadata: Metadata) -> bool:
+        """Hold the control lane open until it closes; False when it could not be opened
+        (gRPC's stream then carries the commands)."""
+        if not self.lane.open(member_id, self._credential(metadata), self._decode_and_dispatch):
+            return False
+        while not self.lane.closed.wait(1.0):
+            if self._stop.is_set():
+                self.lane.close()
+        if isinstance(self.lane.refusal, NotFound):
+            self._safe(self._reregister, member_id)
+        return True
+
+    def _probe_lane(self, member_id: str, metadata: Metadata, call: Any) -> None:
+        """While `call` (StreamCommands) carries the commands, try the lane every
+        LANE_RETRY_AFTER_S: once it opens, the coordinator ends `call` after what it already
+        carried and the stream loop holds the lane."""
+        while not self._stop.wait(LANE_RETRY_AFTER_S) and self._call is call:
+            if not self.lane.usable():
+                continue
+            if self.lane.open(member_id, self._credential(metadata), self._decode_and_dispatch):
+                return
 
     def _stream_loop(self) -> None:
         delay = _BACKOFF_MIN_S
         while not self._stop.is_set():
             self._reconnect.clear()
             member_id, metadata = self._who
+            received = self.commands_received
+            lane = self.lane.usable() or self.lane.is_open(member_id)
+            if lane and self._hold_lane(member_id, metadata):
+                if self._member_id != member_id or self._reconnect.is_set():
+                    continue  # a new registration: open the lane as the new member
+                if self.commands_received > received:
+                    delay = _BACKOFF_MIN_S  # it worked a while: reconnect at once
+                if self._stop.wait(delay):
+                    return
+                delay = min(_BACKOFF_MAX_S, delay * 2)
+                continue
             try:
                 call = self._stub.StreamCommands(
                     apb.StreamCommandsRequest(member_id=member_id), metadata=metadata
                 )
                 self._call = call
-                self.streams_opened += 1
+                self._grpc_streams += 1
+                if self.lane.enabled and self.lane.port:
+                    threading.Thread(
+                        target=self._probe_lane,
+                        args=(member_id, metadata, call),
+                        name="refit-agent-lane-probe",
+                        daemon=True,
+                    ).start()
                 for raw in call:
                     delay = _BACKOFF_MIN_S
-                    try:
-                        command = convert.command_from_proto(raw)
-                    except RefitError as exc:
-                        # A command this agent does not know (a newer coordinator's) or a
-                        # malformed one: reopening the stream would not bring it back.
-                        log.error("skipped undecodable command %d: %s", raw.seq, exc.message)
-                        continue
-                    self._dispatch(command)
+                    self._decode_and_dispatch(raw)
             except grpc.RpcError as exc:
                 code = status_code(exc)
                 if code == grpc.StatusCode.NOT_FOUND:

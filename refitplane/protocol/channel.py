@@ -122,10 +122,22 @@ def from_rpc_error(exc: grpc.RpcError) -> errors.RefitError:
     details = (details_fn() if callable(details_fn) else None) or str(code)
     reason = _trailer(exc, REASON_KEY)
     field = _trailer(exc, FIELD_KEY)
-    cls = _BY_REASON.get(reason or "") or _BY_CODE.get(code, errors.RefitError)
     if code == grpc.StatusCode.UNAVAILABLE and reason is None:
         details = f"coordinator unreachable: {details}"
-    err = cls(details, field=field)
+    return error_for(reason or "", details, field, default=_BY_CODE.get(code, errors.RefitError))
+
+
+def error_for(
+    reason: str,
+    message: str,
+    field: str | None,
+    *,
+    default: type[errors.RefitError] = errors.RefitError,
+) -> errors.RefitError:
+    """The domain error for a reason the coordinator sent (`default`'s class for one this
+    side does not know, keeping the reason)."""
+    cls = _BY_REASON.get(reason) or default
+    err = cls(message, field=field)
     if reason and reason != cls.reason:
         err.reason = reason
     return err

@@ -25,6 +25,9 @@ class ClientSettings(BaseSettings):
     # Agents: send reports on a StreamReports stream held open (false: every report by the
     # unary Report, for A/B runs; docs/coordinator.md#the-report-path).
     report_stream: bool = True
+    # Agents: commands and reports on the coordinator's control lane when it has one (false:
+    # gRPC's streams only; docs/coordinator.md#the-control-lane).
+    lane: bool = True
 
     def token(self) -> str | None:
         if self.auth_token_file is not None:

@@ -102,6 +102,8 @@ def coordinator_command(port_file: Path) -> list[str]:
         "127.0.0.1",
         "--http-port",
         "0",
+        "--lane-port",
+        "0",
         "--port-file",
         str(port_file),
     )

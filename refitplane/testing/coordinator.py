@@ -19,6 +19,7 @@ TEST_SETTINGS: dict[str, Any] = {
     "grpc_port": 0,
     "http_host": "127.0.0.1",
     "http_port": 0,
+    "lane_port": 0,
     "lease_ttl_s": 3.0,
     "prepare_timeout_s": 5.0,
     "transfer_timeout_s": 5.0,

@@ -86,7 +86,7 @@ def coordinator_process(workdir: Path, token: Path) -> Iterator[CoordinatorProce
         "REFIT_AUTH_TOKEN_FILE": str(token),
     }
     command = [sys.executable, "-m", "refitplane.coordinator", "--port-file", str(port_file)]
-    command += ["--grpc-port", "0", "--http-port", "0", "--probe-port", "0"]
+    command += ["--grpc-port", "0", "--http-port", "0", "--probe-port", "0", "--lane-port", "0"]
     with log.open("wb") as out:
         proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=out, stderr=out)
     try:

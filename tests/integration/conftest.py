@@ -244,7 +244,7 @@ def coordinator_process(tmp_path: Path) -> Iterator[Callable[..., CoordinatorPro
         )
         cmd = [
             sys.executable, *COORDINATOR_MODULE,
-            "--grpc-port", "0", "--http-port", "0", "--port-file", str(port_file),
+            "--grpc-port", "0", "--http-port", "0", "--lane-port", "0", "--port-file", str(port_file),
             "--env-file", str(tmp_path / "no.env"), *args,
         ]  # fmt: skip
         with log_path.open("wb") as log:

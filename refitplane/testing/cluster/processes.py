@@ -194,12 +194,13 @@ class CoordinatorProc(Proc):
         self.grpc_port = free_port()
         self.http_port = free_port()
         self.probe_port = free_port()
+        self.lane_port = free_port()
         self.port_file = workdir / "coordinator-ports.json"
         argv = [
             sys.executable, "-m", "refitplane.coordinator",
             "--grpc-host", "127.0.0.1", "--http-host", "127.0.0.1",
             "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
-            "--probe-port", str(self.probe_port),
+            "--probe-port", str(self.probe_port), "--lane-port", str(self.lane_port),
             "--port-file", str(self.port_file), "--env-file", str(workdir / "no.env"),
         ]  # fmt: skip
         super().__init__("coordinator", argv, workdir, child_env(env))

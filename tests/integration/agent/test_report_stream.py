@@ -1,7 +1,8 @@
 """Reports on a stream each member holds open (AgentService.StreamReports, issue 23), against
 a real coordinator on loopback: reports go on the stream (no unary Report), a stream carries
 one member's reports only, a stream that breaks mid-refit hands its report to the unary
-path, and reports reach a restarted coordinator (unary first, the stream again after)."""
+path, and reports reach a restarted coordinator (unary first, the stream again after). The
+coordinators here have no control lane (which would carry the reports instead: test_lane.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ from tests.integration.conftest import SimCluster, wait_until
 from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+NO_LANE = {"lane_port": None}
+
+
+@pytest.fixture
+def coordinator(coordinator_factory: Any) -> Any:
+    return coordinator_factory(**NO_LANE)
 
 
 def _reports(coord: Any, via: str = "UNARY") -> float:
@@ -154,7 +162,7 @@ def test_a_stream_broken_mid_refit_hands_the_report_to_unary(coordinator_factory
     # 1.6 s, ...). The default 5 s TRANSFERRING bound failed this once on a loaded CI box
     # (both ranks still reconnecting), and leases (3 s) renew through the same channels;
     # the test is about the fallback, not those bounds.
-    coordinator = coordinator_factory(transfer_timeout_s=30.0, lease_ttl_s=15.0)
+    coordinator = coordinator_factory(transfer_timeout_s=30.0, lease_ttl_s=15.0, **NO_LANE)
     proxy = TcpProxy("127.0.0.1", coordinator.server.grpc_port)
     cluster = SimCluster(proxy.target)
     try:
@@ -187,7 +195,7 @@ def test_a_stream_broken_mid_refit_hands_the_report_to_unary(coordinator_factory
 
 
 def test_reports_reach_a_restarted_coordinator(redis_url, coordinator_factory, sim_cluster):
-    first = coordinator_factory(redis_url)
+    first = coordinator_factory(redis_url, **NO_LANE)
     cluster = sim_cluster(first)
     cluster.trainers(world=1)
     cluster.replica("a", sidecar=True)
@@ -195,7 +203,7 @@ def test_reports_reach_a_restarted_coordinator(redis_url, coordinator_factory, s
     _commit(client)
     ids = {m.member_id for m in cluster.members}
     first.stop()
-    second = coordinator_factory(redis_url, grpc_port=first.server.grpc_port)
+    second = coordinator_factory(redis_url, grpc_port=first.server.grpc_port, **NO_LANE)
     wait_until(
         lambda: all(second.core.outbox.connected(i) for i in ids), what="command streams back"
     )

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REFIT_")}
-    env |= {"REFIT_GRPC_HOST": "127.0.0.1", "REFIT_HTTP_HOST": "127.0.0.1"}
+    env |= {"REFIT_GRPC_HOST": "127.0.0.1", "REFIT_HTTP_HOST": "127.0.0.1", "REFIT_LANE_PORT": "0"}
     argv = [sys.executable, *COORDINATOR_MODULE, "--env-file", str(tmp_path / "no.env"), *args]
     return run_to_end(argv, env=env, cwd=tmp_path)
 
@@ -95,7 +95,7 @@ def test_sigterm_while_the_store_does_not_answer_stops_it(tmp_path):
         env = {k: v for k, v in os.environ.items() if not k.startswith("REFIT_")}
         log_path = tmp_path / "coordinator.log"
         argv = [sys.executable, *COORDINATOR_MODULE, "--env-file", str(tmp_path / "no.env"),
-                "--grpc-port", "0", "--http-port", "0", "--redis-url", url]  # fmt: skip
+                "--grpc-port", "0", "--http-port", "0", "--lane-port", "0", "--redis-url", url]  # fmt: skip
         with log_path.open("wb") as log:
             proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=log)
         with killed_at_exit(proc):

@@ -8,6 +8,8 @@ reports. Tensor bytes move rank-to-rank over NCCL/Gloo, never through this servi
 
 Lifecycle: Register → (RenewLease every ttl/3) → PublishLayout (data-plane ranks) →
 StreamCommands (server stream; reconnect with the same member_id) → Report per command.
+Commands and reports may instead travel on the control lane (LaneFrame, below), a framed
+TCP connection beside gRPC at RegisterResponse.lane_port.
 Every mutating call needs the bearer token as `authorization: Bearer <token>` metadata
 when the coordinator has one configured. Every call after Register also needs the member's
 own credential (RegisterResponse.member_credential) as `x-refit-member-credential`
@@ -124,6 +126,7 @@ class RegisterResponse(_message.Message):
     LEASE_TTL_S_FIELD_NUMBER: _builtins.int
     RENEW_INTERVAL_S_FIELD_NUMBER: _builtins.int
     MEMBER_CREDENTIAL_FIELD_NUMBER: _builtins.int
+    LANE_PORT_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     lease_ttl_s: _builtins.float
     renew_interval_s: _builtins.float
@@ -132,6 +135,8 @@ class RegisterResponse(_message.Message):
     """This member's secret: sent as `x-refit-member-credential` metadata on every call that
     names member_id. Returned once; the coordinator keeps only its SHA-256.
     """
+    lane_port: _builtins.int
+    """The coordinator's control lane (LaneFrame) on the gRPC host at this port; 0: none."""
     def __init__(
         self,
         *,
@@ -139,10 +144,11 @@ class RegisterResponse(_message.Message):
         lease_ttl_s: _builtins.float = ...,
         renew_interval_s: _builtins.float = ...,
         member_credential: _builtins.str = ...,
+        lane_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ttl_s", b"lease_ttl_s", "member_credential", b"member_credential", "member_id", b"member_id", "renew_interval_s", b"renew_interval_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lane_port", b"lane_port", "lease_ttl_s", b"lease_ttl_s", "member_credential", b"member_credential", "member_id", b"member_id", "renew_interval_s", b"renew_interval_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -956,6 +962,118 @@ class StreamReportsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StreamReportsResponse: _TypeAlias = StreamReportsResponse  # noqa: Y015
+
+@_typing.final
+class LaneFrame(_message.Message):
+    """The control lane (docs/coordinator.md "The control lane"): a TCP connection (TLS when
+    the coordinator's gRPC has it) beside gRPC that carries one member's commands and reports,
+    the two hops every refit phase waits on, at a fraction of gRPC-Python's time per message.
+    Each frame is a 4-byte big-endian length, then a LaneFrame. The agent opens with `hello`
+    (within 5 s of connecting); the coordinator then writes the member's commands as
+    StreamCommands would, and answers each `report` in order with `answer` or an `error`
+    carrying its seq. An agent's frames are at most 64 KiB + 64 bytes (larger reports go by
+    Report). Registration, leases and layouts stay on gRPC; an agent that cannot reach the
+    lane uses StreamCommands and StreamReports.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELLO_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    REPORT_FIELD_NUMBER: _builtins.int
+    ANSWER_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def hello(self) -> Global___LaneHello: ...
+    @_builtins.property
+    def command(self) -> Global___Command: ...
+    @_builtins.property
+    def report(self) -> Global___StreamReportsRequest: ...
+    @_builtins.property
+    def answer(self) -> Global___StreamReportsResponse: ...
+    @_builtins.property
+    def error(self) -> Global___LaneError: ...
+    def __init__(
+        self,
+        *,
+        hello: Global___LaneHello | None = ...,
+        command: Global___Command | None = ...,
+        report: Global___StreamReportsRequest | None = ...,
+        answer: Global___StreamReportsResponse | None = ...,
+        error: Global___LaneError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "command", b"command", "error", b"error", "frame", b"frame", "hello", b"hello", "report", b"report"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "command", b"command", "error", b"error", "frame", b"frame", "hello", b"hello", "report", b"report"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["hello", "command", "report", "answer", "error"]  # noqa: Y015
+    _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
+
+Global___LaneFrame: _TypeAlias = LaneFrame  # noqa: Y015
+
+@_typing.final
+class LaneHello(_message.Message):
+    """The lane's first frame: who the agent is, proven as gRPC metadata proves it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    MEMBER_CREDENTIAL_FIELD_NUMBER: _builtins.int
+    member_id: _builtins.str
+    token: _builtins.str
+    """The shared bearer token (empty when the coordinator has none)."""
+    member_credential: _builtins.str
+    """RegisterResponse.member_credential."""
+    def __init__(
+        self,
+        *,
+        member_id: _builtins.str = ...,
+        token: _builtins.str = ...,
+        member_credential: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["member_credential", b"member_credential", "member_id", b"member_id", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaneHello: _TypeAlias = LaneHello  # noqa: Y015
+
+@_typing.final
+class LaneError(_message.Message):
+    """Why the coordinator refused a report (seq > 0; the lane stays open) or the lane itself
+    (seq 0; the coordinator closes it), as a gRPC error's status and trailers say it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    FIELD_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    reason: _builtins.str
+    """A refit.v1 reason (INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED, PERMISSION_DENIED, ...)."""
+    message: _builtins.str
+    field: _builtins.str
+    """The offending field, when one is to blame."""
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        message: _builtins.str = ...,
+        field: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["field", b"field", "message", b"message", "reason", b"reason", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaneError: _TypeAlias = LaneError  # noqa: Y015
 
 @_typing.final
 class DeregisterRequest(_message.Message):

@@ -8,6 +8,8 @@ reports. Tensor bytes move rank-to-rank over NCCL/Gloo, never through this servi
 
 Lifecycle: Register → (RenewLease every ttl/3) → PublishLayout (data-plane ranks) →
 StreamCommands (server stream; reconnect with the same member_id) → Report per command.
+Commands and reports may instead travel on the control lane (LaneFrame, below), a framed
+TCP connection beside gRPC at RegisterResponse.lane_port.
 Every mutating call needs the bearer token as `authorization: Bearer <token>` metadata
 when the coordinator has one configured. Every call after Register also needs the member's
 own credential (RegisterResponse.member_credential) as `x-refit-member-credential`

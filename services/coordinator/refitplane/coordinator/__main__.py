@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-host", help="REFIT_HTTP_HOST (default 0.0.0.0)")
     p.add_argument("--http-port", type=int, help="REFIT_HTTP_PORT (default 8080; 0: any free)")
     p.add_argument(
+        "--lane-port",
+        help="REFIT_LANE_PORT: the agents' control lane (default 50052; 0: any free; off: none)",
+    )
+    p.add_argument(
         "--probe-port",
         type=int,
         help="REFIT_PROBE_PORT: /healthz and /readyz on their own thread (0: any free)",
@@ -58,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--port-file",
         type=Path,
-        help="once serving, write {'grpc_port': ..., 'http_port': ..., 'probe_port': ...} "
+        help="once serving, write {'grpc_port': ..., 'http_port': ..., 'lane_port': ..., "
+        "'probe_port': ...} "
         "here (for port 0)",
     )
     return p
@@ -70,6 +75,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "grpc_port",
         "http_host",
         "http_port",
+        "lane_port",
         "probe_port",
         "redis_url",
         "log_level",
@@ -118,6 +124,7 @@ async def _serve(settings: Any, port_file: Path | None) -> None:
         ports = {
             "grpc_port": server.grpc_port,
             "http_port": server.http_port,
+            "lane_port": server.lane_port,
             "probe_port": server.probe_port,
         }
         tmp.write_text(json.dumps(ports))

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Iterator
 
 import uvicorn
@@ -16,6 +17,7 @@ from refitplane.coordinator.auth import TokenCheck
 from refitplane.coordinator.core.admission import Admission
 from refitplane.coordinator.core.service import Coordinator
 from refitplane.coordinator.grpc.server import GrpcServer
+from refitplane.coordinator.lane import LaneServer
 from refitplane.coordinator.observability.grpc_observer import RequestObserver
 from refitplane.coordinator.observability.http_observer import HttpObserver
 from refitplane.coordinator.observability.requests import RequestMetrics
@@ -49,6 +51,15 @@ def _bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _lane_tls(settings: Settings) -> ssl.SSLContext | None:
+    """The control lane speaks TLS with gRPC's certificate whenever gRPC does."""
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    return context
+
+
 class CoordinatorServer:
     def __init__(self, settings: Settings, *, redis_prefix: str = "refit:") -> None:
         """Construct inside the event loop that will run it (grpc.aio binds to it)."""
@@ -66,13 +77,21 @@ class CoordinatorServer:
         tls = None
         if settings.tls_cert_file is not None and settings.tls_key_file is not None:
             tls = (settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())
+        self._lane: LaneServer | None = None
+        if settings.lane_port is not None:
+            self._lane = LaneServer(self.core, self._tokens, tls=_lane_tls(settings))
         self._grpc = GrpcServer(
-            self.core, self._tokens, tls=tls, outer=[RequestObserver(self.requests)]
+            self.core,
+            self._tokens,
+            tls=tls,
+            outer=[RequestObserver(self.requests)],
+            lane_port=lambda: self.lane_port,
         )
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
         self.grpc_port = 0
         self.http_port = 0
+        self.lane_port = 0
         self.probe_port = 0
         self._heartbeat = LoopHeartbeat(self.core.ready)
         # A store check older than this (3 missed checks and the check's own timeout) is
@@ -91,6 +110,9 @@ class CoordinatorServer:
         grpc_flag, http_flag = "--grpc-port / REFIT_GRPC_PORT", "--http-port / REFIT_HTTP_PORT"
         check_port_free("gRPC", s.grpc_host, s.grpc_port, grpc_flag)
         check_port_free("HTTP", s.http_host, s.http_port, http_flag)
+        lane_flag = "--lane-port / REFIT_LANE_PORT"
+        if s.lane_port is not None:
+            check_port_free("the control lane", s.grpc_host, s.lane_port, lane_flag)
         if s.probe_port is not None:
             check_port_free("probes", s.http_host, s.probe_port, "--probe-port / REFIT_PROBE_PORT")
         try:
@@ -105,6 +127,13 @@ class CoordinatorServer:
             raise StartupError(
                 f"cannot listen for gRPC on {s.grpc_host}:{s.grpc_port}: {exc}"
             ) from None
+        if self._lane is not None and s.lane_port is not None:
+            try:
+                self.lane_port = await self._lane.start(s.grpc_host, s.lane_port)
+            except OSError as exc:
+                raise StartupError(
+                    bind_failure("the control lane", s.grpc_host, s.lane_port, lane_flag, exc)
+                ) from None
         await self._grpc.start()
         try:
             sock = _bind_http(s.http_host, s.http_port)
@@ -154,9 +183,11 @@ class CoordinatorServer:
         if s.probe_port is not None:
             self._probes.start()
         log.info(
-            "coordinator serving: gRPC %s:%d, HTTP %s:%d, probes %s, store %s, auth %s, TLS %s",
+            "coordinator serving: gRPC %s:%d, control lane %s, HTTP %s:%d, probes %s, store %s, "
+            "auth %s, TLS %s",
             s.grpc_host,
             self.grpc_port,
+            f"{s.grpc_host}:{self.lane_port}" if self._lane is not None else "off",
             s.http_host,
             self.http_port,
             f"{s.http_host}:{self.probe_port}" if s.probe_port is not None else "off",
@@ -177,6 +208,8 @@ class CoordinatorServer:
             # Let the aborts reach the agents' streams, then end the streams.
             await asyncio.sleep(0.1)
         self.core.outbox.close_all()
+        if self._lane is not None:
+            await self._lane.stop()
         if self._http is not None:
             self._http.should_exit = True
         await self._grpc.stop(STOP_GRACE_S if graceful else 0)

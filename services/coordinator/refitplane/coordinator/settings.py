@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     grpc_port: int = Field(50051, ge=0, le=65535)
     http_host: str = "0.0.0.0"
     http_port: int = Field(8080, ge=0, le=65535)
+    # The control lane (docs/coordinator.md#the-control-lane), on grpc_host: agents' commands
+    # and reports beside gRPC at a fraction of its per-message time. 0: any free port;
+    # "off": none (agents use StreamCommands and StreamReports).
+    lane_port: int | None = Field(50052, ge=0, le=65535)
     # Empty: the embedded in-process store (single-node demos; state dies with the process).
     redis_url: str = ""
     # Overrides the password in redis_url (so the URL can live in a ConfigMap).
@@ -123,6 +127,13 @@ class Settings(BaseSettings):
     def _split_jobs(cls, value: object) -> object:
         if isinstance(value, str):
             return [j.strip() for j in value.split(",") if j.strip()]
+        return value
+
+    @field_validator("lane_port", mode="before")
+    @classmethod
+    def _lane_off(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() in ("off", "none", ""):
+            return None
         return value
 
     @field_validator("log_level")

@@ -125,9 +125,22 @@ class Metrics:
         )
         self.reports = Counter(
             "refit_agent_reports",
-            "Agent reports handled, by how they came: STREAM (on a StreamReports stream) or "
-            "UNARY (a Report call: older agents, and the fallback when a stream broke)",
+            "Agent reports handled, by how they came: LANE (the control lane), STREAM (on a "
+            "StreamReports stream) or UNARY (a Report call: older agents, and the fallback "
+            "when a stream broke)",
             ["via"],
+            registry=r,
+        )
+        self.lanes = Gauge(
+            "refit_control_lanes",
+            "Control lanes open (members that proved who they are on one)",
+            registry=r,
+        )
+        self.lane_refusals = Counter(
+            "refit_control_lane_refusals",
+            "Control lane connections refused or closed for breaking its rules, by reason "
+            "(UNAUTHENTICATED, NOT_FOUND, INVALID_ARGUMENT, HELLO_TIMEOUT, RATE_LIMITED, ...)",
+            ["reason"],
             registry=r,
         )
         self.jobs_driven = Gauge(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -37,8 +37,10 @@ def _credential(context: Context) -> str:
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, core: Coordinator) -> None:
+    def __init__(self, core: Coordinator, *, lane_port: Callable[[], int] = lambda: 0) -> None:
+        """`lane_port`: the control lane's bound port once serving (0: none)."""
         self._core = core
+        self._lane_port = lane_port
         self._encoder = CommandEncoder()
         self._uploads = LayoutUploads(max_bytes=core.settings.max_layout_bytes)
 
@@ -52,6 +54,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             lease_ttl_s=ttl,
             renew_interval_s=ttl / 3,
             member_credential=credential,
+            lane_port=self._lane_port(),
         )
 
     async def RenewLease(

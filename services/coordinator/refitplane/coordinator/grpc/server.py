@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from grpc import aio, ssl_server_credentials
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -51,15 +51,19 @@ class GrpcServer:
         *,
         tls: tuple[bytes, bytes] | None = None,
         outer: Sequence[aio.ServerInterceptor] = (),
+        lane_port: Callable[[], int] = lambda: 0,
     ) -> None:
-        """`outer` interceptors run around the refit.v1 one (request metrics, access log)."""
+        """`outer` interceptors run around the refit.v1 one (request metrics, access log);
+        `lane_port`: the control lane's port, told to agents at registration."""
         interceptors = [*outer, RefitInterceptor(tokens)]
         options = (
             *_OPTIONS,
             ("grpc.max_receive_message_length", core.settings.grpc_max_receive_bytes),
         )
         self.server = aio.server(interceptors=interceptors, options=options)
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(core), self.server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(
+            AgentServicer(core, lane_port=lane_port), self.server
+        )
         orchestrator_pb2_grpc.add_RefitServiceServicer_to_server(RefitServicer(core), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
