@@ -193,6 +193,17 @@ def run_ours(
             for r, execs in zip(results, executors, strict=True):
                 print("    control: " + control_breakdown(r, execs), flush=True)
                 print("    " + r.hops, flush=True)
+            # How the members' reports reached the coordinator so far (the control lane, or
+            # gRPC's StreamReports / Report: REFIT_LANE=0, a lane that could not be reached).
+            registry = world.coordinator.core.metrics.registry
+            via = {
+                how: int(registry.get_sample_value("refit_agent_reports_total", {"via": how}) or 0)
+                for how in ("LANE", "STREAM", "UNARY")
+            }
+            rows[-1]["reports_via"] = via
+            print(
+                "    reports so far: " + ", ".join(f"{k} {v}" for k, v in via.items()), flush=True
+            )
         if fresh_load:
             # What every rank's kernels read after the last refit, and what it serves, to
             # compare with a fresh load once the world has stopped (its GPUs free).

@@ -40,6 +40,7 @@ COORDINATOR_ENV = frozenset(
     {
         "REFIT_GRPC_HOST",
         "REFIT_GRPC_PORT",
+        "REFIT_LANE_PORT",
         "REFIT_HTTP_HOST",
         "REFIT_HTTP_PORT",
         "REFIT_PROBE_PORT",

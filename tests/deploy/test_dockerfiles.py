@@ -189,7 +189,7 @@ def test_coordinator_image_contract() -> None:
     assert entrypoint == ["refit-coordinator"]
     exposed = {int(p) for i in coordinator.of("EXPOSE") for p in i.value.split()}
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
-    assert exposed == {values["ports"]["grpc"], values["ports"]["http"]}
+    assert exposed == {values["ports"]["grpc"], values["ports"]["lane"], values["ports"]["http"]}
     assert [i.value for i in coordinator.final_stage() if i.keyword == "STOPSIGNAL"] == ["SIGTERM"]
     # Slim and torch-free: the runtime base is python:*-slim and nothing installs extras.
     final_base = coordinator.stages()[-1][0]

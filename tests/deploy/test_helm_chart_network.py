@@ -11,6 +11,7 @@ from tests.deploy.chart_support import (
     RELEASE,
     Rendered,
     all_variants,
+    env_of,
     pod_labels,
     render,
     selector_matches,
@@ -25,8 +26,27 @@ pytestmark = pytest.mark.unit
 def test_service_exposes_grpc_http_metrics(default: Rendered) -> None:
     service = default.one("Service", RELEASE)
     ports = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
-    assert ports == {"grpc": (50051, "grpc"), "http": (8080, "http"), "metrics": (9090, "http")}
+    assert ports == {
+        "grpc": (50051, "grpc"),
+        "lane": (50052, "lane"),
+        "http": (8080, "http"),
+        "metrics": (9090, "http"),
+    }
     assert service["spec"]["type"] == "ClusterIP"
+
+
+def test_lane_off_leaves_no_lane_port_anywhere() -> None:
+    """`ports.lane: 0`: the coordinator runs without a control lane (REFIT_LANE_PORT=off)
+    and no Service, container or NetworkPolicy port names one."""
+    rendered = render({"ports": {"grpc": 50051, "lane": 0, "http": 8080, "probe": 8081}})
+    container = rendered.coordinator_container()
+    assert env_of(container)["REFIT_LANE_PORT"]["value"] == "off"
+    assert "lane" not in {p["name"] for p in container["ports"]}
+    service = rendered.one("Service", RELEASE)
+    assert "lane" not in {p["name"] for p in service["spec"]["ports"]}
+    for policy in rendered.of_kind("NetworkPolicy"):
+        for rule in policy["spec"].get("ingress", []):
+            assert "lane" not in {p["port"] for p in rule.get("ports", [])}
 
 
 def test_optional_objects_are_off_by_default(default: Rendered) -> None:
@@ -69,7 +89,7 @@ def test_network_policies_admit_only_clients_and_coordinator(default: Rendered) 
     (rule,) = policy["spec"]["ingress"]
     peers = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
     assert {"refitplane.io/client": "true"} in peers
-    assert {p["port"] for p in rule["ports"]} == {"grpc", "http"}
+    assert {p["port"] for p in rule["ports"]} == {"grpc", "lane", "http"}
     test_pod_labels = default.one("Pod")["metadata"]["labels"]
     assert any(selector_matches(peer, test_pod_labels) for peer in peers)
 

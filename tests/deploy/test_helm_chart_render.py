@@ -169,7 +169,7 @@ def test_probes_are_http_gets_on_the_probe_port(default: Rendered) -> None:
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "probe"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "probe"}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": 50051, "http": 8080, "probe": 8081}
+    assert ports == {"grpc": 50051, "lane": 50052, "http": 8080, "probe": 8081}
     assert env_of(c)["REFIT_PROBE_PORT"]["value"] == "8081"
 
 
