@@ -17,11 +17,10 @@ import pytest
 
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane.agent.lane import RETRY_AFTER_S as LANE_RETRY_AFTER_S
-from refitplane.client import RefitClient
-from refitplane.protocol import RefitState
 from refitplane.protocol import lane as wire
 from refitplane.protocol.channel import MEMBER_CREDENTIAL_KEY
 from refitplane.testing.child_processes import free_port
+from tests.integration.agent.report_paths import commit, reports, three_refits
 from tests.integration.conftest import wait_until
 from tests.support.tls_certs import certificate, new_key, write_certificate, write_key
 
@@ -31,16 +30,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 def _sample(coord: Any, name: str, labels: dict[str, str] | None = None) -> float:
     value = coord.core.metrics.registry.get_sample_value(name, labels or {})
     return value or 0.0
-
-
-def _reports(coord: Any, via: str) -> float:
-    return _sample(coord, "refit_agent_reports_total", {"via": via})
-
-
-def _commit(client: RefitClient, job: str = "job") -> Any:
-    refit = client.wait(client.trigger(job).refit_id, timeout_s=20)
-    assert refit.state is RefitState.COMMITTED, f"{refit.reason}: {refit.message}"
-    return refit
 
 
 def _credential(member: Any) -> str:
@@ -119,16 +108,11 @@ def _prepared(member_id: str, seq: int) -> apb.LaneFrame:
 
 
 def test_commands_and_reports_go_on_the_lane(coordinator, sim_cluster):
-    cluster = sim_cluster(coordinator)
-    cluster.trainers(world=1)
-    cluster.replica("a", world=2, sidecar=True)
-    client = cluster.client()
-    for _ in range(3):
-        _commit(client)
+    cluster = three_refits(coordinator, sim_cluster)
     # Group formation, Prepared, TransferDone, ReplicaUpdated: all on the lane.
-    assert _reports(coordinator, "UNARY") == 0
-    assert _reports(coordinator, "STREAM") == 0
-    assert _reports(coordinator, "LANE") >= 6 * len(cluster.members)
+    assert reports(coordinator, "UNARY") == 0
+    assert reports(coordinator, "STREAM") == 0
+    assert reports(coordinator, "LANE") >= 6 * len(cluster.members)
     assert _sample(coordinator, "refit_control_lanes") == len(cluster.members)
     for m in cluster.members:
         assert m.session.lane.opened == 1, m.member_id
@@ -142,9 +126,9 @@ def test_lane_off_on_the_agents_uses_grpc(coordinator, sim_cluster, monkeypatch)
     cluster = sim_cluster(coordinator)
     cluster.trainers(world=1)
     cluster.replica("a")
-    _commit(cluster.client())
-    assert _reports(coordinator, "LANE") == 0
-    assert _reports(coordinator, "STREAM") > 0
+    commit(cluster.client())
+    assert reports(coordinator, "LANE") == 0
+    assert reports(coordinator, "STREAM") > 0
     assert _sample(coordinator, "refit_control_lanes") == 0
 
 
@@ -161,9 +145,9 @@ def test_lane_over_tls(coordinator_factory, sim_cluster, tmp_path):
     cluster = sim_cluster(coord, token="tls-token", tls_ca=cert)
     cluster.trainers(world=1)
     cluster.replica("a")
-    _commit(cluster.client())
-    assert _reports(coord, "LANE") > 0
-    assert _reports(coord, "STREAM") == _reports(coord, "UNARY") == 0
+    commit(cluster.client())
+    assert reports(coord, "LANE") > 0
+    assert reports(coord, "STREAM") == reports(coord, "UNARY") == 0
     # Plaintext on a TLS lane: no answer, closed.
     plain = RawLane(coord.server.lane_port)
     plain.send(_prepared("x", 1))
@@ -177,7 +161,7 @@ def test_agents_come_back_on_the_lane_after_a_restart(redis_url, coordinator_fac
     cluster = sim_cluster(first)
     cluster.trainers(world=1)
     cluster.replica("a")
-    _commit(cluster.client())
+    commit(cluster.client())
     first.stop()
     second = coordinator_factory(redis_url, grpc_port=first.server.grpc_port, lane_port=lane_port)
     # Down, the lanes closed and the agents went to gRPC; each finds the lane again within
@@ -187,10 +171,10 @@ def test_agents_come_back_on_the_lane_after_a_restart(redis_url, coordinator_fac
         timeout_s=3 * LANE_RETRY_AFTER_S,
         what="the agents back on the lane",
     )
-    before = _reports(second, "STREAM") + _reports(second, "UNARY")
-    _commit(cluster.client())
-    assert _reports(second, "LANE") > 0
-    assert _reports(second, "STREAM") + _reports(second, "UNARY") == before
+    before = reports(second, "STREAM") + reports(second, "UNARY")
+    commit(cluster.client())
+    assert reports(second, "LANE") > 0
+    assert reports(second, "STREAM") + reports(second, "UNARY") == before
 
 
 def test_a_lane_that_cannot_be_reached_falls_back_to_grpc(
@@ -203,13 +187,13 @@ def test_a_lane_that_cannot_be_reached_falls_back_to_grpc(
     cluster = sim_cluster(first)
     cluster.trainers(world=1)
     cluster.replica("a")
-    _commit(cluster.client())
+    commit(cluster.client())
     first.stop()
     second = coordinator_factory(redis_url, grpc_port=first.server.grpc_port)
     assert second.server.lane_port != first.server.lane_port
-    _commit(cluster.client())
-    assert _reports(second, "LANE") == 0
-    assert _reports(second, "STREAM") + _reports(second, "UNARY") > 0
+    commit(cluster.client())
+    assert reports(second, "LANE") == 0
+    assert reports(second, "STREAM") + reports(second, "UNARY") > 0
 
 
 def test_a_lane_refuses_callers_who_break_its_rules(coordinator_factory, sim_cluster):
@@ -262,7 +246,7 @@ def test_a_lane_refuses_callers_who_break_its_rules(coordinator_factory, sim_clu
     error = _refusal(lane)
     assert (error.reason, error.field) == ("PERMISSION_DENIED", "report.member_id")
     # The coordinator took all of that in its stride: refits still commit.
-    _commit(cluster.client())
+    commit(cluster.client())
 
 
 def test_a_silent_connection_is_closed_after_the_hello_timeout(coordinator):

@@ -19,6 +19,7 @@ from refitplane.agent.simulated import Behaviour
 from refitplane.client import RefitClient
 from refitplane.protocol import RefitState
 from refitplane.protocol.channel import MAX_STREAM_REPORT_BYTES, MEMBER_CREDENTIAL_KEY
+from tests.integration.agent.report_paths import commit, reports, three_refits
 from tests.integration.conftest import SimCluster, wait_until
 from tests.support.tcp_proxy import TcpProxy
 
@@ -32,28 +33,11 @@ def coordinator(coordinator_factory: Any) -> Any:
     return coordinator_factory(**NO_LANE)
 
 
-def _reports(coord: Any, via: str = "UNARY") -> float:
-    """Reports the coordinator handled, by how they came (refit_agent_reports_total)."""
-    value = coord.core.metrics.registry.get_sample_value("refit_agent_reports_total", {"via": via})
-    return value or 0.0
-
-
-def _commit(client: RefitClient, job: str = "job") -> Any:
-    refit = client.wait(client.trigger(job).refit_id, timeout_s=20)
-    assert refit.state is RefitState.COMMITTED, f"{refit.reason}: {refit.message}"
-    return refit
-
-
 def test_reports_go_on_the_open_stream(coordinator, sim_cluster):
-    cluster = sim_cluster(coordinator)
-    cluster.trainers(world=1)
-    cluster.replica("a", world=2, sidecar=True)
-    client = cluster.client()
-    for _ in range(3):
-        _commit(client)
+    cluster = three_refits(coordinator, sim_cluster)
     # Group formation, Prepared, TransferDone, ReplicaUpdated: none of them unary.
-    assert _reports(coordinator) == 0
-    assert _reports(coordinator, "STREAM") >= 6 * len(cluster.members)
+    assert reports(coordinator) == 0
+    assert reports(coordinator, "STREAM") >= 6 * len(cluster.members)
     for m in cluster.members:
         assert m.session.reports.sent >= 6, m.member_id
         assert m.session.reports.fell_back == 0
@@ -64,8 +48,8 @@ def test_report_stream_off_sends_every_report_unary(coordinator, sim_cluster, mo
     cluster = sim_cluster(coordinator)
     cluster.trainers(world=1)
     cluster.replica("a")
-    _commit(cluster.client())
-    assert _reports(coordinator) > 0
+    commit(cluster.client())
+    assert reports(coordinator) > 0
     assert all(m.session.reports.sent == 0 for m in cluster.members)
 
 
@@ -129,7 +113,7 @@ def test_a_stream_carries_one_members_reports_only(coordinator, sim_cluster):
         code, _, field = _stream(stub, meta, big)
         assert (code, field) == (grpc.StatusCode.INVALID_ARGUMENT, "report")
     # The victim was not touched: its next refit commits.
-    _commit(cluster.client())
+    commit(cluster.client())
 
 
 def test_a_report_at_the_limit_goes_unary_not_refused(coordinator, sim_cluster):
@@ -152,9 +136,9 @@ def test_a_report_at_the_limit_goes_unary_not_refused(coordinator, sim_cluster):
         n -= 1
     assert size(n) == MAX_STREAM_REPORT_BYTES
     message = "x" * n
-    unary_before = _reports(coordinator)
+    unary_before = reports(coordinator)
     assert session.report_failure("no-such-refit", "AGENT_ERROR", message) is False
-    assert _reports(coordinator) == unary_before + 1
+    assert reports(coordinator) == unary_before + 1
 
 
 def test_a_stream_broken_mid_refit_hands_the_report_to_unary(coordinator_factory):
@@ -170,9 +154,9 @@ def test_a_stream_broken_mid_refit_hands_the_report_to_unary(coordinator_factory
         trainer = cluster.trainers(world=1, behaviour=Behaviour(delay_s={"start_transfer": 1.0}))[0]
         cluster.replica("a")
         client = RefitClient(coordinator.grpc_target)  # not through the proxy
-        _commit(client)
+        commit(client)
         assert trainer.session.reports.sent > 0
-        unary_before = _reports(coordinator)
+        unary_before = reports(coordinator)
         refit_id = client.trigger("job").refit_id
         wait_until(
             lambda: client.get(refit_id).state is RefitState.TRANSFERRING, what="TRANSFERRING"
@@ -181,12 +165,12 @@ def test_a_stream_broken_mid_refit_hands_the_report_to_unary(coordinator_factory
         refit = client.wait(refit_id, timeout_s=20)
         assert refit.state is RefitState.COMMITTED, f"{refit.reason}: {refit.message}"
         assert trainer.session.reports.fell_back >= 1
-        assert _reports(coordinator) > unary_before
+        assert reports(coordinator) > unary_before
         # After RETRY_AFTER_S the stream is opened again and carries the reports.
         time.sleep(RETRY_AFTER_S)
         trainer.agent.behaviour = Behaviour()
         sent = trainer.session.reports.sent
-        _commit(client)
+        commit(client)
         assert trainer.session.reports.sent > sent
         client.close()
     finally:
@@ -200,7 +184,7 @@ def test_reports_reach_a_restarted_coordinator(redis_url, coordinator_factory, s
     cluster.trainers(world=1)
     cluster.replica("a", sidecar=True)
     client = cluster.client()
-    _commit(client)
+    commit(client)
     ids = {m.member_id for m in cluster.members}
     first.stop()
     second = coordinator_factory(redis_url, grpc_port=first.server.grpc_port, **NO_LANE)
@@ -208,14 +192,14 @@ def test_reports_reach_a_restarted_coordinator(redis_url, coordinator_factory, s
         lambda: all(second.core.outbox.connected(i) for i in ids), what="command streams back"
     )
     # Their open report streams died with the first coordinator: these reports go unary...
-    _commit(client)
+    commit(client)
     assert {m.member_id for m in cluster.members} == ids
     assert all(m.session.registrations == 1 for m in cluster.members)
     # ...and once RETRY_AFTER_S passed, on a new stream to the second one.
     time.sleep(RETRY_AFTER_S)
-    unary = _reports(second)
-    _commit(client)
-    assert _reports(second) == unary
+    unary = reports(second)
+    commit(client)
+    assert reports(second) == unary
 
 
 def test_a_transfer_done_sent_again_is_applied_once(coordinator, sim_cluster):
@@ -226,7 +210,7 @@ def test_a_transfer_done_sent_again_is_applied_once(coordinator, sim_cluster):
     # The receiver reports late, so both copies land while the refit is TRANSFERRING.
     cluster.replica("a", behaviour=Behaviour(delay_s={"start_transfer": 0.5}))
     client = cluster.client()
-    once = _commit(client).bytes_on_wire
+    once = commit(client).bytes_on_wire
     assert once > 0
     send = trainer.session.report_transfer_done
 
@@ -235,4 +219,4 @@ def test_a_transfer_done_sent_again_is_applied_once(coordinator, sim_cluster):
         return bool(send(*args, **kwargs))
 
     trainer.session.report_transfer_done = twice
-    assert _commit(client).bytes_on_wire == once
+    assert commit(client).bytes_on_wire == once
