@@ -75,6 +75,7 @@ class ControlLane:
         # The coordinator's lane port, from its last RegisterResponse (0: it has none).
         self.port = 0
         self._retry_at = 0.0
+        self._unreachable = False  # the last attempt failed (said once, at WARNING)
         self._opening = threading.Lock()
         self._lock = threading.Lock()  # one report in flight, as on a report stream
         self._answers: queue.Queue[apb.LaneFrame | None] = queue.Queue()
@@ -120,13 +121,19 @@ class ControlLane:
                 asyncio.run_coroutine_threadsafe(connect, loop).result(CONNECT_TIMEOUT_S + 1)
             except (OSError, TimeoutError, ssl.SSLError) as exc:
                 self._retry_at = time.monotonic() + RETRY_AFTER_S
-                log.warning(
+                # Once per outage: the session tries again every RETRY_AFTER_S meanwhile.
+                log.log(
+                    logging.DEBUG if self._unreachable else logging.WARNING,
                     "control lane at %s:%d unreachable (%s): commands and reports go over gRPC",
                     self._host,
                     self.port,
                     exc or type(exc).__name__,
                 )
+                self._unreachable = True
                 return False
+            if self._unreachable:
+                log.info("control lane at %s:%d open again", self._host, self.port)
+                self._unreachable = False
             self.opened += 1
             return True
 
