@@ -26,9 +26,10 @@ timeline") and prints, over the steady refits (min / median / max, ms):
     last->end        the last report accepted to the end of TRANSFERRING
     T-executor       TRANSFERRING minus the simulated executor: what control costs
 
-and, measured in the same run after the refits (`grpc_floor.py`), one message's one-way time
-on gRPC-Python alone between two processes, client stream to aio server as an agent's reports
-go: the floor of each hop above on this machine (`--no-floor` skips it).
+and, measured in the same run after the refits, one message's one-way time between two
+processes on gRPC-Python alone (`grpc_floor.py`: client stream to aio server, as an agent's
+reports go over gRPC) and on the control lane's framing and threads alone (`lane_floor.py`):
+the floor of each hop above on this machine, for either path (`--no-floor` skips them).
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ def main() -> int:
     p.add_argument("--coordinator", choices=("process", "thread"), default="process")
     p.add_argument("--watch", choices=("watch", "poll"), default="watch")
     p.add_argument("--redis", action="store_true", help="a redis-server store (default embedded)")
-    p.add_argument("--no-floor", action="store_true", help="skip gRPC's own one-way time")
+    p.add_argument(
+        "--no-floor", action="store_true", help="skip gRPC's and the lane's own one-way times"
+    )
     args = p.parse_args()
     spec = tuple(int(x) for x in args.ranks.split("x"))
     if len(spec) != 3:
@@ -149,7 +152,7 @@ def main() -> int:
     with (
         a_coordinator(args) as target,
         RefitClient(target, timeout_s=60) as client,
-        agents(target, job, spec, args.executor_ms),  # type: ignore[arg-type]
+        agents(target, job, spec, args.executor_ms),
     ):
         members = spec[0] + spec[1] * spec[2]
         wait_published(client, job, members, 120)
@@ -168,9 +171,11 @@ def main() -> int:
     )
     series = {key: [r[key] for r in rows] for key in rows[0]}
     if not args.no_floor:
-        from grpc_floor import one_way_ms
+        import grpc_floor
+        import lane_floor
 
-        series["gRPC one-way (floor)"] = one_way_ms()
+        series["gRPC one-way (floor)"] = grpc_floor.one_way_ms()
+        series["lane one-way (floor)"] = lane_floor.one_way_ms()
     for key, values in series.items():
         print(
             f"  {key:<24} min {min(values):7.2f}  median {statistics.median(values):7.2f}  "
