@@ -4,8 +4,8 @@ reports as `refit.v1.LaneFrame` messages, each behind a 4-byte big-endian length
 
 Why a lane beside gRPC: every refit phase waits on a command going out and reports coming
 back, and gRPC-Python spends ~0.3-0.45 ms of threads and HTTP/2 on each such message where
-a framed socket spends ~0.06 (`benchmarks/report_hops.py` prints both). The messages are
-the proto's own, so the wire vocabulary stays in `proto/`; only their envelope differs.
+the lane spends about half (`benchmarks/report_hops.py` prints both floors). The messages
+are the proto's own, so the wire vocabulary stays in `proto/`; only their envelope differs.
 """
 
 from __future__ import annotations
