@@ -31,16 +31,18 @@ COVERAGE=tests/gpu/test_model_coverage_gpu.py
 # their fresh-load case, after it: its "auto" engine's reload report is theirs (no engine).
 lane_args() {  # ARGS=(the pytest selection of lane $1)
   case "$1" in
-    # ~285 s: qwen3-moe-fp8 (3 engines, ~120 s), then the drafts (mtp ~86 s, draft_model ~59 s).
-    # The lightest call first: it also installs vLLM on the fresh machine.
-    1.0) ARGS=("$FRESH" tests/gpu/test_draft_gpu.py -k "qwen3-moe-fp8 or draft") ;;
+    # ~200 s: qwen3-moe-fp8 (3 engines, ~120 s), then the draft_model draft (~59 s); the mtp
+    # draft runs in lane 2.0 (beside lane 1.1 on the same host's CPUs, the three cases ran
+    # past the call's bound twice). The lightest call first: it also installs vLLM.
+    1.0) ARGS=("$FRESH" tests/gpu/test_draft_gpu.py -k "qwen3-moe-fp8 or draft_model") ;;
     # ~200 s: the data-plane kernels and one-GPU CUDA IPC (~81 s), then qwen3-fp8-kv's
     # fresh-load and coverage cases (3 small engines, ~100 s).
     1.1) ARGS=(tests/gpu/test_checksum_cuda.py tests/gpu/test_delta_cuda.py
       tests/gpu/test_ipc_gpu.py "$FRESH" "$COVERAGE"
       -k "qwen3-fp8-kv or not (fresh_load or model_coverage or cross_gpu)") ;;
-    # ~370 s: the checkpoint and 3 engines (fresh, auto, staged) of the DeepSeek-V2-Lite shape.
-    2.0) ARGS=("$FRESH" "$COVERAGE" -k deepseek-v2-lite) ;;
+    # ~380 s: the checkpoint and 3 engines (fresh, auto, staged) of the DeepSeek-V2-Lite shape
+    # (293 s in the fifteenth session), then the mtp draft (~86 s).
+    2.0) ARGS=("$FRESH" "$COVERAGE" tests/gpu/test_draft_gpu.py -k "deepseek-v2-lite or mtp") ;;
     # ~285 s: the same for the Nemotron-H shape.
     2.1) ARGS=("$FRESH" "$COVERAGE" -k nemotron-h) ;;
     # ~300 s (285 s measured): trainer on GPU 0, vLLM on GPU 1.
