@@ -152,3 +152,51 @@ def test_sidecar_only_counts_when_it_reports_the_version(coordinator_factory, si
     replica = client.topology("job").replicas[0]
     assert replica.state is MemberState.DEGRADED
     assert replica.version == 0
+
+
+def test_a_late_sender_ends_transferring_with_its_receivers_and_commits_after_it(
+    coordinator, sim_cluster
+):
+    """TRANSFERRING ends once every receiving rank is done (each verified what it took
+    against its senders' sums); a sender finishing later (over CUDA IPC it waits for its
+    receivers' copies) reports in VERIFYING, and the replicas settle only after it."""
+    from refitplane.agent.simulated import Behaviour
+    from refitplane.testing.hops import last_report_to_phase_end_ms
+
+    cluster = sim_cluster(coordinator)
+    (trainer,) = cluster.trainers(world=1, behaviour=Behaviour(delay_s={"start_transfer": 1.0}))
+    cluster.replica("a")
+    client = cluster.client()
+    refit = client.wait(client.trigger("job").refit_id, timeout_s=15)
+    assert refit.state is RefitState.COMMITTED, (refit.reason, refit.message)
+    seconds = {t.phase: t.seconds for t in refit.timings}
+    assert seconds[RefitState.TRANSFERRING] < 0.5
+    assert seconds[RefitState.VERIFYING] >= 0.9
+    sender = next(r for r in refit.ranks if r.member_id == trainer.member_id)
+    assert sender.done_recorded_ns > refit.transfer_end_ns
+    end = last_report_to_phase_end_ms(refit)  # the receiver's report ended the phase
+    assert end is not None
+    assert 0 <= end < 500
+    (replica,) = client.topology("job").replicas
+    assert replica.version == refit.version
+
+
+def test_a_sender_failing_after_its_receivers_advances_no_replica(coordinator, sim_cluster):
+    from refitplane.agent.simulated import Behaviour
+
+    cluster = sim_cluster(coordinator)
+    late_failure = Behaviour(
+        delay_s={"start_transfer": 0.5},
+        fail={"start_transfer": ("TRANSFER_FAILED", "sender broke after sending", False)},
+    )
+    cluster.trainers(world=1, behaviour=late_failure)
+    cluster.replica("a")
+    client = cluster.client()
+    refit = client.wait(client.trigger("job").refit_id, timeout_s=15)
+    assert refit.state is RefitState.FAILED
+    assert refit.reason == "TRANSFER_FAILED"
+    assert "sender broke after sending" in refit.message
+    assert RefitState.VERIFYING in {t.phase for t in refit.timings}  # it failed there
+    (replica,) = client.topology("job").replicas
+    assert replica.version == 0
+    assert replica.state is MemberState.DEGRADED
