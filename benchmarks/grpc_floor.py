@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing as mp
 import queue
 import threading
 import time
 from typing import Any
+
+import hop_floor
+from hop_floor import stamping_server
 
 
 def _serve(ports: Any, stamps: Any, count: int) -> None:
@@ -54,35 +56,28 @@ def one_way_ms(count: int = 300, gap_s: float = 0.005, timeout_s: float = 60.0) 
     from refitplane._generated.refit.v1 import agent_pb2 as apb
     from refitplane._generated.refit.v1 import agent_pb2_grpc
 
-    ctx = mp.get_context("spawn")
-    ports, stamps = ctx.Queue(), ctx.Queue()
-    server = ctx.Process(target=_serve, args=(ports, stamps, count), daemon=True)
-    server.start()
-    try:
-        port = ports.get(timeout=timeout_s)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = agent_pb2_grpc.AgentServiceStub(channel)
-            requests: queue.Queue[Any] = queue.Queue()
-            answers: queue.Queue[Any] = queue.Queue()
-            call = stub.StreamReports(iter(requests.get, None))
+    with (
+        stamping_server(_serve, count, timeout_s) as (port, stamps),
+        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        requests: queue.Queue[Any] = queue.Queue()
+        answers: queue.Queue[Any] = queue.Queue()
+        call = stub.StreamReports(iter(requests.get, None))
 
-            def read() -> None:
-                with contextlib.suppress(grpc.RpcError):  # cancelled at the end
-                    for answer in call:
-                        answers.put(answer)
+        def read() -> None:
+            with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+                for answer in call:
+                    answers.put(answer)
 
-            threading.Thread(target=read, daemon=True).start()
-            sent: dict[int, int] = {}
-            for seq in range(1, count + 1):
-                sent[seq] = time.time_ns()
-                requests.put(apb.StreamReportsRequest(seq=seq))
-                answers.get(timeout=timeout_s)
-                time.sleep(gap_s)
-            arrived = stamps.get(timeout=timeout_s)
-            requests.put(None)
-            call.cancel()
-    finally:
-        server.terminate()
-        server.join(5)
-    times = [(at - sent[seq]) / 1e6 for seq, at in arrived]
-    return times[count // 10 :]
+        threading.Thread(target=read, daemon=True).start()
+        sent: dict[int, int] = {}
+        for seq in range(1, count + 1):
+            sent[seq] = time.time_ns()
+            requests.put(apb.StreamReportsRequest(seq=seq))
+            answers.get(timeout=timeout_s)
+            time.sleep(gap_s)
+        arrived = stamps()
+        requests.put(None)
+        call.cancel()
+    return hop_floor.one_way_ms(sent, arrived, count)

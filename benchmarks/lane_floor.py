@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing as mp
 import queue
 import threading
 import time
 from typing import Any
+
+import hop_floor
+from hop_floor import stamping_server
 
 
 def _serve(ports: Any, stamps: Any, count: int) -> None:
@@ -52,10 +54,6 @@ def one_way_ms(count: int = 300, gap_s: float = 0.005, timeout_s: float = 60.0) 
     from refitplane._generated.refit.v1 import agent_pb2 as apb
     from refitplane.protocol import lane as wire
 
-    ctx = mp.get_context("spawn")
-    ports, stamps = ctx.Queue(), ctx.Queue()
-    server = ctx.Process(target=_serve, args=(ports, stamps, count), daemon=True)
-    server.start()
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -76,24 +74,21 @@ def one_way_ms(count: int = 300, gap_s: float = 0.005, timeout_s: float = 60.0) 
         return writer
 
     try:
-        port = ports.get(timeout=timeout_s)
-        writer = asyncio.run_coroutine_threadsafe(connect(port), loop).result(timeout_s)
-        sent: dict[int, int] = {}
-        report = apb.ReportRequest(member_id="floor", refit_id="floor", prepared=apb.Prepared())
-        for seq in range(1, count + 1):
-            data = wire.encode(
-                apb.LaneFrame(report=apb.StreamReportsRequest(report=report, seq=seq))
-            )
-            sent[seq] = time.time_ns()
-            loop.call_soon_threadsafe(writer.write, data)
-            answers.get(timeout=timeout_s)
-            time.sleep(gap_s)
-        arrived = stamps.get(timeout=timeout_s)
-        loop.call_soon_threadsafe(writer.close)
+        with stamping_server(_serve, count, timeout_s) as (port, stamps):
+            writer = asyncio.run_coroutine_threadsafe(connect(port), loop).result(timeout_s)
+            sent: dict[int, int] = {}
+            report = apb.ReportRequest(member_id="floor", refit_id="floor", prepared=apb.Prepared())
+            for seq in range(1, count + 1):
+                data = wire.encode(
+                    apb.LaneFrame(report=apb.StreamReportsRequest(report=report, seq=seq))
+                )
+                sent[seq] = time.time_ns()
+                loop.call_soon_threadsafe(writer.write, data)
+                answers.get(timeout=timeout_s)
+                time.sleep(gap_s)
+            arrived = stamps()
+            loop.call_soon_threadsafe(writer.close)
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
-        server.terminate()
-        server.join(5)
-    times = [(at - sent[seq]) / 1e6 for seq, at in arrived]
-    return times[count // 10 :]
+    return hop_floor.one_way_ms(sent, arrived, count)
