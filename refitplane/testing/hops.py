@@ -36,11 +36,9 @@ def hop_ms(refit: Refit, rank: RankProgress) -> dict[str, float | None]:
 
 
 def last_report_to_phase_end_ms(refit: Refit) -> float | None:
-    """From the TransferDone that ended TRANSFERRING (the last one accepted before its end:
-    a sender's may come after it, in VERIFYING) to the end of the phase."""
-    end = refit.transfer_end_ns
-    last = max((r.done_recorded_ns for r in refit.ranks if r.done_recorded_ns <= end), default=0)
-    return (end - last) / 1e6 if last and end else None
+    """From the last TransferDone the coordinator accepted to the end of TRANSFERRING."""
+    last = max((r.done_recorded_ns for r in refit.ranks), default=0)
+    return (refit.transfer_end_ns - last) / 1e6 if last and refit.transfer_end_ns else None
 
 
 def phase_entry_to_start_sent_ms(refit: Refit) -> float | None:

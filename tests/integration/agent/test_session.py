@@ -107,7 +107,7 @@ def test_handler_exceptions_become_failure_reports(
 def test_abort_reaches_a_busy_agent_at_once(coordinator, sim_cluster):
     cluster = sim_cluster(coordinator)
     trainer = cluster.trainers(world=1, behaviour=Behaviour(hold_transfer_s=30))[0]
-    cluster.replica("a", behaviour=Behaviour(hold_transfer_s=30))  # waits for its bytes
+    cluster.replica("a")
     seen: list[str] = []
     original = trainer.agent.on_abort_now
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 def _cluster(sim_cluster, coord, *, hold_s: float = 0.0):
     cluster = sim_cluster(coord)
     cluster.trainers(world=1, behaviour=Behaviour(hold_transfer_s=hold_s))
-    cluster.replica("a", behaviour=Behaviour(hold_transfer_s=hold_s))
+    cluster.replica("a")
     return cluster
 
 

@@ -58,15 +58,6 @@ class Cast:
     def data_members(self) -> list[str]:
         return [i for i, p in self.participants.items() if p.data_plane]
 
-    def receivers(self) -> list[str]:
-        """The target replicas' data-plane ranks: their TransferDone ends TRANSFERRING."""
-        return [i for ranks in self.replica_ranks.values() for i in ranks]
-
-    def senders(self) -> list[str]:
-        """The trainer ranks: their TransferDone is awaited by COMMITTED, not by the
-        transfer's end (a receiver done has verified every byte against the senders' sums)."""
-        return [i for i, p in self.participants.items() if p.member.role is Role.TRAINER]
-
     def waits_for_ranks_verified(self, member_id: str) -> bool:
         """A sidecar that registered the RanksVerified label: told in StartTransfer that
         RanksVerified will come, and sent it (`RefitRun.ranks_verified`)."""

@@ -18,7 +18,7 @@ from refitplane.coordinator.core.cast import Cast
 from refitplane.coordinator.core.context import DriverContext
 from refitplane.coordinator.core.delta import DeltaBases
 from refitplane.coordinator.core.endings import RefitEndings
-from refitplane.coordinator.core.failures import RefitFailed
+from refitplane.coordinator.core.failures import RefitFailed, list_some
 from refitplane.coordinator.core.groups import GroupEpochs, is_group_report
 from refitplane.coordinator.core.held_versions import HeldVersions
 from refitplane.coordinator.core.layout_wait import await_layouts
@@ -320,17 +320,14 @@ class JobDriver:
             start = msg.StartTransferCmd(run.refit_id, run.record.version, pushed)
             self._ctx.outbox.send(member_id, start)
         self._ctx.events.publish(run.record)  # after: the woken command streams run first
-        # The transfer is over once every receiving rank is: each verified every byte it
-        # took against its senders' checksums. A sender finishing after its receivers (over
-        # CUDA IPC it waits for their copies) reports during VERIFYING, which waits for it.
-        receivers = run.cast.receivers()
+        data = run.cast.data_members()
         await run.wait_until(
-            lambda: all(i in run.done for i in receivers),
+            lambda: all(i in run.done for i in data),
             timeout_s=self._s.transfer_timeout_s,
             on_timeout=lambda: RefitFailed(
                 Reason.TIMEOUT,
                 f"TRANSFERRING timed out after {self._s.transfer_timeout_s:g} s waiting for "
-                + run.describe([i for i in run.cast.data_members() if i not in run.done]),
+                + run.describe([i for i in data if i not in run.done]),
             ),
             tick=lambda: self._flush(run),
         )
@@ -345,25 +342,23 @@ class JobDriver:
             await self._flush(run)
 
         await run.wait_until(
-            lambda: all(r in run.record.replicas_done for r in targets),  # senders first
+            lambda: all(r in run.record.replicas_done for r in targets),
             timeout_s=self._s.verify_timeout_s,
             on_timeout=lambda: RefitFailed(
                 Reason.TIMEOUT,
                 f"VERIFYING timed out after {self._s.verify_timeout_s:g} s waiting for "
-                + run.verifying_waits_for(),
+                "replica(s) "
+                + list_some([repr(r) for r in targets if r not in run.record.replicas_done])
+                + " to report the new version",
             ),
             tick=settle,
         )
 
     async def _settle(self, run: RefitRun) -> None:
         """Mark target replicas that hold the new version as done (their members' version
-        becomes the refit's), or fail the refit on a replica that cannot. Not before every
-        sender's TransferDone is in: a sender that fails after its receivers finished fails
-        the refit with no replica advanced, as one failing earlier does."""
+        becomes the refit's), or fail the refit on a replica that cannot."""
         version = run.record.version
         cast = run.cast
-        if not all(i in run.done for i in cast.senders()):
-            return
         newly = run.newly_settled()
         if not newly:
             return

@@ -127,18 +127,6 @@ class RefitRun:
             newly.append(replica)
         return newly
 
-    def verifying_waits_for(self) -> str:
-        """Who VERIFYING still waits for, for its timeout's message: replicas that have not
-        reported the version, senders whose TransferDone has not come."""
-        replicas = [repr(r) for r in self.cast.replica_ranks if r not in self.record.replicas_done]
-        late = [i for i in self.cast.senders() if i not in self.done]
-        parts = []
-        if replicas:
-            parts.append(f"replica(s) {list_some(replicas)} to report the new version")
-        if late:
-            parts.append(f"the TransferDone of {self.describe(late)}")
-        return " and ".join(parts)
-
     def ranks_verified(self, rank: MemberRecord) -> tuple[str, msg.RanksVerifiedCmd] | None:
         """Right after `rank`'s TransferDone was accepted: (its replica's sidecar, the command
         that tells it) when that made every rank of the replica verified (`fully_verified`,
