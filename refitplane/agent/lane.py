@@ -64,8 +64,12 @@ class ControlLane:
         token: str | None,
         timeout_s: float,
         enabled: bool,
+        lane_target: str = "",
     ) -> None:
-        self._host = lane_host(target)
+        """`target`: the gRPC target, whose host the lane is dialled on at `port` (the
+        coordinator's RegisterResponse); `lane_target` ("host:port") overrides both."""
+        self._host = lane_host(lane_target or target)
+        self._fixed_port = _port_of(lane_target) if lane_target else 0
         self._tls: ssl.SSLContext | None = None
         if tls_ca is not None:
             self._tls = ssl.create_default_context(cafile=str(tls_ca))
@@ -95,7 +99,12 @@ class ControlLane:
         self.sent = 0
 
     def usable(self) -> bool:
-        return self.enabled and self.port > 0 and time.monotonic() >= self._retry_at
+        return self.enabled and self._port() > 0 and time.monotonic() >= self._retry_at
+
+    def _port(self) -> int:
+        """Where the lane is dialled: REFIT_LANE_TARGET's port, else the coordinator's.
+        Only a coordinator that has a lane (a port in its RegisterResponse) is dialled."""
+        return (self._fixed_port or self.port) if self.port else 0
 
     def is_open(self, member_id: str) -> bool:
         return not self.closed.is_set() and self._member_id == member_id
@@ -126,16 +135,33 @@ class ControlLane:
                     logging.DEBUG if self._unreachable else logging.WARNING,
                     "control lane at %s:%d unreachable (%s): commands and reports go over gRPC",
                     self._host,
-                    self.port,
+                    self._port(),
                     exc or type(exc).__name__,
                 )
                 self._unreachable = True
                 return False
             if self._unreachable:
-                log.info("control lane at %s:%d open again", self._host, self.port)
+                log.info("control lane at %s:%d open again", self._host, self._port())
                 self._unreachable = False
             self.opened += 1
             return True
+
+    def reopen_while(
+        self,
+        member_id: str,
+        credential: str,
+        on_command: Callable[[apb.Command], None],
+        *,
+        carrying: Callable[[], bool],
+        stop: threading.Event,
+    ) -> None:
+        """While StreamCommands carries the commands (`carrying()`), try the lane every
+        RETRY_AFTER_S: once it opens, the coordinator ends that stream after what it already
+        carried (the newest stream of a member takes its commands) and the session holds
+        the lane."""
+        while not stop.wait(RETRY_AFTER_S) and carrying():
+            if self.usable() and self.open(member_id, credential, on_command):
+                return
 
     def _start_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -153,7 +179,7 @@ class ControlLane:
         assert self._host is not None
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
             reader, writer = await asyncio.open_connection(
-                self._host, self.port, ssl=self._tls, limit=2**20
+                self._host, self._port(), ssl=self._tls, limit=2**20
             )
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -267,6 +293,13 @@ class ControlLane:
             if error.reason in _FALL_BACK:
                 return None
             raise error
+
+
+def _port_of(target: str) -> int:
+    _, _, port = target.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"REFIT_LANE_TARGET {target!r} is not host:port")
+    return int(port)
 
 
 def _keepalive(sock: socket.socket) -> None:

@@ -27,7 +27,6 @@ import grpc
 from refitplane._generated.refit.v1 import agent_pb2 as apb
 from refitplane._generated.refit.v1 import agent_pb2_grpc
 from refitplane.agent.handler import CommandHandler
-from refitplane.agent.lane import RETRY_AFTER_S as LANE_RETRY_AFTER_S
 from refitplane.agent.lane import ControlLane
 from refitplane.agent.layout_upload import layout_requests
 from refitplane.agent.report_stream import ReportStream
@@ -71,6 +70,7 @@ class AgentSession(ReportVerbs):
         serving: Callable[[], bool | None] | None = None,
         report_stream: bool | None = None,
         lane: bool | None = None,
+        lane_target: str | None = None,
     ) -> None:
         """`coordinator`: gRPC host:port. `timeout_s` bounds every call (and, in `start`,
         how long to wait for the coordinator to answer at all). `held_version`: generators
@@ -83,7 +83,8 @@ class AgentSession(ReportVerbs):
         the replica's ranks hold; and a registration while it is False sends 0 (no version
         fully held). `report_stream`: reports on a stream held open (None: REFIT_REPORT_STREAM,
         default on), else every one unary. `lane`: commands and reports on the coordinator's
-        control lane when it has one (None: REFIT_LANE, default on)."""
+        control lane when it has one (None: REFIT_LANE, default on), dialled at
+        `lane_target` when given (None: REFIT_LANE_TARGET; empty: the gRPC target's host)."""
         self.info = info
         self._held_version = held_version
         self._serving = serving
@@ -96,13 +97,19 @@ class AgentSession(ReportVerbs):
         self._who: tuple[str, Metadata] = ("", self._metadata)
         self._channel = sync_channel(coordinator, tls_ca=tls_ca)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
-        if report_stream is None or lane is None:  # REFIT_REPORT_STREAM, REFIT_LANE: on
-            defaults = ClientSettings()
+        if report_stream is None or lane is None or lane_target is None:
+            defaults = ClientSettings()  # REFIT_REPORT_STREAM, REFIT_LANE, REFIT_LANE_TARGET
             report_stream = defaults.report_stream if report_stream is None else report_stream
             lane = defaults.lane if lane is None else lane
+            lane_target = defaults.lane_target if lane_target is None else lane_target
         self.reports = ReportStream(self._stub, timeout_s=timeout_s, enabled=report_stream)
         self.lane = ControlLane(
-            coordinator, tls_ca=tls_ca, token=token, timeout_s=timeout_s, enabled=lane
+            coordinator,
+            tls_ca=tls_ca,
+            token=token,
+            timeout_s=timeout_s,
+            enabled=lane,
+            lane_target=lane_target,
         )
         self._lock = threading.RLock()
         self._ttl = 0.0
@@ -139,6 +146,7 @@ class AgentSession(ReportVerbs):
             timeout_s=timeout_s,
             report_stream=s.report_stream,
             lane=s.lane,
+            lane_target=s.lane_target,
         )
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -373,16 +381,6 @@ class AgentSession(ReportVerbs):
             self._safe(self._reregister, member_id)
         return True
 
-    def _probe_lane(self, member_id: str, metadata: Metadata, call: Any) -> None:
-        """While `call` (StreamCommands) carries the commands, try the lane every
-        LANE_RETRY_AFTER_S: once it opens, the coordinator ends `call` after what it already
-        carried and the stream loop holds the lane."""
-        while not self._stop.wait(LANE_RETRY_AFTER_S) and self._call is call:
-            if not self.lane.usable():
-                continue
-            if self.lane.open(member_id, self._credential(metadata), self._decode_and_dispatch):
-                return
-
     def _stream_loop(self) -> None:
         delay = _BACKOFF_MIN_S
         while not self._stop.is_set():
@@ -405,10 +403,14 @@ class AgentSession(ReportVerbs):
                 )
                 self._call = call
                 self._grpc_streams += 1
-                if self.lane.enabled and self.lane.port:
+                if self.lane.enabled and self.lane.port:  # back to the lane when it opens
                     threading.Thread(
-                        target=self._probe_lane,
-                        args=(member_id, metadata, call),
+                        target=self.lane.reopen_while,
+                        args=(member_id, self._credential(metadata), self._decode_and_dispatch),
+                        kwargs={
+                            "carrying": lambda call=call: self._call is call,
+                            "stop": self._stop,
+                        },
                         name="refit-agent-lane-probe",
                         daemon=True,
                     ).start()

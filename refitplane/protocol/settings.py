@@ -28,6 +28,9 @@ class ClientSettings(BaseSettings):
     # Agents: commands and reports on the coordinator's control lane when it has one (false:
     # gRPC's streams only; docs/coordinator.md#the-control-lane).
     lane: bool = True
+    # Agents: dial the control lane here ("host:port") instead of the gRPC target's host at
+    # the port the coordinator names (a lane port remapped by a proxy, NodePort or LB).
+    lane_target: str = ""
 
     def token(self) -> str | None:
         if self.auth_token_file is not None:

@@ -255,3 +255,23 @@ def test_a_silent_connection_is_closed_after_the_hello_timeout(coordinator):
     assert lane.closed(timeout_s=wire.HELLO_TIMEOUT_S + 5)
     assert time.monotonic() - started >= wire.HELLO_TIMEOUT_S - 0.5
     assert _sample(coordinator, "refit_control_lane_refusals_total", {"reason": "HELLO_TIMEOUT"})
+
+
+def test_agents_dial_a_remapped_lane_at_refit_lane_target(coordinator, sim_cluster, monkeypatch):
+    """A lane reached at another address (a proxy, a NodePort, a load balancer's port):
+    REFIT_LANE_TARGET names it, and the agents dial it there."""
+    from tests.support.tcp_proxy import TcpProxy
+
+    proxy = TcpProxy("127.0.0.1", coordinator.server.lane_port)
+    try:
+        monkeypatch.setenv("REFIT_LANE_TARGET", proxy.target)
+        cluster = sim_cluster(coordinator)
+        cluster.trainers(world=1)
+        cluster.replica("a")
+        commit(cluster.client())
+        assert reports(coordinator, "LANE") > 0
+        assert reports(coordinator, "STREAM") == reports(coordinator, "UNARY") == 0
+        # Every agent's lane runs through the proxy: two ends of a connection per member.
+        assert proxy.cut() == 2 * len(cluster.members)
+    finally:
+        proxy.close()
