@@ -98,8 +98,14 @@ class ControlLane:
         self.opened = 0
         self.sent = 0
 
+    @property
+    def offered(self) -> bool:
+        """On here, and the coordinator has a lane (its last RegisterResponse named one)."""
+        return self.enabled and self._port() > 0
+
     def usable(self) -> bool:
-        return self.enabled and self._port() > 0 and time.monotonic() >= self._retry_at
+        """Offered, and not within RETRY_AFTER_S of a failed attempt."""
+        return self.offered and time.monotonic() >= self._retry_at
 
     def _port(self) -> int:
         """Where the lane is dialled: REFIT_LANE_TARGET's port, else the coordinator's.

@@ -403,7 +403,7 @@ class AgentSession(ReportVerbs):
                 )
                 self._call = call
                 self._grpc_streams += 1
-                if self.lane.enabled and self.lane.port:  # back to the lane when it opens
+                if self.lane.offered:  # back to the lane when it opens
                     threading.Thread(
                         target=self.lane.reopen_while,
                         args=(member_id, self._credential(metadata), self._decode_and_dispatch),
