@@ -66,14 +66,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import platform
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+from driver_log import show_critical_path
 from load_verdicts import NEW_TOKENS, PROMPT, compare_loads, compare_with_fresh_load
 from nccl_ceiling import measure_ceiling, plan_links
 from refit_tables import control_breakdown, summary
@@ -269,12 +268,7 @@ def largest_layer_bytes(shape: str, quant: str) -> int:
 
 
 def main() -> int:
-    level = os.environ.get("REFIT_LOG_LEVEL")
-    if level:
-        # The coordinator runs in this process: its line per committed refit names the member
-        # each phase waited for last (`RefitRun.critical_path`).
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-        logging.getLogger("refitplane.coordinator.core.driver").setLevel(level)
+    show_critical_path()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--layout", default="tp2", choices=sorted(GPU_LAYOUTS))

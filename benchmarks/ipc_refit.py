@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from driver_log import show_critical_path
 from ipc_p2p import MiB, copy_limit, plan_bytes, run_cross_p2p
 
 from refitplane.testing.refit_world import refit_world
@@ -400,6 +401,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
+    show_critical_path()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--case", nargs="+", default=["colocated"], choices=["colocated", "cross", "cross-p2p"]
