@@ -66,6 +66,38 @@ def transfer_report(worker: Any) -> dict[str, Any]:
     return dataclasses.asdict(report) if report is not None else {}
 
 
+def import_without_ray(name: str) -> Any:
+    """Module `name`, imported even where Ray is not installed. vLLM 0.26's `ipc_engine`
+    imports `ray` at its top for the trainer side's Ray send mode alone
+    (`trainer_send_weights(send_mode="ray")`); the worker's `receive_weights` never
+    touches it. Where Ray is not installed (the GPU image), a module
+    that raises on any use stands in for the import, so the receive can be measured; were the
+    receive to use Ray after all, it fails naming it instead of timing something else."""
+    import importlib
+    import sys
+    import types
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray" or "ray" in sys.modules:
+            raise
+    absent = types.ModuleType("ray")
+
+    def _no_ray(attr: str) -> Any:
+        raise RuntimeError(
+            f"ray.{attr}: Ray is not installed; vLLM's ipc engine used it on the receive path"
+        )
+
+    absent.__getattr__ = _no_ray  # type: ignore[method-assign]
+    sys.modules["ray"] = absent
+    try:
+        return importlib.import_module(name)
+    finally:
+        # Only the module's import saw the stand-in; nothing else finds "ray" installed.
+        del sys.modules["ray"]
+
+
 def vllm_ipc_receive(worker: Any, update_info: dict[str, Any]) -> float:
     """In a vLLM worker: receive one refit through vLLM's own `ipc` engine
     (`IPCWeightTransferEngine.receive_weights`: rebuild every tensor from its CUDA IPC handle,
@@ -80,8 +112,8 @@ def vllm_ipc_receive(worker: Any, update_info: dict[str, Any]) -> float:
 
     import torch
     from vllm.config.weight_transfer import WeightTransferConfig
-    from vllm.distributed.weight_transfer import ipc_engine
 
+    ipc_engine = import_without_ray("vllm.distributed.weight_transfer.ipc_engine")
     cls: Any = ipc_engine.IPCWeightTransferEngine
     model = worker.model_runner.get_model()
     config = WeightTransferConfig(backend="ipc")
