@@ -72,6 +72,8 @@ from refitplane.reshard.transport.ipc_manifest import (
     IpcManifest,
     decode_completion,
     encode_completion,
+    manifest_capacity,
+    manifest_in,
 )
 from refitplane.reshard.transport.ipc_records import IpcRecord
 
@@ -90,7 +92,6 @@ FUSE = os.environ.get("REFIT_IPC_FUSED_COPY", "1") != "0"
 # transfer, as the receivers copy.
 PRESUM = os.environ.get("REFIT_IPC_PRESUM", "1") != "0"
 
-_TAG_LENGTH = 11
 _TAG_MANIFEST = 12
 _TAG_SUMS = 13
 _TAG_DONE = 14
@@ -182,6 +183,15 @@ def presum(
     _launch_sums(transport, links, budget)
     links.presummed = True
     links.presummed_after_write = after_write
+
+
+def _differing_rows(mine: torch.Tensor, theirs: bytes) -> list[int]:
+    """The chunks whose sums differ: equal tables compare as bytes (one host compare), only
+    a mismatch pays for the per-row search that names the tensors."""
+    if mine.numpy().tobytes() == theirs:
+        return []
+    other = torch.frombuffer(bytearray(theirs), dtype=torch.int64).view(-1, 2)
+    return [int(i) for i in (mine != other).any(dim=1).nonzero().flatten().tolist()]
 
 
 class LinkCopyRun:
@@ -283,8 +293,6 @@ class LinkCopyRun:
             out.manifest = IpcManifest(self.t.shares, tuple(records), tuple(rows)).encode()
             out.storages = frozenset(storages)
             out.pruned = False
-        length = len(out.manifest).to_bytes(8, "little")
-        self._sends.append(self.t.send_control(out.peer, length, _TAG_LENGTH))
         self._sends.append(self.t.send_control(out.peer, out.manifest, _TAG_MANIFEST))
         for lc in out.chunks:
             self.report.bytes_sent += lc.chunk.nbytes
@@ -321,9 +329,9 @@ class LinkCopyRun:
         self._check()
         where = self._where(inc.peer, self.rank)
         waited = time.perf_counter()
-        head = self.t.recv_control(inc.peer, 8, _TAG_LENGTH, self.deadline, where)
-        length = int.from_bytes(head, "little")
-        data = self.t.recv_control(inc.peer, length, _TAG_MANIFEST, self.deadline, where)
+        capacity = manifest_capacity(len(inc.chunks))
+        received = self.t.recv_control_upto(inc.peer, capacity, _TAG_MANIFEST, self.deadline, where)
+        data = manifest_in(received, where=where)
         self.report.host_wait_seconds += time.perf_counter() - waited
         if data != inc.manifest or inc.copies is None or inc.copies.fuse != (FUSE and self.verify):
             self._build(inc, data, where)
@@ -363,14 +371,13 @@ class LinkCopyRun:
         """Wait for the copies, compare every link's sums with its sender's, answer each."""
         if not self.links.incoming:
             return
-        theirs: dict[int, torch.Tensor] = {}
+        theirs: dict[int, bytes] = {}
         if self.verify:
             for inc in self.links.incoming:
                 where = self._where(inc.peer, self.rank)
-                data = self.t.recv_control(
+                theirs[inc.peer] = self.t.recv_control(
                     inc.peer, len(inc.chunks) * 16, _TAG_SUMS, self.deadline, where
                 )
-                theirs[inc.peer] = torch.frombuffer(bytearray(data), dtype=torch.int64).view(-1, 2)
         self.t.copy_stream().synchronize()
         compared = time.perf_counter()
         mismatch: ChecksumMismatch | None = None
@@ -379,13 +386,7 @@ class LinkCopyRun:
             if self.verify:
                 assert inc.copies is not None
                 assert inc.copies.sums is not None
-                bad = (
-                    (inc.copies.sums.cpu() != theirs[inc.peer])
-                    .any(dim=1)
-                    .nonzero()
-                    .flatten()
-                    .tolist()
-                )
+                bad = _differing_rows(inc.copies.sums.cpu(), theirs[inc.peer])
                 if bad:
                     status = DONE_MISMATCH
                     if mismatch is None:

@@ -374,13 +374,21 @@ class CudaIpcTransport(StreamedTransport):
 
     def recv_control(self, peer: int, nbytes: int, tag: int, deadline: float, where: str) -> bytes:
         """`nbytes` from `peer` over the control channel, waiting up to `deadline`."""
+        return self.recv_control_upto(peer, nbytes, tag, deadline, where).tobytes()
+
+    def recv_control_upto(
+        self, peer: int, nbytes: int, tag: int, deadline: float, where: str
+    ) -> memoryview:
+        """A control message of at most `nbytes` from `peer` (Gloo fills a larger buffer
+        with what was sent; the message must say its own length), waiting up to
+        `deadline`; a longer one fails the receive."""
         buf = torch.empty(nbytes, dtype=torch.uint8)
         try:
             work = self._pgs[0].recv([buf], peer, tag)
         except RuntimeError as exc:  # Gloo: the peer's connection is gone
             raise PeerFailure(f"{where}: control message failed: {exc}") from exc
         self._wait_work(self._waits.submit(work, deadline), deadline, where)
-        return buf.numpy().tobytes()
+        return buf.numpy().data
 
     def _wait_work(self, pending: Pending, deadline: float, where: str) -> None:
         """Wait for one control message, acknowledging completed copies meanwhile."""

@@ -13,6 +13,8 @@ from refitplane.reshard.transport.ipc_manifest import (
     IpcManifest,
     decode_completion,
     encode_completion,
+    manifest_capacity,
+    manifest_in,
 )
 from tests.unit.reshard.ipc_fixtures import storage_record
 
@@ -69,3 +71,19 @@ def test_a_manifest_for_other_chunks_names_the_tensor() -> None:
         manifest.check_sizes([4096], where=WHERE, names=names[:1])
     with pytest.raises(TransferError, match=r"\('model.norm.weight'\) is 1024 bytes on the sender"):
         manifest.check_sizes([4096, 2048], where=WHERE, names=names)
+
+
+def test_a_manifest_is_read_from_a_receive_of_the_links_capacity() -> None:
+    """One receive, sized for the link's chunk count, holds any manifest of that link; the
+    manifest's header says where it ends (no length message before it)."""
+    chunks = (ChunkSource(0, 0, 4096), ChunkSource(1, 64, 1024))
+    data = _manifest(*chunks).encode()
+    capacity = manifest_capacity(len(chunks))
+    assert capacity >= len(data)
+    received = memoryview(data + bytes(capacity - len(data)))
+    assert manifest_in(received, where=WHERE) == data
+    # A header that claims more than the link's capacity, or foreign bytes, are refused.
+    with pytest.raises(TransferError, match="more than the link's"):
+        manifest_in(memoryview(data[: len(data) - 8]), where=WHERE)
+    with pytest.raises(TransferError, match="not a CUDA IPC manifest"):
+        manifest_in(memoryview(b"XXXX" + data[4:]), where=WHERE)

@@ -287,7 +287,10 @@ class JobDriver:
         )
         if run.delta.replicas:
             run.record = run.record.model_copy(update={"delta_replicas": list(run.delta.replicas)})
-        for member_id, p in participants.items():
+        # Sidecars first: their PrepareRefit runs vLLM's verbs (pause, start the update), the
+        # slowest member's work in the phase; each command wakes its member's pump in turn,
+        # so a sidecar's went out after every rank's before.
+        for member_id, p in sorted(participants.items(), key=lambda item: item[1].data_plane):
             if p.data_plane:
                 self.delivery.send(run, member_id, planned.rank_plans[p.group_rank])
             else:
