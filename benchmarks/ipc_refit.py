@@ -19,7 +19,9 @@ Cases (`--case`, one or more):
 
 `--sleep-level N [N ...]` (colocated): after the awake rows, vLLM is put to sleep before each refit
 and the refit wakes it (docs/generator.md#sleep-mode). vLLM's own `ipc` engine runs last on
-the same replica unless `--no-baseline`.
+the same replica unless `--no-baseline`; `--interleave N` then runs N of ours and N of its
+refits in turn (its own time moves a lot between refits: each pair meets the same
+conditions) and prints each pair's ratio.
 
 Per refit: trigger → COMMITTED and the data plane (TRANSFERRING), checksums verified, then
 every live vLLM parameter box compared byte for byte with the trainer's tensor after a
@@ -255,56 +257,96 @@ def _tokens(world: World, min_margin: float = 0.5) -> dict[str, Any]:
     }
 
 
-def vllm_ipc_baseline(
-    world: World, steps: list[Any], repeats: int, limit_s: float
-) -> dict[str, Any]:
-    """vLLM's `ipc` engine on the same replica and trainer: the trainer hands out one CUDA IPC
-    handle per (whole) tensor, the worker rebuilds them and runs `load_weights`
-    (`worker_probes.vllm_ipc_receive`). End to end: handles asked → worker done. vLLM
-    0.26's `ipc_engine.py` imports `ray` at module level: without ray installed (the
-    2026-11-26 device) this reports the ImportError instead of a time."""
+def _vllm_ipc_refit(world: World, steps: list[Any], seed: int) -> dict[str, Any]:
+    """One refit through vLLM's `ipc` engine on the same replica and trainer: an optimizer
+    step, then the trainer hands out one CUDA IPC handle per (whole) tensor and the worker
+    rebuilds them and runs `load_weights` (`worker_probes.vllm_ipc_receive`). End to end:
+    handles asked → worker done; then whether its loader wrote into the parameters or
+    replaced them (the byte compare reads the old memory then) and the byte compare. vLLM
+    0.26's module imports Ray for its trainer side only (`import_without_ray`)."""
     from refitplane.testing.refit_world.worker_probes import stale_views, vllm_ipc_receive
 
-    totals, receives, handles, checks, stale = [], [], [], [], []
-    try:
-        for i in range(repeats + 1):
-            step = ("flip", 0.01, 900 + i)
-            world.ask("trainer-0", ("step", step), "step")
-            steps.append(step)
-            started = time.monotonic()
-            info = world.ask("trainer-0", ("ipc_handles", None), "ipc_handles")
-            seconds = world.ask("replica-0", ("rpc", (vllm_ipc_receive, [info])), "rpc")
-            total = time.monotonic() - started
-            if i == 0:
-                continue  # first use: imports, first mapping of every allocation
-            totals.append(total)
-            receives.append(max(seconds))
-            handles.append(info["seconds"])
-            # Did its loader write into the parameters or replace them (then the byte
-            # compare below reads the old memory, not what vLLM serves)?
-            stale.append(world.ask("replica-0", ("rpc", (stale_views, [])), "rpc")[0])
-            checks.append(_check(world, steps))
-    except Exception as exc:  # noqa: BLE001 - vLLM 0.26 may not ship the ipc engine
-        return {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
-    out = {
-        "total_s": totals,
-        "receive_s": receives,
-        "handles_s": handles,
-        "total_median_s": statistics.median(totals),
-        "receive_median_s": statistics.median(receives),
-        "exact": all(c["exact"] for c in checks),
-        # The boxes that differ after each of its refits (first 5 each): who is wrong.
-        "failures": [c["failures"] for c in checks],
-        "stale_views": stale,
+    step = ("flip", 0.01, seed)
+    world.ask("trainer-0", ("step", step), "step")
+    steps.append(step)
+    started = time.monotonic()
+    info = world.ask("trainer-0", ("ipc_handles", None), "ipc_handles")
+    seconds = world.ask("replica-0", ("rpc", (vllm_ipc_receive, [info])), "rpc")
+    total = time.monotonic() - started
+    return {
+        "total_s": total,
+        "receive_s": max(seconds),
+        "handles_s": info["seconds"],
+        "stale": world.ask("replica-0", ("rpc", (stale_views, [])), "rpc")[0],
+        "check": _check(world, steps),
     }
+
+
+def _vllm_ipc_summary(refits: list[dict[str, Any]], limit_s: float, label: str) -> dict[str, Any]:
+    out = {
+        "total_s": [r["total_s"] for r in refits],
+        "receive_s": [r["receive_s"] for r in refits],
+        "handles_s": [r["handles_s"] for r in refits],
+        "total_median_s": statistics.median(r["total_s"] for r in refits),
+        "receive_median_s": statistics.median(r["receive_s"] for r in refits),
+        "exact": all(r["check"]["exact"] for r in refits),
+        # The boxes that differ after each of its refits (first 5 each): who is wrong.
+        "failures": [r["check"]["failures"] for r in refits],
+        "stale_views": [r["stale"] for r in refits],
+    }
+    stale = out["stale_views"]
     print(
-        f"[colocated] vLLM ipc engine: end to end {out['total_median_s']:.3f} s, receive + "
+        f"[colocated] {label}: end to end {out['total_median_s']:.3f} s, receive + "
         f"load_weights {out['receive_median_s']:.3f} s ({out['receive_median_s'] / limit_s:.2f}x "
         f"the copy limit), exact={out['exact']} {out['failures'] if not out['exact'] else ''} "
         f"registered views no longer in the model: {stale[-1] if stale else '?'}",
         flush=True,
     )
     return out
+
+
+def vllm_ipc_baseline(
+    world: World, steps: list[Any], repeats: int, limit_s: float
+) -> dict[str, Any]:
+    """vLLM's `ipc` engine on the same replica and trainer, `repeats` refits after one first
+    use (imports, first mapping of every allocation), after ours."""
+    try:
+        _vllm_ipc_refit(world, steps, 900)
+        refits = [_vllm_ipc_refit(world, steps, 901 + i) for i in range(repeats)]
+    except Exception as exc:  # noqa: BLE001 - the refit rows still stand
+        return {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+    return _vllm_ipc_summary(refits, limit_s, "vLLM ipc engine")
+
+
+def interleaved(
+    world: World, steps: list[Any], repeats: int, limit_s: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Ours and vLLM's `ipc` engine refit for refit in turn (after one first use of its
+    engine), so both meet the same host and GPU conditions: its own time moves 53-90 ms
+    between refits of one run (sixteenth session). Returns our row and its summary, with
+    each pair's ratio."""
+    _vllm_ipc_refit(world, steps, 950)
+    results, checks, receiver, theirs = [], [], [], []
+    for i in range(repeats):
+        step = ("flip", 0.01, 960 + 2 * i)
+        world.ask("trainer-0", ("step", step), "step")
+        steps.append(step)
+        results.append(world.refit(120.0, _watch("refit", "ipc interleaved")))
+        receiver.append(_receiver_parts(world))
+        checks.append(_check(world, steps))
+        theirs.append(_vllm_ipc_refit(world, steps, 961 + 2 * i))
+    row = _row("ipc interleaved with vLLM's ipc engine", results, checks, receiver)
+    summary = _vllm_ipc_summary(theirs, limit_s, "vLLM ipc engine, interleaved")
+    ratios = [t["total_s"] / r.seconds for t, r in zip(theirs, results, strict=True)]
+    summary["pair_ratios"] = [round(x, 2) for x in ratios]
+    summary["ratio_of_medians"] = summary["total_median_s"] / row["total_median_s"]
+    print(
+        f"[colocated] interleaved: ours {row['total_median_s'] * 1e3:.1f} ms vs vLLM's ipc engine "
+        f"{summary['total_median_s'] * 1e3:.1f} ms = {summary['ratio_of_medians']:.2f}x; per pair "
+        f"{summary['pair_ratios']} (median {statistics.median(ratios):.2f}x)",
+        flush=True,
+    )
+    return row, summary
 
 
 def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -394,8 +436,24 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001 - the refit rows still stand
                 out["tokens"] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"[{case}] greedy tokens: {out['tokens']}", flush=True)
-        if case == "colocated" and not args.no_baseline:
+        # vLLM's ipc engine hands out CUDA IPC handles: nothing to measure on the CPU harness
+        # (a trainer whose handles fail ends, and every later ask of it would wait).
+        baseline = case == "colocated" and args.device == "cuda"
+        if args.device != "cuda" and (args.interleave or not args.no_baseline):
+            print(f"[{case}] vLLM's ipc engine needs CUDA: not run on {args.device}", flush=True)
+        if baseline and not args.no_baseline:
             out["vllm_ipc"] = vllm_ipc_baseline(world, steps, args.repeats, limit_s)
+        if baseline and args.interleave:
+            try:
+                row, out["vllm_ipc_interleaved"] = interleaved(
+                    world, steps, args.interleave, limit_s
+                )
+            except Exception as exc:  # noqa: BLE001 - the rows above still stand
+                out["vllm_ipc_interleaved"] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+                print(f"[{case}] interleaved: {out['vllm_ipc_interleaved']['error']}", flush=True)
+            else:
+                rows["ipc"].append(row)
+                _print(case, row, limit_s)
     out["wall_s"] = time.monotonic() - started
     return out
 
@@ -417,6 +475,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="cross: ipc/nccl alternations")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's ipc engine")
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="N",
+        help="colocated: then N refits of ours and N of vLLM's ipc engine, one after the other "
+        "in turn (both meet the same conditions), with each pair's ratio",
+    )
     parser.add_argument("--tokens", action="store_true", help="greedy tokens vs transformers")
     parser.add_argument(
         "--compare-unfused",
