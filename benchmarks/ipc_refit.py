@@ -244,16 +244,31 @@ def _prepare_sums(world: World, steps: list[Any], repeats: int, seed0: int) -> d
 def _tokens(world: World, min_margin: float = 0.5) -> dict[str, Any]:
     """vLLM's greedy tokens against transformers' over the trainer's own tensors, compared
     up to the first step whose two best logits are closer than `min_margin` (bf16 near-ties
-    may go either way in two engines)."""
+    may go either way in two engines); then, teacher-forced over prompt + transformers'
+    continuation, both engines' most likely next token at every position whose gap is at
+    least `min_margin` (a random-weight model's near-tie at one step no longer ends the
+    comparison)."""
     prompt = [11, 22, 33, 44, 55, 66, 77, 88]
     served = world.ask("replica-0", ("tokens", (prompt, 16)), "tokens")
     hf = world.ask("trainer-0", ("tokens", (prompt, 16)), "tokens")
     clear = next((i for i, m in enumerate(hf["margins"]) if m < min_margin), len(served))
+    sequence = prompt + hf["tokens"]
+    theirs = world.ask("replica-0", ("top1", sequence), "top1")
+    ours = world.ask("trainer-0", ("top1", sequence), "top1")
+    compared = [i for i, m in enumerate(ours["margins"]) if m >= min_margin]
+    differ = [i for i in compared if theirs[i] != ours["top1"][i]]
     return {
         "compared": clear,
         "equal": served[:clear] == hf["tokens"][:clear],
         "vllm": served,
         "trainer": hf["tokens"],
+        "teacher_forced": {
+            "positions": len(sequence),
+            "compared": len(compared),
+            "equal": not differ,
+            "differ_at": differ[:8],
+            "min_margin": min_margin,
+        },
     }
 
 

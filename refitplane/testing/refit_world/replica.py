@@ -7,6 +7,8 @@ drives every refit into it.
 On its command queue, each answered on the results queue under the command's name:
 
     ("tokens", (prompt, n))   greedy token ids
+    ("top1", sequence)        the engine's most likely next token at every position of the
+                              sequence, teacher-forced (prompt logprobs), and after its end
     ("rpc", (fn, args))       `llm.collective_rpc(fn, args)`: fn runs in every worker
     ("call", (fn, args))      `fn(llm, *args)` in this process (vLLM's own engine API)
     ("stop", None)
@@ -92,6 +94,17 @@ def llm_kwargs(
     return kwargs
 
 
+def _top1(output: Any) -> list[int]:
+    """The most likely next token after each prefix of a request's prompt (vLLM's prompt
+    logprobs: the entry of rank 1 at positions 1..n-1), then after the whole prompt (its one
+    greedy token): position i predicts token i + 1, as a causal LM's logits do."""
+    best = []
+    for position in output.prompt_logprobs[1:]:
+        best.append(next(token for token, lp in position.items() if lp.rank == 1))
+    best.append(output.outputs[0].token_ids[0])
+    return [int(t) for t in best]
+
+
 def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
     enter_vllm_process(spec.device, spec.tp, spec.gpus)
     level = os.environ.get("REFIT_LOG_LEVEL")
@@ -157,6 +170,15 @@ def replica_main(spec: ReplicaSpec, commands: Any, results: Any) -> None:
                             use_tqdm=False,
                         )
                         results.put(("tokens", spec.replica_id, list(out[0].outputs[0].token_ids)))
+                    elif command == "top1":
+                        out = llm.generate(
+                            [TokensPrompt(prompt_token_ids=list(args))],
+                            SamplingParams(
+                                temperature=0, max_tokens=1, prompt_logprobs=1, detokenize=False
+                            ),
+                            use_tqdm=False,
+                        )
+                        results.put(("top1", spec.replica_id, _top1(out[0])))
                     elif command == "rpc":
                         fn, fn_args = args
                         results.put(

@@ -4,7 +4,8 @@ a real `TrainerAgent`. On its command queue: "mem" (peak extra GPU memory since 
 ask), "report" (the agent's last `TransferReport`), ("step", step) (change the weights as an optimizer step would, `synthetic_weights.
 apply_step`, under the agent's write lock), ("tokens", (prompt, n)) (greedy tokens and the
 top-two logit margins of a transformers model over this rank's weights, which must hold
-every tensor whole: TP 1), "stop". It puts ("ready", rank, bytes held) once published, ("error", rank, traceback)
+every tensor whole: TP 1), ("top1", sequence) (the same model's most likely next token and
+margin at every position of a sequence, teacher-forced), "stop". It puts ("ready", rank, bytes held) once published, ("error", rank, traceback)
 if anything fails.
 """
 
@@ -93,6 +94,8 @@ def trainer_main(rank: int, spec: TrainerSpec, commands: Any, results: Any) -> N
                 results.put(("report", rank, dataclasses.asdict(last) if last else {}))
             elif command[0] == "tokens":
                 results.put(("tokens", rank, _hf_tokens(spec, shards, *command[1])))
+            elif command[0] == "top1":
+                results.put(("top1", rank, _hf_top1(spec, shards, command[1])))
             elif command[0] == "presum":
                 # Whether this rank checksums CUDA IPC links at PrepareRefit (a benchmark's
                 # comparison in one world; read at each prepare).
@@ -154,10 +157,9 @@ def _step(agent: Any, shards: Any, steps: list[Any], device: Any) -> None:
                 sv.tensor.copy_(full[to_slices(sv.box)])
 
 
-def _hf_tokens(spec: TrainerSpec, shards: Any, prompt: list[int], n: int) -> dict[str, Any]:
-    """Greedy continuation by transformers over the rank's own tensors (shared, not
-    copied), with the gap between the two best logits at each step: engines computing in
-    bf16 can only be expected to agree where that gap is clear."""
+def _hf_model(spec: TrainerSpec, shards: Any) -> Any:
+    """transformers' Qwen3 over the rank's own tensors (shared, not copied: never a float32
+    copy of the model)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -167,16 +169,35 @@ def _hf_tokens(spec: TrainerSpec, shards: Any, prompt: list[int], n: int) -> dic
     if config["model_type"] != "qwen3":
         raise ValueError(f"tokens: dense Qwen3 shapes only, not {config['model_type']}")
     first = next(iter(shards)).tensor
-    device, saved = first.device, torch.get_default_dtype()
-    torch.set_default_dtype(first.dtype)  # never a float32 copy of the model
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(first.dtype)
     try:
-        with torch.device(device):
+        with torch.device(first.device):
             model = Qwen3ForCausalLM(Qwen3Config(**config))  # type: ignore[no-untyped-call]
     finally:
         torch.set_default_dtype(saved)
-    state = {sv.spec.name: sv.tensor for sv in shards}
-    model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict({sv.spec.name: sv.tensor for sv in shards}, strict=False, assign=True)
     model.eval()  # type: ignore[no-untyped-call]
+    return model
+
+
+def _drop(model: Any) -> None:
+    import torch
+
+    device = next(model.parameters()).device
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _hf_tokens(spec: TrainerSpec, shards: Any, prompt: list[int], n: int) -> dict[str, Any]:
+    """Greedy continuation by transformers over the rank's own tensors, with the gap between
+    the two best logits at each step: engines computing in bf16 can only be expected to
+    agree where that gap is clear."""
+    import torch
+
+    model = _hf_model(spec, shards)
+    device = next(model.parameters()).device
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     tokens: list[int] = []
     margins: list[float] = []
@@ -190,7 +211,25 @@ def _hf_tokens(spec: TrainerSpec, shards: Any, prompt: list[int], n: int) -> dic
             tokens.append(int(logits.argmax()))
             ids = torch.tensor([[tokens[-1]]], dtype=torch.long, device=device)
             past = out.past_key_values
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    _drop(model)
     return {"tokens": tokens, "margins": margins}
+
+
+def _hf_top1(spec: TrainerSpec, shards: Any, sequence: list[int]) -> dict[str, Any]:
+    """Teacher-forced: for every position of `sequence`, the most likely next token given
+    the tokens up to it, and the gap to the second (one forward pass). Unlike a greedy
+    continuation, one near-tie does not end the comparison: every position with a clear
+    gap is compared, whatever came before it."""
+    import torch
+
+    model = _hf_model(spec, shards)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([sequence], device=device)).logits[0].float()
+    top = logits.topk(2, dim=-1)
+    result = {
+        "top1": [int(t) for t in top.indices[:, 0].tolist()],
+        "margins": [float(m) for m in (top.values[:, 0] - top.values[:, 1]).tolist()],
+    }
+    _drop(model)
+    return result
