@@ -69,10 +69,11 @@ from refitplane.reshard.transport.ipc_manifest import (
     DONE_FAILED,
     DONE_MISMATCH,
     DONE_OK,
+    MANIFEST_LIMIT,
     IpcManifest,
+    check_manifest_size,
     decode_completion,
     encode_completion,
-    manifest_capacity,
     manifest_in,
 )
 from refitplane.reshard.transport.ipc_records import IpcRecord
@@ -122,6 +123,9 @@ class _Incoming:
     copies: ReceiverCopies | None = None
     # The sender's storages the copies map.
     storages: tuple[IpcRecord, ...] = ()
+    # Where its manifests arrive (`MANIFEST_LIMIT` bytes of host memory, allocated once:
+    # only each message's bytes are touched).
+    inbox: torch.Tensor | None = None
 
 
 @dataclass
@@ -290,7 +294,9 @@ class LinkCopyRun:
                     index = storages[storage.data_ptr()] = len(records)
                     records.append(self.t.share_storage(storage, out.peer, index))
                 rows.append(chunk_source(lc.view, index))
-            out.manifest = IpcManifest(self.t.shares, tuple(records), tuple(rows)).encode()
+            manifest = IpcManifest(self.t.shares, tuple(records), tuple(rows)).encode()
+            check_manifest_size(manifest, where=self._where(self.rank, out.peer))
+            out.manifest = manifest
             out.storages = frozenset(storages)
             out.pruned = False
         self._sends.append(self.t.send_control(out.peer, out.manifest, _TAG_MANIFEST))
@@ -329,9 +335,15 @@ class LinkCopyRun:
         self._check()
         where = self._where(inc.peer, self.rank)
         waited = time.perf_counter()
-        capacity = manifest_capacity(len(inc.chunks))
-        received = self.t.recv_control_upto(inc.peer, capacity, _TAG_MANIFEST, self.deadline, where)
+        if inc.inbox is None:
+            inc.inbox = torch.empty(MANIFEST_LIMIT, dtype=torch.uint8)
+        received = self.t.recv_control_upto(
+            inc.peer, inc.inbox, _TAG_MANIFEST, self.deadline, where
+        )
         data = manifest_in(received, where=where)
+        # Zero what this manifest used: a later header that claims more than its message
+        # then reads zeros (refused), never the rows of an earlier manifest.
+        inc.inbox[: len(data)].zero_()
         self.report.host_wait_seconds += time.perf_counter() - waited
         if data != inc.manifest or inc.copies is None or inc.copies.fuse != (FUSE and self.verify):
             self._build(inc, data, where)

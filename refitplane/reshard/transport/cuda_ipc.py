@@ -374,15 +374,16 @@ class CudaIpcTransport(StreamedTransport):
 
     def recv_control(self, peer: int, nbytes: int, tag: int, deadline: float, where: str) -> bytes:
         """`nbytes` from `peer` over the control channel, waiting up to `deadline`."""
-        return self.recv_control_upto(peer, nbytes, tag, deadline, where).tobytes()
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self.recv_control_upto(peer, buf, tag, deadline, where).tobytes()
 
     def recv_control_upto(
-        self, peer: int, nbytes: int, tag: int, deadline: float, where: str
+        self, peer: int, buf: torch.Tensor, tag: int, deadline: float, where: str
     ) -> memoryview:
-        """A control message of at most `nbytes` from `peer` (Gloo fills a larger buffer
-        with what was sent; the message must say its own length), waiting up to
-        `deadline`; a longer one fails the receive."""
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        """A control message from `peer` into `buf` (uint8, host; Gloo fills it with what
+        was sent, so the message must say its own length), waiting up to `deadline`. A
+        longer message than `buf` aborts this process (Gloo's receive enforces it), so its
+        size must be a bound every peer keeps whatever it believes (`MANIFEST_LIMIT`)."""
         try:
             work = self._pgs[0].recv([buf], peer, tag)
         except RuntimeError as exc:  # Gloo: the peer's connection is gone

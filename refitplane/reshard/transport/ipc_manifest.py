@@ -66,16 +66,25 @@ class ChunkSource:
         return (last + 1) * self.element_size
 
 
-def manifest_capacity(chunks: int) -> int:
-    """The most bytes a manifest of a link with `chunks` chunks can take (each names at most
-    one storage of its own): a receiver posts one receive of this size, and the manifest's
-    header says how much of it arrived (`manifest_in`), so the sender needs no length
-    message before it (one control round trip fewer before the copies)."""
-    return _HEAD.size + chunks * (RECORD_BYTES + ROW_WORDS * 8)
+# The most bytes a manifest may take (~400k chunks a link), the same for every link: a
+# receiver posts one receive of this size (host memory that only the message's bytes touch)
+# and the manifest's header says where it ends (`manifest_in`), so no length message goes
+# first (one control round trip fewer before the copies); a sender never sends more
+# (`check_manifest_size`). Gloo aborts a process that receives more than it posted, so the
+# bound must not depend on what either end believes the link holds.
+MANIFEST_LIMIT = 256 << 20
+
+
+def check_manifest_size(data: bytes, *, where: str) -> None:
+    if len(data) > MANIFEST_LIMIT:
+        raise TransferError(
+            f"{where}: CUDA IPC manifest of {len(data)} bytes, more than the protocol's "
+            f"{MANIFEST_LIMIT} (too many chunks in one link)"
+        )
 
 
 def manifest_in(buffer: memoryview, *, where: str) -> bytes:
-    """The manifest at the start of `buffer` (a receive of `manifest_capacity` bytes), its
+    """The manifest at the start of `buffer` (a receive of `MANIFEST_LIMIT` bytes), its
     length read from its own header; `IpcManifest.decode` checks the rest."""
     if len(buffer) < _HEAD.size or bytes(buffer[:4]) != _MAGIC:
         raise TransferError(f"{where}: not a CUDA IPC manifest (bad magic or length)")
@@ -83,8 +92,8 @@ def manifest_in(buffer: memoryview, *, where: str) -> bytes:
     size = _HEAD.size + n_storages * RECORD_BYTES + n_chunks * ROW_WORDS * 8
     if size > len(buffer):
         raise TransferError(
-            f"{where}: CUDA IPC manifest header says {size} bytes, more than the link's "
-            f"{len(buffer)} ({n_storages} storages, {n_chunks} chunks)"
+            f"{where}: CUDA IPC manifest header says {size} bytes, more than the "
+            f"{len(buffer)} received ({n_storages} storages, {n_chunks} chunks)"
         )
     return bytes(buffer[:size])
 

@@ -9,11 +9,12 @@ import pytest
 from refitplane.errors import TransferError
 from refitplane.reshard.transport.ipc_manifest import (
     DONE_MISMATCH,
+    MANIFEST_LIMIT,
     ChunkSource,
     IpcManifest,
+    check_manifest_size,
     decode_completion,
     encode_completion,
-    manifest_capacity,
     manifest_in,
 )
 from tests.unit.reshard.ipc_fixtures import storage_record
@@ -73,17 +74,23 @@ def test_a_manifest_for_other_chunks_names_the_tensor() -> None:
         manifest.check_sizes([4096, 2048], where=WHERE, names=names)
 
 
-def test_a_manifest_is_read_from_a_receive_of_the_links_capacity() -> None:
-    """One receive, sized for the link's chunk count, holds any manifest of that link; the
+def test_a_manifest_is_read_from_one_receive_of_the_protocols_bound() -> None:
+    """One receive of `MANIFEST_LIMIT` bytes holds any manifest a sender may send; the
     manifest's header says where it ends (no length message before it)."""
-    chunks = (ChunkSource(0, 0, 4096), ChunkSource(1, 64, 1024))
-    data = _manifest(*chunks).encode()
-    capacity = manifest_capacity(len(chunks))
-    assert capacity >= len(data)
-    received = memoryview(data + bytes(capacity - len(data)))
+    data = _manifest(ChunkSource(0, 0, 4096), ChunkSource(1, 64, 1024)).encode()
+    received = memoryview(data + bytes(4096))  # what Gloo leaves past the message: ignored
     assert manifest_in(received, where=WHERE) == data
-    # A header that claims more than the link's capacity, or foreign bytes, are refused.
-    with pytest.raises(TransferError, match="more than the link's"):
+    # A header that claims more than arrived, or foreign bytes, are refused.
+    with pytest.raises(TransferError, match="more than the"):
         manifest_in(memoryview(data[: len(data) - 8]), where=WHERE)
     with pytest.raises(TransferError, match="not a CUDA IPC manifest"):
         manifest_in(memoryview(b"XXXX" + data[4:]), where=WHERE)
+
+
+def test_a_sender_never_sends_more_than_the_bound() -> None:
+    """Gloo aborts a receiving process that gets more than it posted: the sender refuses
+    first, naming the link (the receiver then times out instead of crashing vLLM)."""
+    check_manifest_size(bytes(MANIFEST_LIMIT), where=WHERE)
+    with pytest.raises(TransferError, match="more than the protocol's") as err:
+        check_manifest_size(bytes(MANIFEST_LIMIT + 1), where=WHERE)
+    assert WHERE in err.value.message
