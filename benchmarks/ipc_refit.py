@@ -166,6 +166,23 @@ def _watch(case: str, label: str) -> Callable[[Any], None]:
     return show
 
 
+def _optimizer_step(world: World, steps: list[Any], seed: int) -> None:
+    """The trainer's synthetic optimizer step (1 % of the elements flipped), kept in `steps`
+    (what every live box must then hold)."""
+    step = ("flip", 0.01, seed)
+    world.ask("trainer-0", ("step", step), "step")
+    steps.append(step)
+
+
+def _our_refit(
+    world: World, steps: list[Any], label: str, seed: int
+) -> tuple[RefitResult, dict[str, float], dict[str, Any]]:
+    """An optimizer step, our refit, the receiver's parts of it, every live box compared."""
+    _optimizer_step(world, steps, seed)
+    result = world.refit(120.0, _watch("refit", label))
+    return result, _receiver_parts(world), _check(world, steps)
+
+
 def _refits(
     world: World, steps: list[Any], label: str, repeats: int, seed0: int, sleep_level: int = 0
 ) -> dict[str, Any]:
@@ -178,12 +195,10 @@ def _refits(
             awake = _free_gib()
             asleep = world.ask("replica-0", ("call", (sleep_engine, [sleep_level])), "call")
             freed.append(round(_free_gib() - awake, 2) if asleep else 0.0)
-        step = ("flip", 0.01, seed0 + i)
-        world.ask("trainer-0", ("step", step), "step")
-        steps.append(step)
-        results.append(world.refit(120.0, _watch("refit", label)))
-        receiver.append(_receiver_parts(world))
-        checks.append(_check(world, steps))
+        result, parts, check = _our_refit(world, steps, label, seed0 + i)
+        results.append(result)
+        receiver.append(parts)
+        checks.append(check)
     row = _row(label, results, checks, receiver)
     if sleep_level:
         row["sleep_level"] = sleep_level
@@ -272,6 +287,10 @@ def _tokens(world: World, min_margin: float = 0.5) -> dict[str, Any]:
     }
 
 
+def _error_text(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:2000]}"
+
+
 def _vllm_ipc_refit(world: World, steps: list[Any], seed: int) -> dict[str, Any]:
     """One refit through vLLM's `ipc` engine on the same replica and trainer: an optimizer
     step, then the trainer hands out one CUDA IPC handle per (whole) tensor and the worker
@@ -281,9 +300,7 @@ def _vllm_ipc_refit(world: World, steps: list[Any], seed: int) -> dict[str, Any]
     0.26's module imports Ray for its trainer side only (`import_without_ray`)."""
     from refitplane.testing.refit_world.worker_probes import stale_views, vllm_ipc_receive
 
-    step = ("flip", 0.01, seed)
-    world.ask("trainer-0", ("step", step), "step")
-    steps.append(step)
+    _optimizer_step(world, steps, seed)
     started = time.monotonic()
     info = world.ask("trainer-0", ("ipc_handles", None), "ipc_handles")
     seconds = world.ask("replica-0", ("rpc", (vllm_ipc_receive, [info])), "rpc")
@@ -329,7 +346,7 @@ def vllm_ipc_baseline(
         _vllm_ipc_refit(world, steps, 900)
         refits = [_vllm_ipc_refit(world, steps, 901 + i) for i in range(repeats)]
     except Exception as exc:  # noqa: BLE001 - the refit rows still stand
-        return {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+        return {"error": _error_text(exc)}
     return _vllm_ipc_summary(refits, limit_s, "vLLM ipc engine")
 
 
@@ -343,12 +360,10 @@ def interleaved(
     _vllm_ipc_refit(world, steps, 950)
     results, checks, receiver, theirs = [], [], [], []
     for i in range(repeats):
-        step = ("flip", 0.01, 960 + 2 * i)
-        world.ask("trainer-0", ("step", step), "step")
-        steps.append(step)
-        results.append(world.refit(120.0, _watch("refit", "ipc interleaved")))
-        receiver.append(_receiver_parts(world))
-        checks.append(_check(world, steps))
+        result, parts, check = _our_refit(world, steps, "ipc interleaved", 960 + 2 * i)
+        results.append(result)
+        receiver.append(parts)
+        checks.append(check)
         theirs.append(_vllm_ipc_refit(world, steps, 961 + 2 * i))
     row = _row("ipc interleaved with vLLM's ipc engine", results, checks, receiver)
     summary = _vllm_ipc_summary(theirs, limit_s, "vLLM ipc engine, interleaved")
@@ -464,7 +479,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                     world, steps, args.interleave, limit_s
                 )
             except Exception as exc:  # noqa: BLE001 - the rows above still stand
-                out["vllm_ipc_interleaved"] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+                out["vllm_ipc_interleaved"] = {"error": _error_text(exc)}
                 print(f"[{case}] interleaved: {out['vllm_ipc_interleaved']['error']}", flush=True)
             else:
                 rows["ipc"].append(row)

@@ -75,6 +75,11 @@ class ChunkSource:
 MANIFEST_LIMIT = 256 << 20
 
 
+def _encoded_size(n_storages: int, n_chunks: int) -> int:
+    """A manifest's bytes, from its header's counts."""
+    return _HEAD.size + n_storages * RECORD_BYTES + n_chunks * ROW_WORDS * 8
+
+
 def check_manifest_size(data: bytes, *, where: str) -> None:
     if len(data) > MANIFEST_LIMIT:
         raise TransferError(
@@ -89,7 +94,7 @@ def manifest_in(buffer: memoryview, *, where: str) -> bytes:
     if len(buffer) < _HEAD.size or bytes(buffer[:4]) != _MAGIC:
         raise TransferError(f"{where}: not a CUDA IPC manifest (bad magic or length)")
     _, _, n_storages, n_chunks = _HEAD.unpack_from(buffer)
-    size = _HEAD.size + n_storages * RECORD_BYTES + n_chunks * ROW_WORDS * 8
+    size = _encoded_size(n_storages, n_chunks)
     if size > len(buffer):
         raise TransferError(
             f"{where}: CUDA IPC manifest header says {size} bytes, more than the "
@@ -124,7 +129,7 @@ class IpcManifest:
         if len(data) < _HEAD.size or data[:4] != _MAGIC:
             raise TransferError(f"{where}: not a CUDA IPC manifest (bad magic or length)")
         _, generation, n_storages, n_chunks = _HEAD.unpack_from(data)
-        expected = _HEAD.size + n_storages * RECORD_BYTES + n_chunks * ROW_WORDS * 8
+        expected = _encoded_size(n_storages, n_chunks)
         if len(data) != expected:
             raise TransferError(
                 f"{where}: CUDA IPC manifest is {len(data)} bytes, its header says {expected}"

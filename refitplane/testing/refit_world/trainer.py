@@ -181,15 +181,6 @@ def _hf_model(spec: TrainerSpec, shards: Any) -> Any:
     return model
 
 
-def _drop(model: Any) -> None:
-    import torch
-
-    device = next(model.parameters()).device
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _hf_tokens(spec: TrainerSpec, shards: Any, prompt: list[int], n: int) -> dict[str, Any]:
     """Greedy continuation by transformers over the rank's own tensors, with the gap between
     the two best logits at each step: engines computing in bf16 can only be expected to
@@ -211,7 +202,9 @@ def _hf_tokens(spec: TrainerSpec, shards: Any, prompt: list[int], n: int) -> dic
             tokens.append(int(logits.argmax()))
             ids = torch.tensor([[tokens[-1]]], dtype=torch.long, device=device)
             past = out.past_key_values
-    _drop(model)
+    del model  # in this scope, before the cache is emptied
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return {"tokens": tokens, "margins": margins}
 
 
@@ -231,5 +224,7 @@ def _hf_top1(spec: TrainerSpec, shards: Any, sequence: list[int]) -> dict[str, A
         "top1": [int(t) for t in top.indices[:, 0].tolist()],
         "margins": [float(m) for m in (top.values[:, 0] - top.values[:, 1]).tolist()],
     }
-    _drop(model)
+    del model  # in this scope, before the cache is emptied
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return result

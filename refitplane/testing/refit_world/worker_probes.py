@@ -70,9 +70,9 @@ def import_without_ray(name: str) -> Any:
     """Module `name`, imported even where Ray is not installed. vLLM 0.26's `ipc_engine`
     imports `ray` at its top for the trainer side's Ray send mode alone
     (`trainer_send_weights(send_mode="ray")`); the worker's `receive_weights` never
-    touches it. Where Ray is not installed (the GPU image), a module
-    that raises on any use stands in for the import, so the receive can be measured; were the
-    receive to use Ray after all, it fails naming it instead of timing something else."""
+    touches it. Where Ray is not installed (the GPU image), a module that raises on any use
+    stands in for the import, so the receive can be measured; were the receive to use Ray
+    after all, it fails naming it instead of timing something else."""
     import importlib
     import sys
     import types
