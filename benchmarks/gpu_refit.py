@@ -73,11 +73,10 @@ from pathlib import Path
 from typing import Any
 
 from driver_log import show_critical_path
-from load_verdicts import NEW_TOKENS, PROMPT, compare_loads, compare_with_fresh_load
+from load_verdicts import compare_loads, compare_with_fresh_load, replica_snapshot
 from nccl_ceiling import measure_ceiling, plan_links
 from refit_tables import control_breakdown, summary
 
-from refitplane.testing.kernel_tensors import kernel_tensors
 from refitplane.testing.model_layouts import GPU_LAYOUTS, GpuLayout
 from refitplane.testing.model_shapes import SHAPES
 from refitplane.testing.refit_world import refit_world, run_vllm_baseline
@@ -207,10 +206,7 @@ def run_ours(
             # What every rank's kernels read after the last refit, and what it serves, to
             # compare with a fresh load once the world has stopped (its GPUs free).
             for name in world.replicas():
-                replicas[name] = {
-                    "tensors": world.ask(name, ("rpc", (kernel_tensors, ["sums"])), "rpc"),
-                    "tokens": world.ask(name, ("tokens", (PROMPT, NEW_TOKENS)), "tokens"),
-                }
+                replicas[name] = replica_snapshot(world, name)
         if quant:
             # What the kernels read after the last refit, to compare with vLLM's own load.
             sums = {

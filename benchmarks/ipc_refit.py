@@ -25,7 +25,11 @@ conditions) and prints each pair's ratio.
 
 Per refit: trigger → COMMITTED and the data plane (TRANSFERRING), checksums verified, then
 every live vLLM parameter box compared byte for byte with the trainer's tensor after a
-synthetic optimizer step (`worker_probes.check_replayed_weights`). Writes JSON (`--out`)
+synthetic optimizer step (`worker_probes.check_replayed_weights`). `--fresh-load`: after the
+run, the replica as our last refit left it against vLLM started fresh from the checkpoint
+the trainer held then (the oracle: every kernel tensor's bytes, the greedy tokens);
+`--tokens`: vLLM's tokens against transformers' over the trainer's tensors (two engines:
+bf16 kernel differences may part them where logits are close). Writes JSON (`--out`)
 and prints one table row per case and transport.
 """
 
@@ -46,8 +50,10 @@ from typing import Any
 
 from driver_log import show_critical_path
 from ipc_p2p import MiB, copy_limit, plan_bytes, run_cross_p2p
+from load_verdicts import NEW_TOKENS, PROMPT, judge, replica_snapshot, show
 
 from refitplane.testing.refit_world import refit_world
+from refitplane.testing.refit_world.fresh_load import FreshSpec, fresh_load_digests
 from refitplane.testing.refit_world.world import RefitResult, World
 
 
@@ -398,6 +404,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
     transports = ["ipc"] if case == "colocated" else ["ipc", "nccl"]
+    snapshot: dict[str, Any] = {}  # --fresh-load: the replica after our last refit
     settings = {
         "delta": "off",
         "num_channels": args.streams,
@@ -460,6 +467,10 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         out["rows"] = rows
         out["trainer_extra_mib"] = max(world.trainer_peak_memory()) / MiB
         print(f"[{case}] trainer extra GPU memory {out['trainer_extra_mib']:.0f} MiB", flush=True)
+        if args.fresh_load:  # after our last refit, before anything else runs on vLLM
+            snapshot = replica_snapshot(world, "replica-0")
+            snapshot["steps"] = [tuple(step) for step in steps]
+            snapshot["model_dir"] = str(world.model_dir)
         if args.tokens:  # after our last refit, before vLLM's engine loads anything
             try:
                 out["tokens"] = _tokens(world)
@@ -484,8 +495,40 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
             else:
                 rows["ipc"].append(row)
                 _print(case, row, limit_s)
+    if args.fresh_load:  # the world has stopped: its GPU is free for a fresh engine
+        out["vs_fresh_load"] = _vs_fresh_load(case, args, snapshot)
     out["wall_s"] = time.monotonic() - started
     return out
+
+
+def _vs_fresh_load(case: str, args: argparse.Namespace, snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The replica after our last refit against vLLM started fresh from the checkpoint the
+    trainer held then (the synthetic weights after every optimizer step of the run,
+    replayed by the loader): every kernel tensor's bytes and the greedy tokens."""
+    gpus = "" if args.device == "cpu" else ("0" if case == "colocated" else "1")
+    spec = FreshSpec(
+        snapshot["model_dir"],
+        args.model,
+        "bfloat16",
+        "",
+        1,
+        gpus,
+        args.device,
+        PROMPT,
+        NEW_TOKENS,
+        args.gpu_memory_utilization,
+        steps=tuple(snapshot["steps"]),
+    )
+    verdict: dict[str, Any] = {"compared": 0, "differ": [], "tokens": {}}
+    started = time.monotonic()
+    fresh = fresh_load_digests(spec)
+    verdict["fresh_s"] = time.monotonic() - started
+    if "error" not in fresh:
+        verdict["tokens"]["fresh"] = fresh["tokens"]
+    judge(verdict, "replica-0", fresh, snapshot)
+    print(f"[{case}] after our last refit:", flush=True)
+    show(verdict)
+    return verdict
 
 
 def main() -> int:
@@ -514,6 +557,11 @@ def main() -> int:
         "in turn (both meet the same conditions), with each pair's ratio",
     )
     parser.add_argument("--tokens", action="store_true", help="greedy tokens vs transformers")
+    parser.add_argument(
+        "--fresh-load",
+        action="store_true",
+        help="after the run: the replica vs vLLM started fresh from the trainer's checkpoint",
+    )
     parser.add_argument(
         "--compare-unfused",
         action="store_true",

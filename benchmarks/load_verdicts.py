@@ -46,6 +46,45 @@ def compare_loads(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any
     return {"compared": compared, "differ": differ}
 
 
+def replica_snapshot(world: Any, name: str) -> dict[str, Any]:
+    """What a refitted replica's kernels read (digests per rank) and what it serves now: the
+    side of the fresh-load comparison taken while the refit world runs."""
+    from refitplane.testing.kernel_tensors import kernel_tensors
+
+    return {
+        "tensors": world.ask(name, ("rpc", (kernel_tensors, ["sums"])), "rpc", timeout_s=120),
+        "tokens": world.ask(name, ("tokens", (PROMPT, NEW_TOKENS)), "tokens"),
+    }
+
+
+def judge(
+    verdict: dict[str, Any], label: str, fresh: dict[str, Any], replica: dict[str, Any]
+) -> None:
+    """Add to `verdict` how replica `label` (`replica_snapshot`) differs from `fresh`
+    (`fresh_load_digests`): kernel tensors, then the greedy tokens."""
+    if "error" in fresh:
+        verdict["differ"].append(f"{label}: no fresh load: {fresh['error']}")
+        return
+    compared, differ = differences(fresh["tensors"], replica["tensors"])
+    verdict["compared"] += compared
+    verdict["differ"] += [f"{label} {d}" for d in differ]
+    verdict["tokens"][label] = replica["tokens"]
+    if replica["tokens"] != fresh["tokens"]:
+        verdict["differ"].append(
+            f"{label}: tokens {replica['tokens']}, the fresh load serves {fresh['tokens']}"
+        )
+
+
+def show(verdict: dict[str, Any]) -> None:
+    print(
+        f"  vs a fresh vLLM load of the same checkpoint: {verdict['compared']} kernel tensors "
+        f"compared, {len(verdict['differ'])} differ, tokens {verdict['tokens']}",
+        flush=True,
+    )
+    for line in verdict["differ"]:
+        print(f"    {line[:400]}", flush=True)
+
+
 def compare_with_fresh_load(
     out: dict[str, Any], args: argparse.Namespace, layout: GpuLayout
 ) -> dict[str, Any]:
@@ -76,24 +115,8 @@ def compare_with_fresh_load(
             started = time.monotonic()
             fresh_by_tp[tp] = fresh_load_digests(spec)
             verdict[f"fresh_tp{tp}_s"] = time.monotonic() - started
-        fresh = fresh_by_tp[tp]
-        if "error" in fresh:
-            verdict["differ"].append(f"replica-{i}: no fresh load: {fresh['error']}")
-            continue
-        compared, differ = differences(fresh["tensors"], replica["tensors"])
-        verdict["compared"] += compared
-        verdict["differ"] += [f"replica-{i} {d}" for d in differ]
-        verdict["tokens"][f"replica-{i}"] = replica["tokens"]
-        verdict["tokens"][f"fresh-tp{tp}"] = fresh["tokens"]
-        if replica["tokens"] != fresh["tokens"]:
-            verdict["differ"].append(
-                f"replica-{i}: tokens {replica['tokens']}, the fresh load serves {fresh['tokens']}"
-            )
-    print(
-        f"  vs a fresh vLLM load of the same checkpoint: {verdict['compared']} kernel tensors "
-        f"compared, {len(verdict['differ'])} differ, tokens {verdict['tokens']}",
-        flush=True,
-    )
-    for line in verdict["differ"]:
-        print(f"    {line[:400]}", flush=True)
+            if "error" not in fresh_by_tp[tp]:
+                verdict["tokens"][f"fresh-tp{tp}"] = fresh_by_tp[tp]["tokens"]
+        judge(verdict, f"replica-{i}", fresh_by_tp[tp], replica)
+    show(verdict)
     return verdict

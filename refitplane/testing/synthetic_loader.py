@@ -11,7 +11,12 @@ post-load processing (FP8 repacking, Mamba / MLA derived tensors) as on any star
 
     LLM(model=<dir with config.json>, load_format=LOAD_FORMAT,
         worker_extension_cls=WORKER_EXTENSION,
-        model_loader_extra_config={"shape": "qwen3-8b", "dtype": "bfloat16", "quant": ""})
+        model_loader_extra_config={"shape": "qwen3-8b", "dtype": "bfloat16", "quant": "",
+                                   "steps": [["flip", 0.01, 7], ...]})
+
+`steps` (optional): the benchmark's changes to the synthetic weights, replayed on each tensor
+before vLLM sees it (`synthetic_weights.replayed`): the checkpoint a trainer holds after
+those optimizer steps.
 
 vLLM looks loaders up by name in the process that builds the model (a worker); importing
 this module registers it, and `worker_extension_cls` makes every worker import it before
@@ -27,14 +32,14 @@ import torch
 from vllm.model_executor.model_loader import BaseModelLoader, register_model_loader
 
 from refitplane.testing.model_shapes import tensor_specs
-from refitplane.testing.synthetic_weights import synthetic
+from refitplane.testing.synthetic_weights import replayed
 
 LOAD_FORMAT = "refit_synthetic"
 WORKER_EXTENSION = "refitplane.testing.synthetic_loader.ImportsSyntheticLoader"
 
 
 class SyntheticCheckpointLoader(BaseModelLoader):
-    """Loads `model_loader_extra_config`'s {"shape", "dtype", "quant"} synthetic
+    """Loads `model_loader_extra_config`'s {"shape", "dtype", "quant", "steps"} synthetic
     checkpoint (`model_shapes.tensor_specs`) through the model's own `load_weights`."""
 
     def download_model(self, model_config: Any) -> None:
@@ -49,10 +54,13 @@ class SyntheticCheckpointLoader(BaseModelLoader):
             )
         device = next(model.parameters()).device
         specs = tensor_specs(extra["shape"], extra.get("dtype", "bfloat16"), extra.get("quant", ""))
+        steps = [
+            (str(kind), float(amount), int(seed)) for kind, amount, seed in extra.get("steps", [])
+        ]
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             for ts in specs:
-                yield ts.name, synthetic(ts.name, ts.shape, ts.dtype, device)
+                yield ts.name, replayed(ts.name, ts.shape, ts.dtype, device, steps)
 
         loads: Any = model  # vLLM models define load_weights; nn.Module does not
         loads.load_weights(weights())

@@ -109,14 +109,18 @@ def apply_step(name: str, full: Any, step: Step) -> None:
     base_seed = int.from_bytes(hashlib.sha256(f"{name}/{seed}".encode()).digest()[:6], "little")
     gen = torch.Generator(device=full.device).manual_seed(base_seed)
     if kind == "flip":
-        picked = torch.rand(full.shape, generator=gen, device=full.device) < amount
+        # float32 named: under vLLM's loader the default dtype is the model's, and a bf16
+        # draw would pick other elements (`synthetic_loader` replays steps there).
+        picked = (
+            torch.rand(full.shape, generator=gen, device=full.device, dtype=torch.float32) < amount
+        )
         words = full.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[full.element_size()])
         words[picked] ^= 1
         return
     if kind != "adamw":
         raise ValueError(f"unknown step kind {kind!r}")
     master = torch.nn.Parameter(full.float())
-    master.grad = torch.randn(full.shape, generator=gen, device=full.device)
+    master.grad = torch.randn(full.shape, generator=gen, device=full.device, dtype=torch.float32)
     optimizer = torch.optim.AdamW(
         [master], lr=amount, weight_decay=0.01, foreach=False, fused=False
     )

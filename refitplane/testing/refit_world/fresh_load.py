@@ -38,6 +38,9 @@ class FreshSpec:
     prompt: tuple[int, ...]
     new_tokens: int
     gpu_memory_utilization: float = 0.45
+    # The synthetic optimizer steps the trainers took since the synthetic start
+    # (`synthetic_weights.Step`), replayed by the loader: the checkpoint they hold now.
+    steps: tuple[tuple[str, float, int], ...] = ()
 
 
 def fresh_load_digests(spec: FreshSpec, timeout_s: float = 900) -> dict[str, Any]:
@@ -79,6 +82,7 @@ def _fresh_main(spec: FreshSpec, results: Any) -> None:
             "shape": spec.shape,
             "dtype": spec.dtype,
             "quant": spec.quant,
+            "steps": [list(step) for step in spec.steps],
         }
         llm = LLM(**kwargs)
         tensors = llm.collective_rpc(kernel_tensors, args=("sums",))
