@@ -18,13 +18,13 @@ caller that uses the same `LLM` itself (generate, collective_rpc) takes that loc
 through `engine()`: after a failed refit the sidecar's pre-armed update may still be in
 vLLM, and two threads on the engine's socket abort the process (libzmq).
 
-vLLM's /pause is what clears a server's prefix cache before its weights change; an offline
-engine is never paused, so its prefix cache would still hold keys and values computed with
-the weights a refit replaces, and a prompt sharing a cached prefix (a system prompt) would
-be served partly from the old weights after the refit. So every update first clears it
-(one engine-core call, ahead of the update on the same thread: off the critical path when
-the update is pre-armed), and a finish whose update could not clear it retries, and fails
-(HTTP 500: the refit fails, the replica serves nothing) if it still cannot.
+vLLM's /pause clears a server's prefix cache before its weights change; an offline engine
+has no pause of its own (its caller stops generating), so its prefix cache would still hold
+keys and values computed with the weights a refit replaces, and a prompt sharing a cached
+prefix (a system prompt) would be served partly from the old weights after the refit. So
+`pause` clears it, as vLLM's does (one engine-core call in PREPARING); where it cannot (a
+request still running: the caller generated during a refit), the pause fails and the refit
+with it, before any byte moves.
 """
 
 from __future__ import annotations
@@ -36,12 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from refitplane.errors import Unavailable
-from refitplane.replica.control import (
-    ENGINE_STATUS_TIMEOUT_S,
-    CallerPausedControl,
-    call_verb,
-    succeeded,
-)
+from refitplane.replica.control import ENGINE_STATUS_TIMEOUT_S, CallerPausedControl, call_verb
 
 
 def offline_is_sleeping(llm: Any) -> bool:
@@ -58,8 +53,6 @@ class OfflineLLMControl(CallerPausedControl):
     def __init__(self, llm: Any) -> None:
         self.llm = llm
         self._engine_client = threading.Lock()
-        # Whether the prefix cache was cleared since the last update began (`update`).
-        self._prefix_cache_cleared = True
 
     @contextlib.contextmanager
     def engine(self, timeout_s: float = 120.0) -> Iterator[Any]:
@@ -95,22 +88,21 @@ class OfflineLLMControl(CallerPausedControl):
     def start_update(self) -> int:
         return self._verb("start_weight_update", self.llm.start_weight_update)
 
-    def update(self, update_info: dict[str, Any]) -> int:
-        with self._engine_client:
-            # A failure here does not hold the update back (its workers' transfer would
-            # then wait for a receive that never comes): the finish retries (module doc).
-            self._prefix_cache_cleared = succeeded(
-                call_verb("reset_prefix_cache", self._reset_prefix_cache)
-            )
-            return call_verb(
-                "update_weights", lambda: self.llm.update_weights({"update_info": update_info})
-            )
+    def pause(self, mode: str) -> int:
+        """Clears the prefix cache (module doc); `mode` is the caller's business offline."""
+        return self._verb("reset_prefix_cache", self._reset_prefix_cache)
 
     def _reset_prefix_cache(self) -> None:
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError(
-                "vLLM could not clear its prefix cache (requests still running in the engine?)"
+                "vLLM could not clear its prefix cache: requests are still running in the "
+                "engine (an offline LLM must not generate while a refit runs)"
             )
+
+    def update(self, update_info: dict[str, Any]) -> int:
+        return self._verb(
+            "update_weights", lambda: self.llm.update_weights({"update_info": update_info})
+        )
 
     def finish(self, version: int | None) -> int:
         # vLLM 0.32 records the version; 0.26's finish_weight_update takes no argument.
@@ -118,19 +110,10 @@ class OfflineLLMControl(CallerPausedControl):
             "weight_version" in inspect.signature(self.llm.finish_weight_update).parameters
         )
         if version is not None and takes_version:
-            status = self._verb(
+            return self._verb(
                 "finish_weight_update", lambda: self.llm.finish_weight_update(str(version))
             )
-        else:
-            status = self._verb("finish_weight_update", self.llm.finish_weight_update)
-        if not self._prefix_cache_cleared:
-            cleared = self._verb("reset_prefix_cache", self._reset_prefix_cache)
-            self._prefix_cache_cleared = succeeded(cleared)
-            if not self._prefix_cache_cleared and succeeded(status):
-                # The weights changed, but prompts with a cached prefix would be served
-                # from the old ones: no version may be reported for this replica.
-                return cleared
-        return status
+        return self._verb("finish_weight_update", self.llm.finish_weight_update)
 
     # Unlike pausing, sleeping is the engine's state: the caller puts it to sleep while the
     # trainer steps, and a refit wakes it (`replica.engine_steps`).
