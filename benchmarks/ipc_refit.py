@@ -40,176 +40,21 @@ import json
 import os
 import platform
 import signal
-import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from driver_log import show_critical_path
 from ipc_p2p import MiB, copy_limit, plan_bytes, run_cross_p2p
+from ipc_rows import make_row, print_row, refits, watch
+from ipc_vllm_engine import error_text, interleaved, vllm_ipc_baseline
 from load_verdicts import NEW_TOKENS, PROMPT, judge, replica_snapshot, show
 
 from refitplane.testing.refit_world import refit_world
 from refitplane.testing.refit_world.fresh_load import FreshSpec, fresh_load_digests
-from refitplane.testing.refit_world.world import RefitResult, World
-
-
-def _check(world: World, steps: list[Any]) -> dict[str, Any]:
-    from refitplane.testing.refit_world.worker_probes import check_replayed_weights
-
-    reports = world.ask(
-        "replica-0", ("rpc", (check_replayed_weights, [list(steps)])), "rpc", timeout_s=120
-    )
-    failures = [f for r in reports for f in r["failures"]]
-    checked = sum(r["checked"] for r in reports)
-    return {"checked": checked, "failures": failures[:5], "exact": checked > 0 and not failures}
-
-
-def _receiver_parts(world: World) -> dict[str, float]:
-    """The vLLM worker's own transfer of the last refit, in parts: "executor" (its wall time:
-    the data plane without the coordinator's command and report round trips), "prepare"
-    (up to its first manifest asked), "wait" (for its senders' manifests), "wire" (from the
-    first manifest asked to the copies' end), "verify" (the sums compared, answers sent)."""
-    from refitplane.testing.refit_world.worker_probes import report_seconds, transfer_report
-
-    reports = world.ask("replica-0", ("rpc", (transfer_report, [])), "rpc", timeout_s=60)
-    last = max(reports, key=lambda r: float(r.get("seconds", 0.0)))
-    parts = report_seconds(last)
-    return {
-        "executor": parts["executor"],
-        "prepare": parts["prepare"],
-        "wait": float(last.get("host_wait_seconds", 0.0)),
-        "wire": parts["wire"],
-        "verify": parts["verify"],
-    }
-
-
-def _row(
-    label: str,
-    results: list[RefitResult],
-    checks: list[dict[str, Any]],
-    receiver: list[dict[str, float]] | None = None,
-) -> dict[str, Any]:
-    bad = [f"{r.state} {r.reason}" for r in results if r.state != "COMMITTED"]
-    receiver = receiver or []
-    receiver_s = [parts["executor"] for parts in receiver]
-    return {
-        "label": label,
-        "receiver_s": [round(s, 5) for s in receiver_s],
-        "receiver_parts_ms": [{k: round(v * 1e3, 2) for k, v in p.items()} for p in receiver],
-        "hops": [r.hops for r in results],
-        "receiver_median_s": statistics.median(receiver_s) if receiver_s else 0.0,
-        "total_s": [round(r.seconds, 4) for r in results],
-        "transfer_s": [round(r.transfer_s, 4) for r in results],
-        "total_median_s": statistics.median(r.seconds for r in results),
-        "transfer_median_s": statistics.median(r.transfer_s for r in results),
-        "bytes": results[0].bytes_total,
-        "verified": all(r.tensors_verified == r.tensors_total > 0 for r in results),
-        "exact": all(c["exact"] for c in checks),
-        "checked_boxes": checks[-1]["checked"] if checks else 0,
-        # Median seconds per coordinator phase (where trigger -> COMMITTED goes).
-        "phases_median_s": {
-            phase: statistics.median(r.phases.get(phase, 0.0) for r in results)
-            for phase in results[0].phases
-        },
-        "failed": bad + [f for c in checks for f in c["failures"]][:5],
-    }
-
-
-def _print(case: str, row: dict[str, Any], limit_s: float) -> None:
-    gbs = row["bytes"] / row["transfer_median_s"] / 1e9 if row["transfer_median_s"] else 0.0
-    print(
-        f"[{case}] {row['label']}: trigger->COMMITTED {row['total_median_s']:.3f} s, data plane "
-        f"{row['transfer_median_s']:.3f} s ({gbs:.1f} GB/s, {row['transfer_median_s'] / limit_s:.2f}x "
-        f"the copy limit {limit_s * 1e3:.1f} ms), receiver executor "
-        f"{row['receiver_median_s'] * 1e3:.2f} ms ({row['receiver_median_s'] / limit_s:.2f}x), "
-        f"verified={row['verified']} exact={row['exact']} "
-        f"({row['checked_boxes']} boxes) {row['failed'] or ''}",
-        flush=True,
-    )
-    phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["phases_median_s"].items())
-    print(f"[{case}] {row['label']} phases (ms): {phases}", flush=True)
-    for parts, hops in zip(row.get("receiver_parts_ms", []), row.get("hops", []), strict=False):
-        print(
-            f"[{case}] {row['label']} receiver (ms): "
-            + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
-            + (f"; {hops}" if hops else ""),
-            flush=True,
-        )
-
-
-def _free_gib() -> float:
-    """Free memory on GPU 0 as the driver sees it (what a trainer could use)."""
-    import torch
-
-    return torch.cuda.mem_get_info(0)[0] / 2**30
-
-
-def _watch(case: str, label: str) -> Callable[[Any], None]:
-    """A refit watcher that prints each record after the first 3 s, and a failure at once
-    (phase, bytes, ranks): where a refit that stalls stopped."""
-    started = time.monotonic()
-
-    def show(refit: Any) -> None:
-        elapsed = time.monotonic() - started
-        if elapsed < 3.0 and (not refit.terminal or refit.state.value == "COMMITTED"):
-            return
-        ranks = ", ".join(
-            f"{r.member_id[:6]} {r.bytes_sent + r.bytes_received}/{r.bytes_total} "
-            f"{r.tensors_verified}/{r.tensors_total}"
-            for r in refit.ranks
-        )
-        print(
-            f"[{case}] {label} +{elapsed:.1f} s: {refit.state.value} "
-            f"{refit.bytes_done}/{refit.bytes_total} B {refit.reason} {refit.message[:300]} "
-            f"[{ranks}]",
-            flush=True,
-        )
-
-    return show
-
-
-def _optimizer_step(world: World, steps: list[Any], seed: int) -> None:
-    """The trainer's synthetic optimizer step (1 % of the elements flipped), kept in `steps`
-    (what every live box must then hold)."""
-    step = ("flip", 0.01, seed)
-    world.ask("trainer-0", ("step", step), "step")
-    steps.append(step)
-
-
-def _our_refit(
-    world: World, steps: list[Any], label: str, seed: int
-) -> tuple[RefitResult, dict[str, float], dict[str, Any]]:
-    """An optimizer step, our refit, the receiver's parts of it, every live box compared."""
-    _optimizer_step(world, steps, seed)
-    result = world.refit(120.0, _watch("refit", label))
-    return result, _receiver_parts(world), _check(world, steps)
-
-
-def _refits(
-    world: World, steps: list[Any], label: str, repeats: int, seed0: int, sleep_level: int = 0
-) -> dict[str, Any]:
-    """`repeats` times: (vLLM to sleep,) an optimizer step, a refit, every live box compared."""
-    from refitplane.testing.refit_world.replica import sleep_engine
-
-    results, checks, freed, receiver = [], [], [], []
-    for i in range(repeats):
-        if sleep_level:
-            awake = _free_gib()
-            asleep = world.ask("replica-0", ("call", (sleep_engine, [sleep_level])), "call")
-            freed.append(round(_free_gib() - awake, 2) if asleep else 0.0)
-        result, parts, check = _our_refit(world, steps, label, seed0 + i)
-        results.append(result)
-        receiver.append(parts)
-        checks.append(check)
-    row = _row(label, results, checks, receiver)
-    if sleep_level:
-        row["sleep_level"] = sleep_level
-        row["freed_gib_while_asleep"] = freed
-    return row
+from refitplane.testing.refit_world.world import World
 
 
 def _with_receiver_probe(
@@ -219,7 +64,7 @@ def _with_receiver_probe(
     `probe` (a worker_probes setter), turned back on after."""
     world.ask("replica-0", ("rpc", (probe, [False])), "rpc")
     try:
-        return _refits(world, steps, label, repeats, seed0)
+        return refits(world, steps, label, repeats, seed0)
     finally:
         world.ask("replica-0", ("rpc", (probe, [True])), "rpc")
 
@@ -247,7 +92,7 @@ def _presum(world: World, steps: list[Any], repeats: int, seed0: int) -> dict[st
     what taking the sender's reads off the transfer (the default) saves."""
     world.ask("trainer-0", ("presum", False), "presum")
     try:
-        return _refits(world, steps, "ipc sums during the transfer", repeats, seed0)
+        return refits(world, steps, "ipc sums during the transfer", repeats, seed0)
     finally:
         world.ask("trainer-0", ("presum", True), "presum")
 
@@ -257,7 +102,7 @@ def _prepare_sums(world: World, steps: list[Any], repeats: int, seed0: int) -> d
     default), on the same world: what taking them at the step's end saves."""
     world.ask("trainer-0", ("step_sums", False), "step_sums")
     try:
-        return _refits(world, steps, "ipc sums at PrepareRefit", repeats, seed0)
+        return refits(world, steps, "ipc sums at PrepareRefit", repeats, seed0)
     finally:
         world.ask("trainer-0", ("step_sums", True), "step_sums")
 
@@ -291,98 +136,6 @@ def _tokens(world: World, min_margin: float = 0.5) -> dict[str, Any]:
             "min_margin": min_margin,
         },
     }
-
-
-def _error_text(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {str(exc)[:2000]}"
-
-
-def _vllm_ipc_refit(world: World, steps: list[Any], seed: int) -> dict[str, Any]:
-    """One refit through vLLM's `ipc` engine on the same replica and trainer: an optimizer
-    step, then the trainer hands out one CUDA IPC handle per (whole) tensor and the worker
-    rebuilds them and runs `load_weights` (`worker_probes.vllm_ipc_receive`). End to end:
-    handles asked → worker done; then whether its loader wrote into the parameters or
-    replaced them (the byte compare reads the old memory then) and the byte compare. vLLM
-    0.26's module imports Ray for its trainer side only (`import_without_ray`)."""
-    from refitplane.testing.refit_world.worker_probes import stale_views, vllm_ipc_receive
-
-    _optimizer_step(world, steps, seed)
-    started = time.monotonic()
-    info = world.ask("trainer-0", ("ipc_handles", None), "ipc_handles")
-    seconds = world.ask("replica-0", ("rpc", (vllm_ipc_receive, [info])), "rpc")
-    total = time.monotonic() - started
-    return {
-        "total_s": total,
-        "receive_s": max(seconds),
-        "handles_s": info["seconds"],
-        "stale": world.ask("replica-0", ("rpc", (stale_views, [])), "rpc")[0],
-        "check": _check(world, steps),
-    }
-
-
-def _vllm_ipc_summary(refits: list[dict[str, Any]], limit_s: float, label: str) -> dict[str, Any]:
-    out = {
-        "total_s": [r["total_s"] for r in refits],
-        "receive_s": [r["receive_s"] for r in refits],
-        "handles_s": [r["handles_s"] for r in refits],
-        "total_median_s": statistics.median(r["total_s"] for r in refits),
-        "receive_median_s": statistics.median(r["receive_s"] for r in refits),
-        "exact": all(r["check"]["exact"] for r in refits),
-        # The boxes that differ after each of its refits (first 5 each): who is wrong.
-        "failures": [r["check"]["failures"] for r in refits],
-        "stale_views": [r["stale"] for r in refits],
-    }
-    stale = out["stale_views"]
-    print(
-        f"[colocated] {label}: end to end {out['total_median_s']:.3f} s, receive + "
-        f"load_weights {out['receive_median_s']:.3f} s ({out['receive_median_s'] / limit_s:.2f}x "
-        f"the copy limit), exact={out['exact']} {out['failures'] if not out['exact'] else ''} "
-        f"registered views no longer in the model: {stale[-1] if stale else '?'}",
-        flush=True,
-    )
-    return out
-
-
-def vllm_ipc_baseline(
-    world: World, steps: list[Any], repeats: int, limit_s: float
-) -> dict[str, Any]:
-    """vLLM's `ipc` engine on the same replica and trainer, `repeats` refits after one first
-    use (imports, first mapping of every allocation), after ours."""
-    try:
-        _vllm_ipc_refit(world, steps, 900)
-        refits = [_vllm_ipc_refit(world, steps, 901 + i) for i in range(repeats)]
-    except Exception as exc:  # noqa: BLE001 - the refit rows still stand
-        return {"error": _error_text(exc)}
-    return _vllm_ipc_summary(refits, limit_s, "vLLM ipc engine")
-
-
-def interleaved(
-    world: World, steps: list[Any], repeats: int, limit_s: float
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Ours and vLLM's `ipc` engine refit for refit in turn (after one first use of its
-    engine), so both meet the same host and GPU conditions: its own time moves 53-90 ms
-    between refits of one run (sixteenth session). Returns our row and its summary, with
-    each pair's ratio."""
-    _vllm_ipc_refit(world, steps, 950)
-    results, checks, receiver, theirs = [], [], [], []
-    for i in range(repeats):
-        result, parts, check = _our_refit(world, steps, "ipc interleaved", 960 + 2 * i)
-        results.append(result)
-        receiver.append(parts)
-        checks.append(check)
-        theirs.append(_vllm_ipc_refit(world, steps, 961 + 2 * i))
-    row = _row("ipc interleaved with vLLM's ipc engine", results, checks, receiver)
-    summary = _vllm_ipc_summary(theirs, limit_s, "vLLM ipc engine, interleaved")
-    ratios = [t["total_s"] / r.seconds for t, r in zip(theirs, results, strict=True)]
-    summary["pair_ratios"] = [round(x, 2) for x in ratios]
-    summary["ratio_of_medians"] = summary["total_median_s"] / row["total_median_s"]
-    print(
-        f"[colocated] interleaved: ours {row['total_median_s'] * 1e3:.1f} ms vs vLLM's ipc engine "
-        f"{summary['total_median_s'] * 1e3:.1f} ms = {summary['ratio_of_medians']:.2f}x; per pair "
-        f"{summary['pair_ratios']} (median {statistics.median(ratios):.2f}x)",
-        flush=True,
-    )
-    return row, summary
 
 
 def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -434,17 +187,17 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                 world.configure(same_host_transport=t)
                 # A new group (the backend changed), first touch: watched, so that a refit
                 # that stalls says where.
-                warm = world.refit(args.refit_timeout, _watch(case, f"{t} first refit"))
+                warm = world.refit(args.refit_timeout, watch(case, f"{t} first refit"))
                 print(
                     f"[{case}] {t} first refit: {warm.state} in {warm.seconds:.2f} s {warm.reason}",
                     flush=True,
                 )
                 if warm.state != "COMMITTED":
-                    rows[t].append(_row(f"{t} warm-up", [warm], []))
+                    rows[t].append(make_row(f"{t} warm-up", [warm], []))
                     continue
-                row = _refits(world, steps, t, args.repeats, 10 * (rnd + 1))
+                row = refits(world, steps, t, args.repeats, 10 * (rnd + 1))
                 rows[t].append(row)
-                _print(case, row, limit_s)
+                print_row(case, row, limit_s)
                 # The same replica with one receiver or sender choice changed, asked for.
                 comparisons = (
                     (args.compare_unfused, _unfused, 30),
@@ -456,14 +209,14 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                     if asked:
                         row = compare(world, steps, args.repeats, seed + rnd)
                         rows[t].append(row)
-                        _print(case, row, limit_s)
+                        print_row(case, row, limit_s)
                 for level in args.sleep_level if case == "colocated" else ():
                     if not level:
                         continue
                     label = f"{t} sleep level {level}"
-                    row = _refits(world, steps, label, args.repeats, 50 + 10 * level + rnd, level)
+                    row = refits(world, steps, label, args.repeats, 50 + 10 * level + rnd, level)
                     rows[t].append(row)
-                    _print(case, row, limit_s)
+                    print_row(case, row, limit_s)
         out["rows"] = rows
         out["trainer_extra_mib"] = max(world.trainer_peak_memory()) / MiB
         print(f"[{case}] trainer extra GPU memory {out['trainer_extra_mib']:.0f} MiB", flush=True)
@@ -490,11 +243,11 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                     world, steps, args.interleave, limit_s
                 )
             except Exception as exc:  # noqa: BLE001 - the rows above still stand
-                out["vllm_ipc_interleaved"] = {"error": _error_text(exc)}
+                out["vllm_ipc_interleaved"] = {"error": error_text(exc)}
                 print(f"[{case}] interleaved: {out['vllm_ipc_interleaved']['error']}", flush=True)
             else:
                 rows["ipc"].append(row)
-                _print(case, row, limit_s)
+                print_row(case, row, limit_s)
     if args.fresh_load:  # the world has stopped: its GPU is free for a fresh engine
         out["vs_fresh_load"] = _vs_fresh_load(case, args, snapshot)
     out["wall_s"] = time.monotonic() - started
