@@ -20,20 +20,28 @@ def error_text(exc: Exception) -> str:
 
 def vllm_ipc_refit(world: World, steps: list[Any], seed: int) -> dict[str, Any]:
     """One refit through vLLM's `ipc` engine on the same replica and trainer: an optimizer
-    step, then the trainer hands out one CUDA IPC handle per (whole) tensor and the worker
-    rebuilds them and runs `load_weights` (`worker_probes.vllm_ipc_receive`). End to end:
-    handles asked → worker done; then whether its loader wrote into the parameters or
-    replaced them (the byte compare reads the old memory then) and the byte compare. vLLM
-    0.26's module imports Ray for its trainer side only (`import_without_ray`)."""
+    step, then the trainer hands out one CUDA IPC handle per (whole) tensor, the worker
+    rebuilds them and runs `load_weights` (`worker_probes.vllm_ipc_receive`), and the
+    engine's prefix cache is cleared — what a colocated RL loop must do after loading
+    weights so that no prompt is served from keys and values of the old ones (TRL's GRPO
+    trainer calls `llm.reset_prefix_cache()` there; our refit clears it at its pause). End
+    to end: handles asked → cache cleared; then whether its loader wrote into the parameters
+    or replaced them (the byte compare reads the old memory then) and the byte compare.
+    vLLM 0.26's module imports Ray for its trainer side only (`import_without_ray`)."""
+    from refitplane.testing.refit_world.replica import clear_prefix_cache
     from refitplane.testing.refit_world.worker_probes import stale_views, vllm_ipc_receive
 
     optimizer_step(world, steps, seed)
     started = time.monotonic()
     info = world.ask("trainer-0", ("ipc_handles", None), "ipc_handles")
     seconds = world.ask("replica-0", ("rpc", (vllm_ipc_receive, [info])), "rpc")
+    received = time.monotonic()
+    if not world.ask("replica-0", ("call", (clear_prefix_cache, [])), "call"):
+        raise RuntimeError("vLLM did not clear its prefix cache after its ipc engine's refit")
     total = time.monotonic() - started
     return {
         "total_s": total,
+        "clear_s": total - (received - started),
         "receive_s": max(seconds),
         "handles_s": info["seconds"],
         "stale": world.ask("replica-0", ("rpc", (stale_views, [])), "rpc")[0],
@@ -45,6 +53,7 @@ def vllm_ipc_summary(refits: list[dict[str, Any]], limit_s: float, label: str) -
     out = {
         "total_s": [r["total_s"] for r in refits],
         "receive_s": [r["receive_s"] for r in refits],
+        "clear_s": [r["clear_s"] for r in refits],
         "handles_s": [r["handles_s"] for r in refits],
         "total_median_s": statistics.median(r["total_s"] for r in refits),
         "receive_median_s": statistics.median(r["receive_s"] for r in refits),
@@ -55,7 +64,8 @@ def vllm_ipc_summary(refits: list[dict[str, Any]], limit_s: float, label: str) -
     }
     stale = out["stale_views"]
     print(
-        f"[colocated] {label}: end to end {out['total_median_s']:.3f} s, receive + "
+        f"[colocated] {label}: end to end {out['total_median_s']:.3f} s (of it the prefix "
+        f"cache's clearing {statistics.median(out['clear_s']) * 1e3:.1f} ms), receive + "
         f"load_weights {out['receive_median_s']:.3f} s ({out['receive_median_s'] / limit_s:.2f}x "
         f"the copy limit), exact={out['exact']} {out['failures'] if not out['exact'] else ''} "
         f"registered views no longer in the model: {stale[-1] if stale else '?'}",

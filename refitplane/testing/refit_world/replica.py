@@ -52,6 +52,12 @@ def sleep_engine(llm: Any, level: int) -> bool:
     return offline_is_sleeping(llm)
 
 
+def clear_prefix_cache(llm: Any) -> bool:
+    """Through the replica's "call" command: clear vLLM's prefix cache, as a colocated RL
+    loop does after loading weights through vLLM's own engines; whether vLLM cleared it."""
+    return llm.reset_prefix_cache() is not False
+
+
 def enter_vllm_process(device: str, tp: int, gpus: str) -> None:
     """First thing in a spawned process that starts an offline vLLM: its own process group
     (vLLM's engine core and workers die with it: `stop_process`), the environment vLLM runs
