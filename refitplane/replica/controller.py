@@ -224,7 +224,9 @@ class SidecarMember(NullHandler):
         status = self.control.pause(mode)
         if not succeeded(status):
             raise FailedPrecondition(
-                f"vLLM refused to pause (mode {mode}, HTTP {status}) for refit {cmd.refit_id}"
+                f"vLLM refused to pause (mode {mode}, HTTP {status}) for refit {cmd.refit_id}; "
+                "nothing was received. An offline engine pauses by clearing its prefix cache, "
+                "which fails while it still generates: see the sidecar's log for vLLM's answer"
             )
         self.state.paused = True
         steps.mark("pause")
