@@ -194,11 +194,37 @@ def test_finish_sets_the_version_only_when_every_rank_applied() -> None:
     steps, outcome = _run(
         f.finish_flow("8"), _workers(_status(updates=[_update()]), after=[applied])
     )
-    assert steps == [f.STATUS, f.Rpc("finish_weight_update"), f.STATUS, f.SetVersion("8")]
+    assert steps == [
+        f.STATUS,
+        f.Rpc("finish_weight_update"),
+        f.STATUS,
+        f.CLEAR_PREFIX_CACHE,
+        f.SetVersion("8"),
+    ]
     assert outcome == f.FlowOutcome(unlabeled=False)
     # No version given: the applied update waits for one (update_weight_version).
     _, outcome = _run(f.finish_flow(None), _workers(_status(updates=[_update()]), after=[applied]))
     assert outcome == f.FlowOutcome(unlabeled=True)
+
+
+def test_an_applied_update_whose_prefix_cache_stays_is_not_reported_as_a_version() -> None:
+    """An offline engine's prefix cache that vLLM could not clear (it answers False while
+    requests run) would serve cached prompts from the old weights: no version is set."""
+    applied = _status(session=False, last="applied", applied_sessions=1)
+    workers = _workers(_status(updates=[_update()]), after=[applied])
+
+    def answer(step: f.Step) -> Any:
+        return False if isinstance(step, f.ClearPrefixCache) else workers(step)
+
+    steps, outcome = _run(f.finish_flow("8"), answer)
+    assert f.SetVersion("8") not in steps
+    assert steps[-1] == f.SetVersion(c.INCOMPLETE_VERSION)
+    assert isinstance(outcome, f.EngineFailed)
+    assert "prefix cache" in outcome.message
+    # Nothing applied (a discarded update): nothing to clear.
+    failed = _status(session=False, last="failed")
+    steps, _ = _run(f.finish_flow("9"), _workers(_status(updates=[_update()]), after=[failed]))
+    assert f.CLEAR_PREFIX_CACHE not in steps
 
 
 def test_finish_after_a_failed_rank_discards_everywhere_and_sets_no_version() -> None:

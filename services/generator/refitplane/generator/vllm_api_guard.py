@@ -16,7 +16,8 @@ of `LLM`). For any other backend the wrappers call vLLM's own methods unchanged;
     /finish_weight_update          closes the update on every worker; sets weight_version
                                    only if every rank verified and applied it (else 409 and
                                    the version is unchanged, or "incomplete" if live weights
-                                   were touched)
+                                   were touched); an offline `LLM` first clears its prefix
+                                   cache (it has no /pause that would have)
     /update_weight_version         only for an applied update not versioned yet, the weights
                                    vLLM loaded, or the current version
     /shutdown_weight_transfer_engine  409 during an update
@@ -119,6 +120,8 @@ async def _drive_async(client: Any, flow: flows.Flow) -> None:
                 result = await client.collective_rpc(step.method, kwargs=step.kwargs)
             elif isinstance(step, flows.GetVersion):
                 result = await client.engine_core.get_weight_version_async()
+            elif isinstance(step, flows.ClearPrefixCache):
+                result = None  # the caller's pause cleared it (`ClearPrefixCache`)
             else:
                 await client.engine_core.set_weight_version_async(step.version)
             step = flow.send(result)
@@ -139,6 +142,8 @@ def _drive_sync(client: Any, flow: flows.Flow) -> None:
                 result = engine.collective_rpc(step.method, kwargs=step.kwargs)
             elif isinstance(step, flows.GetVersion):
                 result = engine.get_weight_version()
+            elif isinstance(step, flows.ClearPrefixCache):
+                result = client.reset_prefix_cache()
             else:
                 engine.set_weight_version(step.version)
             step = flow.send(result)

@@ -17,7 +17,8 @@ outcome is read back with a status RPC into the engine (`ENGINE_ATTR`, which nev
 raises), protocol misuse that would make vLLM's own worker code raise is refused before the
 RPC (409), and a version is set only when every worker verified and applied what it
 received. Each flow is a generator of the steps it needs (`Rpc`, `GetVersion`,
-`SetVersion`), so the same logic drives the async server and the offline `LLM`. The
+`SetVersion`, `ClearPrefixCache`), so the same logic drives the async server and the offline
+`LLM`. The
 payloads and statuses they read are `vllm_contract`'s.
 """
 
@@ -109,17 +110,25 @@ class SetVersion:
 
 
 @dataclass(frozen=True)
+class ClearPrefixCache:
+    """The engine's prefix cache cleared, once an update changed the weights; the result is
+    whether it was (`LLM.reset_prefix_cache()`), or None where the caller's pause already
+    did (a server's /pause, `AsyncLLM.pause_generation`: the async driver)."""
+
+
+@dataclass(frozen=True)
 class FlowOutcome:
     # finish: an applied update that no version was set for yet (a later
     # update_weight_version may name it); None: unchanged.
     unlabeled: bool | None = None
 
 
-Step = Rpc | GetVersion | SetVersion
+Step = Rpc | GetVersion | SetVersion | ClearPrefixCache
 # A flow yields steps, is sent each step's result, and returns its outcome.
 Flow = Generator[Step, Any, FlowOutcome]
 STATUS: Final = Rpc(ENGINE_ATTR, {"op": "status"})
 DISCARD: Final = Rpc(ENGINE_ATTR, {"op": "discard"})
+CLEAR_PREFIX_CACHE: Final = ClearPrefixCache()
 
 
 def init_flow(init_info: Any) -> Flow:
@@ -246,6 +255,16 @@ def finish_flow(weight_version: str | None) -> Flow:
             f"{INCOMPLETE_VERSION!r} until an update applies on every rank"
         )
     if all(s["last"] == "applied" for s in after):
+        # The prefix cache holds keys and values computed with the weights just replaced.
+        # An offline `LLM` has no pause that would have cleared it: a prompt sharing a
+        # cached block would be served from the old weights under the new version.
+        if (yield CLEAR_PREFIX_CACHE) is False:
+            yield SetVersion(INCOMPLETE_VERSION)
+            raise EngineFailed(
+                "the update applied, but vLLM could not clear its prefix cache (requests "
+                "still running?): cached prompts would be served from the old weights; "
+                f"weight_version is now {INCOMPLETE_VERSION!r} until an update applies"
+            )
         if weight_version is not None:
             yield SetVersion(weight_version)
             return FlowOutcome(unlabeled=False)
