@@ -14,6 +14,8 @@ from refitplane.testing.refit_world.world import RefitResult, World
 
 
 def check_boxes(world: World, steps: list[Any]) -> dict[str, Any]:
+    """Every live box of the replica against the synthetic weights after `steps`, byte for
+    byte, in its worker (`worker_probes.check_replayed_weights`)."""
     from refitplane.testing.refit_world.worker_probes import check_replayed_weights
 
     reports = world.ask(
