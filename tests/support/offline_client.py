@@ -6,6 +6,8 @@ already started offline instead of a `vllm serve` behind `HTTPVLLMWeightSyncClie
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -27,3 +29,41 @@ class OfflineLLMClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
+
+
+@contextlib.contextmanager
+def vllm_trainer_api(llm: Any, *, job: str, source: Any, draft_source: Any = None) -> Iterator[Any]:
+    """vLLM's own trainer API with the refitplane backend against the offline `llm`:
+    `WeightTransferTrainerFactory.trainer_init(RefitplaneTrainerInitInfo(...),
+    client=OfflineLLMClient(llm), source=source)` for one trainer rank, against a
+    coordinator of its own. Yields the trainer engine (the caller runs `send_weights()`);
+    the engine and the coordinator stop after."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from refitplane.testing.coordinator import ENGINE_WORLD_LEASE_TTL_S, start_coordinator
+    from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
+
+    coordinator = start_coordinator(
+        lease_ttl_s=ENGINE_WORLD_LEASE_TTL_S, transfer_timeout_s=120.0, verify_timeout_s=120.0
+    )
+    try:
+        engine = WeightTransferTrainerFactory.trainer_init(
+            RefitplaneTrainerInitInfo(
+                rank=0,
+                coordinator=coordinator.grpc_target,
+                job=job,
+                replica_id="api",
+                world_size=1,
+                host="127.0.0.1",
+                timeout_s=300.0,
+                draft_source=draft_source,
+            ),
+            client=OfflineLLMClient(llm),
+            source=source,
+        )
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
+    finally:
+        coordinator.stop()

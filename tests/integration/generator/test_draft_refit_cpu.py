@@ -150,42 +150,20 @@ def _sync_through_vllms_trainer_api(llm: Any, c: Checkpoints) -> ApiSync:
     `send_weights()`, one trainer rank holding transformers models of target A and draft A,
     against a coordinator of its own; vLLM's verbs reach the engine through its
     weight-sync client protocol (`tests.support.offline_client`)."""
-    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer import ModuleSource
 
     from refitplane.models.tiny import load_hf_model
-    from refitplane.testing.coordinator import ENGINE_WORLD_LEASE_TTL_S, start_coordinator
-    from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
     from tests.support.fresh_load import kernel_tensors, served_output
-    from tests.support.offline_client import OfflineLLMClient
+    from tests.support.offline_client import vllm_trainer_api
 
     target = load_hf_model(c.served, dtype=DTYPE)
     draft = load_hf_model(c.served_draft, dtype=DTYPE)
-    coordinator = start_coordinator(
-        lease_ttl_s=ENGINE_WORLD_LEASE_TTL_S, transfer_timeout_s=120.0, verify_timeout_s=120.0
-    )
-    try:
-        engine = WeightTransferTrainerFactory.trainer_init(
-            RefitplaneTrainerInitInfo(
-                rank=0,
-                coordinator=coordinator.grpc_target,
-                job="vllm-api-draft",
-                replica_id="api",
-                world_size=1,
-                host="127.0.0.1",
-                timeout_s=300.0,
-                draft_source=ModuleSource(draft),
-            ),
-            client=OfflineLLMClient(llm),
-            source=ModuleSource(target),
-        )
-        try:
-            engine.send_weights()
-            record = engine.last_refit
-            statuses = llm.collective_rpc(_engine_status)
-        finally:
-            engine.shutdown()
-    finally:
-        coordinator.stop()
+    with vllm_trainer_api(
+        llm, job="vllm-api-draft", source=ModuleSource(target), draft_source=ModuleSource(draft)
+    ) as engine:
+        engine.send_weights()
+        record = engine.last_refit
+        statuses = llm.collective_rpc(_engine_status)
     tensors = llm.collective_rpc(kernel_tensors, kwargs={"with_draft": True})
     return ApiSync(record, statuses, tensors, served_output(llm, PROMPT, NEW_TOKENS))
 

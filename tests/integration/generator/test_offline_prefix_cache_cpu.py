@@ -94,40 +94,18 @@ def test_vllms_own_trainer_api_serves_the_new_weights_for_a_cached_prompt(
     """`WeightTransferTrainerFactory.trainer_init(RefitplaneTrainerInitInfo(...),
     client=<the offline LLM>, source=ModuleSource(model))` then `send_weights()`: vLLM's
     verbs reach the engine through the API guard, whose finish clears the cache."""
-    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer import ModuleSource
 
     from refitplane.models.tiny import load_hf_model
-    from refitplane.testing.coordinator import ENGINE_WORLD_LEASE_TTL_S, start_coordinator
-    from refitplane.trainer.vllm_engine import RefitplaneTrainerInitInfo
     from tests.support.fresh_load import differences_from_fresh, kernel_tensors, served_output
-    from tests.support.offline_client import OfflineLLMClient
+    from tests.support.offline_client import vllm_trainer_api
 
     llm, _ = served_a
-    coordinator = start_coordinator(
-        lease_ttl_s=ENGINE_WORLD_LEASE_TTL_S, transfer_timeout_s=120.0, verify_timeout_s=120.0
-    )
-    try:
-        engine = WeightTransferTrainerFactory.trainer_init(
-            RefitplaneTrainerInitInfo(
-                rank=0,
-                coordinator=coordinator.grpc_target,
-                job="vllm-api-prefix-cache",
-                replica_id="api",
-                world_size=1,
-                host="127.0.0.1",
-                timeout_s=300.0,
-            ),
-            client=OfflineLLMClient(llm),
-            source=ModuleSource(load_hf_model(checkpoints.trainer, dtype=DTYPE)),
-        )
-        try:
-            engine.send_weights()
-            assert engine.last_refit is not None, "send_weights returned without a refit"
-            assert engine.last_refit.state.value == "COMMITTED", engine.last_refit.message
-        finally:
-            engine.shutdown()
-    finally:
-        coordinator.stop()
+    source = ModuleSource(load_hf_model(checkpoints.trainer, dtype=DTYPE))
+    with vllm_trainer_api(llm, job="vllm-api-prefix-cache", source=source) as engine:
+        engine.send_weights()
+        assert engine.last_refit is not None, "send_weights returned without a refit"
+        assert engine.last_refit.state.value == "COMMITTED", engine.last_refit.message
     output = served_output(llm, PROMPT, NEW_TOKENS)
     tensors = llm.collective_rpc(kernel_tensors)
     failures = differences_from_fresh(checkpoints.fresh, tensors, output)
