@@ -18,8 +18,7 @@ raises), protocol misuse that would make vLLM's own worker code raise is refused
 RPC (409), and a version is set only when every worker verified and applied what it
 received. Each flow is a generator of the steps it needs (`Rpc`, `GetVersion`,
 `SetVersion`, `ClearPrefixCache`), so the same logic drives the async server and the offline
-`LLM`. The
-payloads and statuses they read are `vllm_contract`'s.
+`LLM`. The payloads and statuses they read are `vllm_contract`'s.
 """
 
 from __future__ import annotations
